@@ -1,0 +1,64 @@
+# kvcache developer entry points. Every target works on a fresh machine:
+# `make install` creates .venv with the build/test tools and the vLLM 0.33.0 oracle.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: install build build-dev test test-rust test-py bench bench-rust bench-py replay lint fmt wheel clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: requirements/dev.txt requirements/oracle.txt requirements/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c requirements/constraints.txt -r requirements/dev.txt -r requirements/oracle.txt
+	$(PY) -m pip install -q --no-deps vllm==0.33.0
+	touch $@
+
+# Optimised build of the extension into .venv (what tests and benchmarks use).
+build: install
+	$(VENV)/bin/maturin develop --release -q
+
+# Faster unoptimised build for iterating.
+build-dev: install
+	$(VENV)/bin/maturin develop -q
+
+wheel: install
+	$(VENV)/bin/maturin build --release -o dist
+
+test: build test-rust test-py
+
+test-rust:
+	cargo test --workspace -q
+
+test-py: build
+	$(PY) -m pytest -q
+
+bench: bench-rust bench-py
+
+bench-rust:
+	cargo bench -p kvcache-core
+
+bench-py: build
+	$(PY) -m pytest bench -q --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,rounds --benchmark-sort=name
+
+# The main job: replay the built-in synthetic multi-turn workload through LRU and ARC.
+replay: build
+	$(PY) -m kvcache replay
+
+lint: install
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -q -- -D warnings
+	$(VENV)/bin/ruff check python tests bench
+	$(VENV)/bin/ruff format --check python tests bench
+
+fmt: install
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests bench
+	$(VENV)/bin/ruff check --fix python tests bench
+
+clean:
+	cargo clean
+	rm -rf $(VENV) dist .pytest_cache .hypothesis .benchmarks

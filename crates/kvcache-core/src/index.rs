@@ -1,0 +1,71 @@
+//! Key → slab index map that stores each key once (in the slab entry) and takes a precomputed
+//! hash, so one hash of a key serves every table it is probed in.
+
+use hashbrown::HashTable;
+
+use crate::key::{Key, KeyHasher};
+use crate::slab::Slab;
+
+/// A slab entry that carries its key.
+pub trait Keyed {
+    fn key(&self) -> &[u8];
+}
+
+/// 4 bytes plus one control byte per slot: the table holds slab indices, not keys.
+#[derive(Default)]
+pub struct KeyIndex {
+    table: HashTable<u32>,
+}
+
+impl KeyIndex {
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.table.capacity()
+    }
+
+    #[inline]
+    pub fn find<T: Keyed>(&self, slab: &Slab<T>, key: Key<'_>) -> Option<u32> {
+        self.table
+            .find(key.hash.0, |&i| slab.get(i).key() == key.bytes)
+            .copied()
+    }
+
+    /// Adds `idx` under `key`; the caller guarantees the key is absent.
+    pub fn insert<T: Keyed>(&mut self, slab: &Slab<T>, hasher: &KeyHasher, key: Key<'_>, idx: u32) {
+        debug_assert!(self.find(slab, key).is_none());
+        // Growing rehashes the stored keys (amortised O(1) per insert).
+        self.table
+            .insert_unique(key.hash.0, idx, |&i| hasher.hash(slab.get(i).key()).0);
+    }
+
+    /// Removes the entry for `key` and returns its slab index.
+    pub fn remove<T: Keyed>(&mut self, slab: &Slab<T>, key: Key<'_>) -> Option<u32> {
+        match self
+            .table
+            .find_entry(key.hash.0, |&i| slab.get(i).key() == key.bytes)
+        {
+            Ok(entry) => Some(entry.remove().0),
+            Err(_) => None,
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.table = HashTable::new();
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.table.iter().copied()
+    }
+
+    /// Bytes allocated by the table (for memory accounting).
+    pub fn allocation_size(&self) -> usize {
+        self.table.allocation_size()
+    }
+}

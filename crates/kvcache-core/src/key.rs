@@ -1,0 +1,151 @@
+//! Cache keys: owned byte strings with inline storage, hashed once per operation.
+//!
+//! vLLM's `OffloadKey` is a block hash followed by a 4-byte big-endian KV-cache group index
+//! (36 bytes with the default 32-byte hashes). Keys of any length work; keys up to
+//! [`INLINE_KEY_BYTES`] bytes live inline in the entry (no allocation, one cache line with the
+//! entry's links), longer ones spill to the heap.
+//!
+//! Hashing uses `foldhash`: it is the hasher `hashbrown` itself defaults to, it hashes a
+//! 36-byte key in a handful of cycles, and its per-process random seed keeps the table safe
+//! against inputs chosen to collide (block hashes come from user prompts).
+
+use std::fmt;
+use std::hash::BuildHasher;
+
+/// Longest key stored without a heap allocation.
+pub const INLINE_KEY_BYTES: usize = 38;
+
+/// An owned cache key. 40 bytes; keys up to [`INLINE_KEY_BYTES`] long are stored inline.
+#[derive(Clone)]
+pub enum KeyBuf {
+    Inline {
+        len: u8,
+        bytes: [u8; INLINE_KEY_BYTES],
+    },
+    Heap(Box<[u8]>),
+}
+
+impl KeyBuf {
+    pub fn new(key: &[u8]) -> Self {
+        if key.len() <= INLINE_KEY_BYTES {
+            let mut bytes = [0u8; INLINE_KEY_BYTES];
+            bytes[..key.len()].copy_from_slice(key);
+            // The length fits: INLINE_KEY_BYTES < 256.
+            KeyBuf::Inline {
+                len: key.len() as u8,
+                bytes,
+            }
+        } else {
+            KeyBuf::Heap(key.into())
+        }
+    }
+
+    #[inline]
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            KeyBuf::Inline { len, bytes } => &bytes[..*len as usize],
+            KeyBuf::Heap(b) => b,
+        }
+    }
+
+    /// Heap bytes owned by this key beyond its inline size (for memory accounting).
+    pub fn heap_bytes(&self) -> usize {
+        match self {
+            KeyBuf::Inline { .. } => 0,
+            KeyBuf::Heap(b) => b.len(),
+        }
+    }
+}
+
+impl PartialEq for KeyBuf {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+impl Eq for KeyBuf {}
+
+impl fmt::Debug for KeyBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Key(")?;
+        for b in self.as_slice() {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, ")")
+    }
+}
+
+/// The hash of a key, computed once and reused by every table the key is looked up in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyHash(pub u64);
+
+/// Seeds key hashing. One per process, so hashes computed by one structure (a manager) can be
+/// reused to probe another (its policy, its access tracker).
+#[derive(Clone)]
+pub struct KeyHasher(foldhash::fast::FixedState);
+
+impl KeyHasher {
+    /// The process-wide hasher (seeded randomly once per process).
+    pub fn global() -> Self {
+        use std::sync::OnceLock;
+        static SEED: OnceLock<u64> = OnceLock::new();
+        let seed = *SEED.get_or_init(|| {
+            use std::hash::{BuildHasher, Hasher};
+            // RandomState draws from the OS once per process.
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u64(0x6b76_6361_6368_65);
+            h.finish()
+        });
+        KeyHasher(foldhash::fast::FixedState::with_seed(seed))
+    }
+
+    #[inline]
+    pub fn hash(&self, key: &[u8]) -> KeyHash {
+        KeyHash(self.0.hash_one(key))
+    }
+}
+
+impl Default for KeyHasher {
+    fn default() -> Self {
+        Self::global()
+    }
+}
+
+/// A borrowed key with its hash: what every lookup takes.
+#[derive(Clone, Copy, Debug)]
+pub struct Key<'a> {
+    pub bytes: &'a [u8],
+    pub hash: KeyHash,
+}
+
+impl<'a> Key<'a> {
+    #[inline]
+    pub fn new(hasher: &KeyHasher, bytes: &'a [u8]) -> Self {
+        Key {
+            bytes,
+            hash: hasher.hash(bytes),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inline_and_heap_round_trip() {
+        for len in [0usize, 1, 36, INLINE_KEY_BYTES, INLINE_KEY_BYTES + 1, 100] {
+            let key: Vec<u8> = (0..len).map(|i| i as u8).collect();
+            let buf = KeyBuf::new(&key);
+            assert_eq!(buf.as_slice(), &key[..]);
+            assert_eq!(matches!(buf, KeyBuf::Heap(_)), len > INLINE_KEY_BYTES);
+        }
+        assert_eq!(std::mem::size_of::<KeyBuf>(), 40);
+    }
+
+    #[test]
+    fn hashing_is_deterministic_within_a_process() {
+        let h = KeyHasher::global();
+        assert_eq!(h.hash(b"abc"), KeyHasher::global().hash(b"abc"));
+        assert_ne!(h.hash(b"abc"), h.hash(b"abd"));
+    }
+}

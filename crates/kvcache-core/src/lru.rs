@@ -1,0 +1,809 @@
+//! LRU with logical recency independent of pinning, decision-identical to vLLM 0.33.0's
+//! `LRUCachePolicy`.
+//!
+//! Every resident key has a rank `(rank, position)`, ordered by `rank` ascending then
+//! `position` descending (vLLM's tuple `(rank, -position)`), ties broken by the key bytes.
+//! `touch` and `on_request_finished` give keys fresh ranks from a counter (the largest rank so
+//! far); a request's `insert`/`on_request_access` give its keys a provisional rank shared by the
+//! whole request (allocated from the same counter when the request is first seen) so that its
+//! tails precede its heads. Eviction takes the smallest ranks among keys marked evictable
+//! (`mark_evictable`, or inserted with `ref_cnt == 0`), skipping protected keys.
+//!
+//! vLLM keeps a lazily invalidated heap. Here every resident key sits on one list kept in rank
+//! order: a fresh rank is always the largest, so those keys append at the tail in O(1). A
+//! request rank `R` gets an *anchor* node appended when `R` is allocated; the request's keys sit
+//! right after it, ordered by position through a small per-request map of position runs
+//! (O(log k) for a request holding k keys). The anchor stays while the request can still rank
+//! keys; its owner releases it ([`LruPolicy::release_request_rank`]) when the request state dies.
+//! Eviction walks the list from the head: O(n + entries skipped). Memory: one slab entry
+//! (40-byte inline key, links, rank, position, flags, chunk handle) plus ~5 bytes of hash table
+//! per key; one anchor and one map per live request.
+
+use std::collections::BTreeMap;
+
+use hashbrown::HashMap;
+
+use crate::chunk::RefCounts;
+use crate::error::{CoreError, CoreResult};
+use crate::eviction::{next_policy_id, Evicted, EvictionPlan, Protected};
+use crate::index::{KeyIndex, Keyed};
+use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::slab::{Linked, Links, List, Slab, NIL};
+
+/// A request's provisional rank, valid for one cache generation (until `clear`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RequestRank {
+    pub generation: u64,
+    pub rank: u64,
+}
+
+/// Where `insert` ranks a new key.
+#[derive(Clone, Copy, Debug)]
+pub enum InsertRank {
+    /// No token position known: a fresh rank (most recent).
+    Fresh,
+    /// The storing request's rank, at the key's token position.
+    Request(RequestRank, i64),
+}
+
+const ANCHOR: u8 = 1;
+const IN_GROUP: u8 = 2;
+const EVICTABLE: u8 = 4;
+
+pub struct LruEntry<C> {
+    key: KeyBuf,
+    links: Links,
+    rank: u64,
+    pos: i64,
+    flags: u8,
+    /// `None` only for anchors.
+    chunk: Option<C>,
+}
+
+impl<C> LruEntry<C> {
+    #[inline]
+    fn has(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
+}
+
+impl<C> Linked for LruEntry<C> {
+    #[inline]
+    fn links(&self) -> &Links {
+        &self.links
+    }
+    #[inline]
+    fn links_mut(&mut self) -> &mut Links {
+        &mut self.links
+    }
+}
+
+impl<C> Keyed for LruEntry<C> {
+    #[inline]
+    fn key(&self) -> &[u8] {
+        self.key.as_slice()
+    }
+}
+
+/// Consecutive members of a group sharing one position.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    first: u32,
+    last: u32,
+}
+
+/// The keys ranked by one request, contiguous on the list right after `anchor`.
+struct Group {
+    anchor: u32,
+    /// Position → run; the list holds runs in descending position order.
+    runs: BTreeMap<i64, Run>,
+    /// False once the request state is gone: no key can join any more.
+    alive: bool,
+}
+
+/// One resident key as reported by [`LruPolicy::entries`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankedEntry<'a> {
+    pub key: &'a [u8],
+    pub rank: u64,
+    pub position: i64,
+    pub evictable: bool,
+}
+
+pub struct LruPolicy<C> {
+    capacity: usize,
+    slab: Slab<LruEntry<C>>,
+    index: KeyIndex,
+    order: List,
+    groups: HashMap<u64, Group, foldhash::fast::FixedState>,
+    next_rank: u64,
+    generation: u64,
+    hasher: KeyHasher,
+    epoch: u64,
+    id: u64,
+}
+
+impl<C> LruPolicy<C> {
+    pub fn new(capacity: usize) -> Self {
+        LruPolicy {
+            capacity,
+            slab: Slab::default(),
+            index: KeyIndex::default(),
+            order: List::default(),
+            groups: HashMap::default(),
+            next_rank: 0,
+            generation: 0,
+            hasher: KeyHasher::global(),
+            epoch: 0,
+            id: next_policy_id(),
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn hasher(&self) -> &KeyHasher {
+        &self.hasher
+    }
+
+    #[inline]
+    pub fn key<'a>(&self, bytes: &'a [u8]) -> Key<'a> {
+        Key::new(&self.hasher, bytes)
+    }
+
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Live request groups (anchors on the list).
+    pub fn num_request_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    #[inline]
+    pub fn get(&self, key: Key<'_>) -> Option<&C> {
+        let idx = self.index.find(&self.slab, key)?;
+        self.slab.get(idx).chunk.as_ref()
+    }
+
+    pub fn is_evictable(&self, key: Key<'_>) -> Option<bool> {
+        self.index
+            .find(&self.slab, key)
+            .map(|i| self.slab.get(i).has(EVICTABLE))
+    }
+
+    /// Resident keys in eviction order (ascending rank), evictable or not.
+    pub fn entries(&self) -> impl Iterator<Item = RankedEntry<'_>> + '_ {
+        self.order.iter(&self.slab).filter_map(move |i| {
+            let e = self.slab.get(i);
+            (!e.has(ANCHOR)).then_some(RankedEntry {
+                key: e.key(),
+                rank: e.rank,
+                position: e.pos,
+                evictable: e.has(EVICTABLE),
+            })
+        })
+    }
+
+    /// Resident chunks with their keys, in eviction order.
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &C)> + '_ {
+        self.order.iter(&self.slab).filter_map(move |i| {
+            let e = self.slab.get(i);
+            e.chunk.as_ref().map(|c| (e.key(), c))
+        })
+    }
+
+    #[inline]
+    fn bump(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1);
+    }
+
+    /// The request's rank for this generation, allocating one (and its anchor) if `current` is
+    /// missing or from before the last `clear`. Allocation consumes a rank exactly where vLLM's
+    /// `_get_request_rank` does, so rank numbers match vLLM's.
+    pub fn request_rank(&mut self, current: Option<RequestRank>) -> RequestRank {
+        if let Some(rr) = current {
+            if rr.generation == self.generation && self.groups.contains_key(&rr.rank) {
+                return rr;
+            }
+        }
+        self.bump();
+        self.next_rank += 1;
+        let rank = self.next_rank;
+        let anchor = self.slab.insert(LruEntry {
+            key: KeyBuf::new(&[]),
+            links: Links::default(),
+            rank,
+            pos: 0,
+            flags: ANCHOR,
+            chunk: None,
+        });
+        self.order.push_back(&mut self.slab, anchor);
+        self.groups.insert(
+            rank,
+            Group {
+                anchor,
+                runs: BTreeMap::new(),
+                alive: true,
+            },
+        );
+        RequestRank {
+            generation: self.generation,
+            rank,
+        }
+    }
+
+    /// The request that owned `rr` is gone: no key can join its group any more, so its anchor
+    /// can go once the group is empty.
+    pub fn release_request_rank(&mut self, rr: RequestRank) {
+        if rr.generation != self.generation {
+            return;
+        }
+        let Some(group) = self.groups.get_mut(&rr.rank) else {
+            return;
+        };
+        group.alive = false;
+        if group.runs.is_empty() {
+            self.bump();
+            self.drop_group(rr.rank);
+        }
+    }
+
+    fn drop_group(&mut self, rank: u64) {
+        let group = self.groups.remove(&rank).expect("group exists");
+        self.order.unlink(&mut self.slab, group.anchor);
+        self.slab.remove(group.anchor);
+    }
+
+    /// Takes `idx` off the list (and out of its group).
+    fn detach(&mut self, idx: u32) {
+        let e = self.slab.get(idx);
+        if e.has(IN_GROUP) {
+            let (rank, pos) = (e.rank, e.pos);
+            let Links { prev, next } = e.links;
+            let group = self
+                .groups
+                .get_mut(&rank)
+                .expect("grouped entry has a group");
+            let run = group.runs.get_mut(&pos).expect("grouped entry has a run");
+            match (run.first == idx, run.last == idx) {
+                (true, true) => {
+                    group.runs.remove(&pos);
+                }
+                (true, false) => run.first = next,
+                (false, true) => run.last = prev,
+                (false, false) => {}
+            }
+            let drop_group = group.runs.is_empty() && !group.alive;
+            self.slab.get_mut(idx).flags &= !IN_GROUP;
+            self.order.unlink(&mut self.slab, idx);
+            if drop_group {
+                self.drop_group(rank);
+            }
+        } else {
+            self.order.unlink(&mut self.slab, idx);
+        }
+    }
+
+    /// Gives `idx` (detached) the next fresh rank: the tail of the list.
+    fn attach_fresh(&mut self, idx: u32) {
+        self.next_rank += 1;
+        let e = self.slab.get_mut(idx);
+        e.rank = self.next_rank;
+        e.pos = 0;
+        self.order.push_back(&mut self.slab, idx);
+    }
+
+    /// Puts `idx` (detached) into group `rank` at `pos`, keeping the group sorted by
+    /// (position descending, key ascending).
+    fn attach_to_group(&mut self, idx: u32, rank: u64, pos: i64) {
+        {
+            let e = self.slab.get_mut(idx);
+            e.rank = rank;
+            e.pos = pos;
+            e.flags |= IN_GROUP;
+        }
+        let group = self.groups.get(&rank).expect("request rank has a group");
+        if let Some(run) = group.runs.get(&pos).copied() {
+            // Same position (keys of several KV-cache groups): order by key bytes.
+            let mut cur = run.first;
+            loop {
+                if self.slab.get(cur).key() > self.slab.get(idx).key() {
+                    self.order.insert_before(&mut self.slab, cur, idx);
+                    if cur == run.first {
+                        self.group_run(rank, pos).first = idx;
+                    }
+                    return;
+                }
+                if cur == run.last {
+                    self.order.insert_after(&mut self.slab, cur, idx);
+                    self.group_run(rank, pos).last = idx;
+                    return;
+                }
+                cur = self.slab.get(cur).links.next;
+            }
+        }
+        let before = group.runs.range(..pos).next_back().map(|(_, r)| r.first);
+        let after = group.runs.range(pos..).next().map(|(_, r)| r.last);
+        match (before, after) {
+            (Some(successor), _) => self.order.insert_before(&mut self.slab, successor, idx),
+            (None, Some(predecessor)) => self.order.insert_after(&mut self.slab, predecessor, idx),
+            (None, None) => {
+                let anchor = group.anchor;
+                self.order.insert_after(&mut self.slab, anchor, idx);
+            }
+        }
+        let group = self
+            .groups
+            .get_mut(&rank)
+            .expect("request rank has a group");
+        group.runs.insert(
+            pos,
+            Run {
+                first: idx,
+                last: idx,
+            },
+        );
+    }
+
+    fn group_run(&mut self, rank: u64, pos: i64) -> &mut Run {
+        let group = self.groups.get_mut(&rank).expect("group exists");
+        group.runs.get_mut(&pos).expect("run exists")
+    }
+
+    fn check_request_rank(&self, rr: RequestRank) -> CoreResult<()> {
+        if rr.generation == self.generation && self.groups.contains_key(&rr.rank) {
+            Ok(())
+        } else {
+            Err(CoreError::InvalidArgument(
+                "request rank is stale (released or cleared)".into(),
+            ))
+        }
+    }
+
+    /// Adds a new chunk. `evictable` is whether its `ref_cnt` is 0 now.
+    pub fn insert(
+        &mut self,
+        key: Key<'_>,
+        chunk: C,
+        rank: InsertRank,
+        evictable: bool,
+    ) -> CoreResult<()> {
+        if self.index.find(&self.slab, key).is_some() {
+            return Err(CoreError::DuplicateKey);
+        }
+        if let InsertRank::Request(rr, _) = rank {
+            self.check_request_rank(rr)?;
+        }
+        self.bump();
+        let idx = self.slab.insert(LruEntry {
+            key: KeyBuf::new(key.bytes),
+            links: Links::default(),
+            rank: 0,
+            pos: 0,
+            flags: if evictable { EVICTABLE } else { 0 },
+            chunk: Some(chunk),
+        });
+        self.index.insert(&self.slab, &self.hasher, key, idx);
+        match rank {
+            InsertRank::Fresh => self.attach_fresh(idx),
+            InsertRank::Request(rr, pos) => self.attach_to_group(idx, rr.rank, pos),
+        }
+        Ok(())
+    }
+
+    pub fn remove(&mut self, key: Key<'_>) -> CoreResult<C> {
+        let idx = self
+            .index
+            .find(&self.slab, key)
+            .ok_or(CoreError::KeyNotFound)?;
+        self.bump();
+        Ok(self.delete(idx).chunk.expect("resident entry has a chunk"))
+    }
+
+    fn delete(&mut self, idx: u32) -> LruEntry<C> {
+        self.detach(idx);
+        let removed = self
+            .index
+            .remove(&self.slab, Key::new(&self.hasher, self.slab.get(idx).key()));
+        debug_assert_eq!(removed, Some(idx));
+        self.slab.remove(idx)
+    }
+
+    /// Fresh ranks for the resident keys, from the last key to the first (so the first key
+    /// ends most recent). Serves `touch` and `on_request_finished` (given the request's keys in
+    /// head-to-tail order).
+    pub fn touch(&mut self, keys: &[Key<'_>]) {
+        self.bump();
+        for &key in keys.iter().rev() {
+            if let Some(idx) = self.index.find(&self.slab, key) {
+                self.detach(idx);
+                self.attach_fresh(idx);
+            }
+        }
+    }
+
+    /// A request observed `keys` (with their token positions): resident keys whose rank is
+    /// older than `(rank, -position)` join the request's group.
+    pub fn on_request_access(
+        &mut self,
+        rr: RequestRank,
+        keys: &[(Key<'_>, Option<i64>)],
+    ) -> CoreResult<()> {
+        self.check_request_rank(rr)?;
+        self.bump();
+        for &(key, pos) in keys {
+            let Some(pos) = pos else { continue };
+            let Some(idx) = self.index.find(&self.slab, key) else {
+                continue;
+            };
+            let e = self.slab.get(idx);
+            // vLLM: skip when (cur_rank, -cur_pos) >= (rank, -pos).
+            if e.rank > rr.rank || (e.rank == rr.rank && e.pos <= pos) {
+                continue;
+            }
+            self.detach(idx);
+            self.attach_to_group(idx, rr.rank, pos);
+        }
+        Ok(())
+    }
+
+    pub fn mark_evictable(&mut self, key: Key<'_>) -> CoreResult<()> {
+        let idx = self
+            .index
+            .find(&self.slab, key)
+            .ok_or(CoreError::KeyNotFound)?;
+        self.bump();
+        self.slab.get_mut(idx).flags |= EVICTABLE;
+        Ok(())
+    }
+
+    pub fn mark_non_evictable(&mut self, key: Key<'_>) -> CoreResult<()> {
+        let idx = self
+            .index
+            .find(&self.slab, key)
+            .ok_or(CoreError::KeyNotFound)?;
+        if !self.slab.get(idx).has(EVICTABLE) {
+            return Err(CoreError::NotEvictable);
+        }
+        self.bump();
+        self.slab.get_mut(idx).flags &= !EVICTABLE;
+        Ok(())
+    }
+
+    /// Resolves keys to the entries an eviction must skip (non-resident keys are ignored).
+    pub fn protect<'k>(&self, keys: impl IntoIterator<Item = Key<'k>>) -> Protected {
+        let keys = keys.into_iter();
+        let mut protected = Protected::with_capacity(keys.size_hint().0);
+        for key in keys {
+            if let Some(idx) = self.index.find(&self.slab, key) {
+                protected.insert(idx);
+            }
+        }
+        protected
+    }
+
+    /// The `n` evictable, idle, unprotected keys of smallest rank, or `None` if there are fewer.
+    /// An entry marked evictable whose `ref_cnt` is not 0 is skipped (vLLM would assert).
+    pub fn plan_eviction(
+        &self,
+        n: usize,
+        protected: &Protected,
+        counts: &impl RefCounts<C>,
+    ) -> Option<EvictionPlan> {
+        let mut victims = Vec::with_capacity(n);
+        let mut cur = self.order.head();
+        while victims.len() < n {
+            if cur == NIL {
+                return None;
+            }
+            let e = self.slab.get(cur);
+            if e.has(EVICTABLE) && !protected.contains(cur) {
+                if let Some(chunk) = &e.chunk {
+                    if counts.ref_cnt(chunk) == 0 {
+                        victims.push(cur);
+                    }
+                }
+            }
+            cur = e.links.next;
+        }
+        Some(EvictionPlan {
+            victims,
+            epoch: self.epoch,
+            policy_id: self.id,
+        })
+    }
+
+    pub fn commit_eviction(&mut self, plan: EvictionPlan) -> CoreResult<Vec<Evicted<C>>> {
+        if plan.epoch != self.epoch || plan.policy_id != self.id {
+            return Err(CoreError::StalePlan);
+        }
+        self.bump();
+        let mut evicted = Vec::with_capacity(plan.victims.len());
+        for idx in plan.victims {
+            let entry = self.delete(idx);
+            evicted.push(Evicted {
+                key: entry.key,
+                chunk: entry.chunk.expect("victims are resident"),
+            });
+        }
+        Ok(evicted)
+    }
+
+    /// `plan_eviction` + `commit_eviction`: exactly `n` victims, or `None` and no change.
+    pub fn evict(
+        &mut self,
+        n: usize,
+        protected: &Protected,
+        counts: &impl RefCounts<C>,
+    ) -> Option<Vec<Evicted<C>>> {
+        let plan = self.plan_eviction(n, protected, counts)?;
+        Some(
+            self.commit_eviction(plan)
+                .expect("a fresh plan is never stale"),
+        )
+    }
+
+    /// Forgets every key and request rank; ranks restart, and request ranks handed out before
+    /// become stale.
+    pub fn clear(&mut self) {
+        self.bump();
+        self.slab.clear();
+        self.index.clear();
+        self.order.clear();
+        self.groups.clear();
+        self.next_rank = 0;
+        self.generation += 1;
+    }
+
+    /// Heap bytes held by the policy's own structures (slab, table, groups, spilled keys).
+    pub fn heap_bytes(&self) -> usize {
+        let spilled: usize = self.slab.iter().map(|(_, e)| e.key.heap_bytes()).sum();
+        let runs: usize = self.groups.values().map(|g| g.runs.len() * 48).sum();
+        self.slab.allocation_size()
+            + self.index.allocation_size()
+            + self.groups.allocation_size()
+            + runs
+            + spilled
+    }
+
+    /// Checks every structural invariant; `Err` names the first one broken.
+    #[cfg(any(test, fuzzing, feature = "validate"))]
+    pub fn validate(&self) -> Result<(), String> {
+        let order = self.order.validate(&self.slab)?;
+        if order.len() != self.slab.len() {
+            return Err(format!(
+                "list holds {} nodes, slab {}",
+                order.len(),
+                self.slab.len()
+            ));
+        }
+        // Sort key of a node: anchors sort before their members.
+        let sort_key = |i: u32| {
+            let e = self.slab.get(i);
+            let member = if e.has(ANCHOR) {
+                None
+            } else {
+                Some((std::cmp::Reverse(e.pos), e.key()))
+            };
+            (e.rank, member)
+        };
+        for pair in order.windows(2) {
+            if sort_key(pair[0]) >= sort_key(pair[1]) {
+                return Err(format!(
+                    "list out of rank order at nodes {} and {}",
+                    pair[0], pair[1]
+                ));
+            }
+        }
+        let mut anchors = 0;
+        let mut grouped = 0usize;
+        for &i in &order {
+            let e = self.slab.get(i);
+            if e.rank > self.next_rank {
+                return Err(format!(
+                    "rank {} beyond the counter {}",
+                    e.rank, self.next_rank
+                ));
+            }
+            if e.has(ANCHOR) {
+                anchors += 1;
+                let group = self.groups.get(&e.rank).ok_or("anchor without a group")?;
+                if group.anchor != i {
+                    return Err("group points at another anchor".into());
+                }
+                if e.chunk.is_some() || e.has(EVICTABLE) || e.has(IN_GROUP) {
+                    return Err("anchor with entry state".into());
+                }
+                continue;
+            }
+            if e.chunk.is_none() {
+                return Err(format!("{:?} has no chunk", e.key));
+            }
+            if self.index.find(&self.slab, Key::new(&self.hasher, e.key())) != Some(i) {
+                return Err(format!("{:?} is not indexed at its slot", e.key));
+            }
+            if e.has(IN_GROUP) {
+                grouped += 1;
+                let group = self
+                    .groups
+                    .get(&e.rank)
+                    .ok_or("grouped entry without a group")?;
+                if !group.runs.contains_key(&e.pos) {
+                    return Err("grouped entry without a run".into());
+                }
+            } else if self.groups.contains_key(&e.rank) {
+                return Err("fresh entry shares a request rank".into());
+            }
+        }
+        if anchors != self.groups.len() {
+            return Err(format!(
+                "{anchors} anchors for {} groups",
+                self.groups.len()
+            ));
+        }
+        let mut run_members = 0usize;
+        for (&rank, group) in &self.groups {
+            if !group.alive && group.runs.is_empty() {
+                return Err(format!("dead empty group {rank} kept"));
+            }
+            // Members follow the anchor, runs in descending position order, each contiguous.
+            let mut cur = self.slab.get(group.anchor).links.next;
+            for (&pos, run) in group.runs.iter().rev() {
+                if cur != run.first {
+                    return Err(format!(
+                        "group {rank}: run {pos} does not start where expected"
+                    ));
+                }
+                loop {
+                    let e = self.slab.get(cur);
+                    if !e.has(IN_GROUP) || e.rank != rank || e.pos != pos {
+                        return Err(format!("group {rank}: run {pos} holds a foreign node"));
+                    }
+                    run_members += 1;
+                    if cur == run.last {
+                        break;
+                    }
+                    cur = e.links.next;
+                }
+                cur = self.slab.get(cur).links.next;
+            }
+        }
+        if run_members != grouped {
+            return Err(format!("{grouped} grouped entries, {run_members} in runs"));
+        }
+        if self.index.len() + anchors != self.slab.len() {
+            return Err("index and slab disagree".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chunk::{SelfCounted, TestChunk};
+
+    fn order(p: &LruPolicy<TestChunk>) -> Vec<Vec<u8>> {
+        p.entries().map(|e| e.key.to_vec()).collect()
+    }
+
+    fn evict(p: &mut LruPolicy<TestChunk>, n: usize) -> Option<Vec<Vec<u8>>> {
+        let out = p.evict(n, &Protected::new(), &SelfCounted)?;
+        Some(out.into_iter().map(|e| e.key.as_slice().to_vec()).collect())
+    }
+
+    #[test]
+    fn request_ranks_order_tails_before_heads_and_precede_later_touches() {
+        let mut p = LruPolicy::new(8);
+        let rr = p.request_rank(None);
+        // A request stores blocks at positions 16, 32, 48 ...
+        for (k, pos) in [(b"h", 16), (b"m", 32), (b"t", 48)] {
+            p.insert(
+                p.key(k),
+                TestChunk::new(0, 0),
+                InsertRank::Request(rr, pos),
+                true,
+            )
+            .unwrap();
+        }
+        // ... then another key is touched (a fresh, larger rank).
+        p.insert(p.key(b"x"), TestChunk::new(1, 0), InsertRank::Fresh, true)
+            .unwrap();
+        assert_eq!(
+            order(&p),
+            [b"t".to_vec(), b"m".to_vec(), b"h".to_vec(), b"x".to_vec()]
+        );
+        // Later keys of the same request still go before "x".
+        p.insert(
+            p.key(b"u"),
+            TestChunk::new(2, 0),
+            InsertRank::Request(rr, 64),
+            true,
+        )
+        .unwrap();
+        assert_eq!(order(&p)[0], b"u".to_vec());
+        p.validate().unwrap();
+        assert_eq!(evict(&mut p, 2).unwrap(), [b"u".to_vec(), b"t".to_vec()]);
+        p.validate().unwrap();
+    }
+
+    #[test]
+    fn equal_positions_tie_on_key_bytes() {
+        let mut p = LruPolicy::new(8);
+        let rr = p.request_rank(None);
+        for k in [b"b1", b"a1", b"c1"] {
+            p.insert(
+                p.key(k),
+                TestChunk::new(0, 0),
+                InsertRank::Request(rr, 7),
+                true,
+            )
+            .unwrap();
+        }
+        assert_eq!(order(&p), [b"a1".to_vec(), b"b1".to_vec(), b"c1".to_vec()]);
+        p.validate().unwrap();
+    }
+
+    #[test]
+    fn pinned_entries_keep_their_rank() {
+        let mut p = LruPolicy::new(8);
+        for k in [b"a", b"b", b"c"] {
+            p.insert(p.key(k), TestChunk::new(0, 0), InsertRank::Fresh, true)
+                .unwrap();
+        }
+        p.mark_non_evictable(p.key(b"a")).unwrap();
+        assert_eq!(
+            p.mark_non_evictable(p.key(b"a")),
+            Err(CoreError::NotEvictable)
+        );
+        assert_eq!(evict(&mut p, 1).unwrap(), [b"b".to_vec()]);
+        p.mark_evictable(p.key(b"a")).unwrap();
+        assert_eq!(evict(&mut p, 1).unwrap(), [b"a".to_vec()]);
+        assert!(evict(&mut p, 2).is_none());
+        assert_eq!(order(&p), [b"c".to_vec()]);
+    }
+
+    #[test]
+    fn released_groups_drop_their_anchor_once_empty() {
+        let mut p = LruPolicy::new(8);
+        let rr = p.request_rank(None);
+        p.insert(
+            p.key(b"a"),
+            TestChunk::new(0, 0),
+            InsertRank::Request(rr, 1),
+            true,
+        )
+        .unwrap();
+        p.release_request_rank(rr);
+        assert_eq!(
+            p.num_request_groups(),
+            1,
+            "a non-empty group keeps its anchor"
+        );
+        p.touch(&[p.key(b"a")]);
+        assert_eq!(p.num_request_groups(), 0);
+        p.validate().unwrap();
+        let rr2 = p.request_rank(None);
+        p.release_request_rank(rr2);
+        assert_eq!(p.num_request_groups(), 0);
+        p.clear();
+        assert!(p
+            .insert(
+                p.key(b"z"),
+                TestChunk::new(0, 0),
+                InsertRank::Request(rr, 1),
+                true
+            )
+            .is_err());
+    }
+}
