@@ -16,6 +16,7 @@ pub mod arc;
 pub mod chunk;
 pub mod error;
 pub mod eviction;
+pub mod host;
 pub mod index;
 pub mod key;
 pub mod lru;

@@ -1,0 +1,1 @@
+//! Host memory for offloaded chunks (issue: host chunk pool). Placeholder until implemented.
