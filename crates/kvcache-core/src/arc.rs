@@ -185,7 +185,7 @@ impl<C> ArcPolicy<C> {
     /// Adds a new chunk at the MRU end of T1, forgetting any ghost of the key.
     pub fn insert(&mut self, key: Key<'_>, chunk: C) -> CoreResult<()> {
         match self.index.find(&self.slab, key) {
-            Some(idx) if self.slab.get(idx).list.is_resident() => Err(CoreError::DuplicateKey),
+            Some(idx) if self.slab.get(idx).list.is_resident() => Err(CoreError::DuplicateKey(KeyBuf::new(key.bytes))),
             Some(idx) => {
                 self.bump();
                 self.slab.get_mut(idx).chunk = Some(chunk);
@@ -212,10 +212,10 @@ impl<C> ArcPolicy<C> {
         let idx = self
             .index
             .find(&self.slab, key)
-            .ok_or(CoreError::KeyNotFound)?;
+            .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
         let list = self.slab.get(idx).list;
         if !list.is_resident() {
-            return Err(CoreError::KeyNotFound);
+            return Err(CoreError::KeyNotFound(KeyBuf::new(key.bytes)));
         }
         self.bump();
         Ok(self
@@ -236,7 +236,7 @@ impl<C> ArcPolicy<C> {
     /// Whether `key` is resident; an error otherwise (ARC keeps no evictable flag: `mark_*`
     /// only check the key exists).
     pub fn check_resident(&self, key: Key<'_>) -> CoreResult<()> {
-        self.get(key).map(|_| ()).ok_or(CoreError::KeyNotFound)
+        self.get(key).map(|_| ()).ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))
     }
 
     /// Moves `target_t1_size` on a ghost hit and refreshes the ghost; false if not a ghost.

@@ -3,14 +3,16 @@
 
 use std::fmt;
 
+use crate::key::KeyBuf;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CoreError {
     /// The key is not resident (remove, mark_*), or not known to the manager.
-    KeyNotFound,
+    KeyNotFound(KeyBuf),
     /// `insert` of a key that is already resident.
-    DuplicateKey,
+    DuplicateKey(KeyBuf),
     /// `mark_non_evictable` of a key that is not currently evictable.
-    NotEvictable,
+    NotEvictable(KeyBuf),
     /// An eviction plan was committed after the policy changed since it was made.
     StalePlan,
     /// An argument outside its domain (the message says which).
@@ -22,9 +24,9 @@ pub enum CoreError {
 impl fmt::Display for CoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            CoreError::KeyNotFound => write!(f, "key not found"),
-            CoreError::DuplicateKey => write!(f, "key is already present"),
-            CoreError::NotEvictable => write!(f, "key is not evictable"),
+            CoreError::KeyNotFound(k) => write!(f, "key not found: {k:?}"),
+            CoreError::DuplicateKey(k) => write!(f, "key is already present: {k:?}"),
+            CoreError::NotEvictable(k) => write!(f, "key is not evictable: {k:?}"),
             CoreError::StalePlan => write!(
                 f,
                 "eviction plan is stale: the policy changed since it was made"

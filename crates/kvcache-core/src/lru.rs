@@ -379,7 +379,7 @@ impl<C> LruPolicy<C> {
         evictable: bool,
     ) -> CoreResult<()> {
         if self.index.find(&self.slab, key).is_some() {
-            return Err(CoreError::DuplicateKey);
+            return Err(CoreError::DuplicateKey(KeyBuf::new(key.bytes)));
         }
         if let InsertRank::Request(rr, _) = rank {
             self.check_request_rank(rr)?;
@@ -405,7 +405,7 @@ impl<C> LruPolicy<C> {
         let idx = self
             .index
             .find(&self.slab, key)
-            .ok_or(CoreError::KeyNotFound)?;
+            .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
         self.bump();
         Ok(self.delete(idx).chunk.expect("resident entry has a chunk"))
     }
@@ -461,7 +461,7 @@ impl<C> LruPolicy<C> {
         let idx = self
             .index
             .find(&self.slab, key)
-            .ok_or(CoreError::KeyNotFound)?;
+            .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
         self.bump();
         self.slab.get_mut(idx).flags |= EVICTABLE;
         Ok(())
@@ -471,9 +471,9 @@ impl<C> LruPolicy<C> {
         let idx = self
             .index
             .find(&self.slab, key)
-            .ok_or(CoreError::KeyNotFound)?;
+            .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
         if !self.slab.get(idx).has(EVICTABLE) {
-            return Err(CoreError::NotEvictable);
+            return Err(CoreError::NotEvictable(KeyBuf::new(key.bytes)));
         }
         self.bump();
         self.slab.get_mut(idx).flags &= !EVICTABLE;
@@ -764,7 +764,7 @@ mod tests {
         p.mark_non_evictable(p.key(b"a")).unwrap();
         assert_eq!(
             p.mark_non_evictable(p.key(b"a")),
-            Err(CoreError::NotEvictable)
+            Err(CoreError::NotEvictable(KeyBuf::new(b"a")))
         );
         assert_eq!(evict(&mut p, 1).unwrap(), [b"b".to_vec()]);
         p.mark_evictable(p.key(b"a")).unwrap();

@@ -1,1 +1,29 @@
+//! `kvcache._core`: the Python bindings of kvcache-core.
+//!
+//! Conversions live in [`conversion`], errors in [`errors`] and [`exceptions`]; this file only
+//! assembles the module. The module relies on the GIL (see the `SAFETY` notes in [`chunk`]), so
+//! it is built for the stable ABI of GIL builds (abi3, CPython ≥ 3.11).
 
+use pyo3::prelude::*;
+
+mod chunk;
+mod conversion;
+mod errors;
+mod exceptions;
+mod policy;
+mod request_state;
+mod transfer;
+
+#[pymodule(gil_used = true)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<chunk::ChunkStatus>()?;
+    m.add_class::<policy::BaseCachePolicy>()?;
+    m.add_class::<policy::LruCachePolicy>()?;
+    m.add_class::<policy::ArcCachePolicy>()?;
+    m.add_class::<request_state::RequestRanks>()?;
+    m.add_function(wrap_pyfunction!(policy::order_request_keys_py, m)?)?;
+    exceptions::register(m)?;
+    transfer::register(m)?;
+    Ok(())
+}

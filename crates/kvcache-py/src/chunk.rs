@@ -1,0 +1,267 @@
+//! `kvcache.ChunkStatus` and the chunk handles policies keep.
+//!
+//! vLLM's manager creates a ctypes `ChunkStatus` per stored chunk and mutates its `ref_cnt` in
+//! place on whatever object the policy's `get()` returned. Our policies must therefore keep the
+//! very object they were given, and must read `ref_cnt` while choosing victims without calling
+//! into Python per entry. Both chunk types expose the same 16 bytes (int32 `ref_cnt` at offset
+//! 0, int64 `chunk_id` at offset 8): ours holds them inline, a foreign object through the buffer
+//! protocol, and a policy reads the count straight from that memory.
+
+use std::ffi::{c_int, CStr};
+use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicI32, AtomicI64, Ordering};
+
+use kvcache_core::HasRefCnt;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::exceptions::{exceptions, new_err};
+
+/// Layout of vLLM's ctypes `ChunkStatus`. Atomics give interior mutability with the layout of
+/// plain integers: Python writes through exported buffers, Rust reads through `&self`.
+#[repr(C)]
+pub struct RawChunkStatus {
+    pub ref_cnt: AtomicI32,
+    _pad: AtomicI32,
+    pub chunk_id: AtomicI64,
+}
+
+const _: () = assert!(std::mem::size_of::<RawChunkStatus>() == CHUNK_STATUS_BYTES);
+
+pub const CHUNK_STATUS_BYTES: usize = 16;
+
+/// PEP 3118 format of one record: int32 `ref_cnt`, 4 pad bytes, int64 `chunk_id`
+/// (little-endian, as on every platform vLLM runs on). numpy turns it into a structured dtype.
+pub const CHUNK_STATUS_FORMAT: &CStr = c"T{<i:ref_cnt:4x<q:chunk_id:}";
+
+impl RawChunkStatus {
+    pub fn new(chunk_id: i64, ref_cnt: i32) -> Self {
+        RawChunkStatus {
+            ref_cnt: AtomicI32::new(ref_cnt),
+            _pad: AtomicI32::new(0),
+            chunk_id: AtomicI64::new(chunk_id),
+        }
+    }
+}
+
+/// Offloading status of one chunk: `ref_cnt` (−1 while the store is pending, else the number
+/// of loads reading it) and `chunk_id` (its slot in host memory).
+#[pyclass(name = "ChunkStatus", module = "kvcache._core", frozen)]
+pub struct ChunkStatus {
+    raw: RawChunkStatus,
+}
+
+#[pymethods]
+impl ChunkStatus {
+    /// A new record starts "not ready" (`ref_cnt == -1`), like vLLM's.
+    #[new]
+    fn new(chunk_id: i64) -> Self {
+        ChunkStatus { raw: RawChunkStatus::new(chunk_id, -1) }
+    }
+
+    #[getter]
+    fn ref_cnt(&self) -> i32 {
+        self.raw.ref_cnt.load(Ordering::Relaxed)
+    }
+
+    #[setter]
+    fn set_ref_cnt(&self, value: i32) {
+        self.raw.ref_cnt.store(value, Ordering::Relaxed)
+    }
+
+    #[getter]
+    fn chunk_id(&self) -> i64 {
+        self.raw.chunk_id.load(Ordering::Relaxed)
+    }
+
+    /// Whether the chunk can be read (`ref_cnt >= 0`).
+    #[getter]
+    fn is_ready(&self) -> bool {
+        self.ref_cnt() >= 0
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ChunkStatus(chunk_id={}, ref_cnt={})", self.chunk_id(), self.ref_cnt())
+    }
+
+    /// Exports the 16-byte record, writable, as one item of [`CHUNK_STATUS_FORMAT`].
+    ///
+    /// # Safety
+    /// Called by CPython with a valid `view` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let buf = ptr::from_ref(&slf.get().raw).cast_mut().cast();
+        // SAFETY: `view` is valid (CPython's contract); `buf` points at 16 bytes inside `slf`,
+        // which the view keeps alive through its `obj` reference.
+        unsafe { fill_record_view(view, flags, buf, 0, slf.into_any()) };
+        Ok(())
+    }
+
+    /// Nothing to free: the view points into the object and its format is static.
+    ///
+    /// # Safety
+    /// Called by CPython with the view it got from `__getbuffer__`.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+impl ChunkStatus {
+    pub fn raw(&self) -> &RawChunkStatus {
+        &self.raw
+    }
+}
+
+/// Fills `view` with `len_items` records (or one 0-d record when `len_items == 0`) at `buf`.
+///
+/// # Safety
+/// `view` must be a valid `Py_buffer` to fill; `buf` must point at
+/// `max(1, len_items) * 16` writable bytes that stay valid while `owner` is alive.
+pub unsafe fn fill_record_view(
+    view: *mut ffi::Py_buffer,
+    flags: c_int,
+    buf: *mut std::ffi::c_void,
+    len_items: usize,
+    owner: Bound<'_, PyAny>,
+) {
+    // SAFETY: the caller passes a valid view; we write every field CPython reads.
+    let view = unsafe { &mut *view };
+    let count = len_items.max(1);
+    view.obj = owner.into_ptr();
+    view.buf = buf;
+    view.len = (count * CHUNK_STATUS_BYTES) as ffi::Py_ssize_t;
+    view.readonly = 0;
+    view.itemsize = CHUNK_STATUS_BYTES as ffi::Py_ssize_t;
+    view.format = if flags & ffi::PyBUF_FORMAT != 0 {
+        CHUNK_STATUS_FORMAT.as_ptr().cast_mut()
+    } else {
+        ptr::null_mut()
+    };
+    view.suboffsets = ptr::null_mut();
+    view.internal = ptr::null_mut();
+    if len_items == 0 {
+        // A single record is a 0-d item, as ctypes exports a Structure.
+        view.ndim = 0;
+        view.shape = ptr::null_mut();
+        view.strides = ptr::null_mut();
+    } else {
+        // `shape` and `strides` must live as long as the view: keep them in a small box owned
+        // by the view through `internal` (freed by `release_record_view`).
+        let dims = Box::new([len_items as ffi::Py_ssize_t, CHUNK_STATUS_BYTES as ffi::Py_ssize_t]);
+        let dims = Box::into_raw(dims);
+        view.ndim = 1;
+        // SAFETY: `dims` is a live allocation of two Py_ssize_t, freed by `release_record_view`.
+        unsafe {
+            view.shape = (*dims).as_mut_ptr();
+            view.strides = (*dims).as_mut_ptr().add(1);
+        }
+        view.internal = dims.cast();
+    }
+}
+
+/// Frees what [`fill_record_view`] allocated for a 1-d view.
+///
+/// # Safety
+/// `view` must have been filled by [`fill_record_view`] and not released before.
+pub unsafe fn release_record_view(view: *mut ffi::Py_buffer) {
+    // SAFETY: the caller passes a view we filled; `internal` is null or our boxed dims.
+    unsafe {
+        let internal = (*view).internal;
+        if !internal.is_null() {
+            drop(Box::from_raw(internal.cast::<[ffi::Py_ssize_t; 2]>()));
+            (*view).internal = ptr::null_mut();
+        }
+    }
+}
+
+/// A buffer export held for as long as a policy keeps a foreign chunk: the export keeps the
+/// object alive and its memory in place (e.g. a `bytearray` cannot resize while exported).
+pub struct ForeignChunk {
+    view: Box<ffi::Py_buffer>,
+    ref_cnt: NonNull<i32>,
+}
+
+// SAFETY: the export is only read (one aligned-or-not i32 load) and released while attached to
+// the interpreter; this abi3 extension runs on GIL builds only, so attached threads do not run
+// Python code concurrently.
+unsafe impl Send for ForeignChunk {}
+// SAFETY: as above; `&ForeignChunk` only allows those reads.
+unsafe impl Sync for ForeignChunk {}
+
+impl Drop for ForeignChunk {
+    fn drop(&mut self) {
+        // SAFETY: the view was filled by a successful PyObject_GetBuffer and is released once.
+        Python::attach(|_| unsafe { ffi::PyBuffer_Release(&mut *self.view) });
+    }
+}
+
+/// What a policy stores for a chunk: our record, or a foreign object's buffer.
+pub enum PyChunk {
+    Native(Py<ChunkStatus>),
+    Foreign(ForeignChunk),
+}
+
+impl HasRefCnt for PyChunk {
+    #[inline]
+    fn ref_cnt(&self) -> i32 {
+        match self {
+            PyChunk::Native(c) => c.get().raw.ref_cnt.load(Ordering::Relaxed),
+            // SAFETY: `ref_cnt` points at the first 4 bytes of a ≥16-byte buffer whose export we
+            // hold, so the memory is alive and in place.
+            PyChunk::Foreign(f) => unsafe { f.ref_cnt.as_ptr().read_unaligned() },
+        }
+    }
+}
+
+impl PyChunk {
+    /// Accepts a `kvcache.ChunkStatus`, or any object exporting exactly 16 contiguous bytes
+    /// laid out like vLLM's ctypes `ChunkStatus`.
+    pub fn extract(obj: &Bound<'_, PyAny>) -> PyResult<PyChunk> {
+        if let Ok(native) = obj.cast::<ChunkStatus>() {
+            return Ok(PyChunk::Native(native.clone().unbind()));
+        }
+        let py = obj.py();
+        let invalid = |why: &str| {
+            let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            new_err(
+                py,
+                &exceptions(py).invalid_chunk,
+                format!(
+                    "chunk must be kvcache.ChunkStatus or expose a 16-byte ChunkStatus buffer \
+                     (int32 ref_cnt, int64 chunk_id); got {ty}: {why}"
+                ),
+            )
+        };
+        // SAFETY: an all-zero Py_buffer is a valid "empty" value for PyObject_GetBuffer to fill.
+        let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
+        // SAFETY: `obj` is a live object and `view` is writable storage for the export.
+        let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, ffi::PyBUF_SIMPLE) };
+        if rc != 0 {
+            // Replace the exporter's error with ours, chained for context.
+            let cause = PyErr::take(py).map(|e| e.to_string()).unwrap_or_default();
+            return Err(invalid(&format!("no buffer ({cause})")));
+        }
+        let len = view.len;
+        let Some(ref_cnt) = NonNull::new(view.buf.cast::<i32>()) else {
+            // SAFETY: the export succeeded; release it exactly once.
+            unsafe { ffi::PyBuffer_Release(&mut *view) };
+            return Err(invalid("null buffer"));
+        };
+        let chunk = ForeignChunk { view, ref_cnt };
+        if len != CHUNK_STATUS_BYTES as ffi::Py_ssize_t {
+            drop(chunk);
+            return Err(invalid(&format!("buffer is {len} bytes")));
+        }
+        Ok(PyChunk::Foreign(chunk))
+    }
+
+    /// The object that was inserted.
+    pub fn object<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
+        match self {
+            PyChunk::Native(c) => c.bind(py).clone().into_any(),
+            // SAFETY: a successful export stores a strong reference to the exporter in `obj`.
+            PyChunk::Foreign(f) => unsafe { Bound::from_borrowed_ptr(py, f.view.obj) },
+        }
+    }
+}

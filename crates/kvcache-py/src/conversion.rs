@@ -1,0 +1,227 @@
+//! Python → Rust conversions: keys, counts, token positions, request-ordered key lists.
+//!
+//! Every batch call converts and validates all of its input before the core is touched, so a
+//! bad element anywhere raises with nothing changed.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
+
+use crate::exceptions::{exceptions, new_err};
+
+/// Module names of the `ReqContext` classes whose positions live in a plain dict attribute
+/// `_offload_key_positions` read by `get_offload_key_position` (vLLM's and ours).
+const KNOWN_CONTEXT_MODULES: [&str; 2] = ["vllm.v1.kv_offload.base", "kvcache._context"];
+const CONTEXT_METHOD_QUALNAME: &str = "ReqContext.get_offload_key_position";
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+}
+
+/// A key must be `bytes` (vLLM's `OffloadKey`).
+#[inline]
+pub fn as_key<'py>(obj: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    match obj.cast_into::<PyBytes>() {
+        Ok(b) => Ok(b),
+        Err(e) => {
+            let obj = e.into_inner();
+            let py = obj.py();
+            Err(new_err(
+                py,
+                &exceptions(py).invalid_key,
+                format!("keys must be bytes, got {}", type_name(&obj)),
+            ))
+        }
+    }
+}
+
+/// Collects an iterable of keys (lists and tuples without the iterator protocol).
+pub fn collect_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        return list.iter().map(as_key).collect();
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return tuple.iter().map(as_key).collect();
+    }
+    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyString>() {
+        // A lone key is iterable (as ints); refuse it rather than treat bytes as a key list.
+        let py = obj.py();
+        return Err(new_err(
+            py,
+            &exceptions(py).invalid_key,
+            format!("expected an iterable of bytes keys, got a single {}", type_name(obj)),
+        ));
+    }
+    let iter = obj.try_iter().map_err(|_| {
+        let py = obj.py();
+        new_err(
+            py,
+            &exceptions(py).invalid_key,
+            format!("expected an iterable of bytes keys, got {}", type_name(obj)),
+        )
+    })?;
+    let (lower, _) = obj.len().map(|n| (n, None::<usize>)).unwrap_or((0, None));
+    let mut keys = Vec::with_capacity(lower);
+    for item in iter {
+        keys.push(as_key(item?)?);
+    }
+    Ok(keys)
+}
+
+/// A count such as `evict`'s `n`: a non-negative int (not a bool).
+pub fn count(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    let py = obj.py();
+    let ex = exceptions(py);
+    if obj.is_instance_of::<pyo3::types::PyBool>() || !obj.is_instance_of::<PyInt>() {
+        return Err(new_err(
+            py,
+            &ex.invalid_type,
+            format!("{what} must be an int, got {}", type_name(obj)),
+        ));
+    }
+    match obj.extract::<i64>() {
+        Ok(n) if n >= 0 => Ok(n as usize),
+        Ok(n) => Err(new_err(py, &ex.invalid_argument, format!("{what} must be >= 0, got {n}"))),
+        Err(_) => Err(new_err(py, &ex.invalid_argument, format!("{what} is out of range"))),
+    }
+}
+
+/// Converts a position returned by `get_offload_key_position`.
+fn position_value(value: Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+    if value.is_none() {
+        return Ok(None);
+    }
+    let py = value.py();
+    if !value.is_instance_of::<PyInt>() || value.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(new_err(
+            py,
+            &exceptions(py).invalid_type,
+            format!(
+                "get_offload_key_position must return an int or None, got {}",
+                type_name(&value)
+            ),
+        ));
+    }
+    value.extract::<i64>().map(Some).map_err(|_| {
+        new_err(py, &exceptions(py).invalid_argument, "token position out of the int64 range".into())
+    })
+}
+
+/// Where a request's token positions come from.
+pub enum Positions<'py> {
+    /// No request context: no key has a position.
+    Absent,
+    /// vLLM's (or our) `ReqContext`: read its position dict directly, no method call per key.
+    Dict(Bound<'py, PyDict>),
+    /// Any other object with `get_offload_key_position`.
+    Method(Bound<'py, PyAny>),
+}
+
+/// Remembers the last context type that qualified for the dict fast path.
+#[derive(Default)]
+pub struct ContextTypeCache {
+    fast: Option<Py<PyType>>,
+}
+
+impl ContextTypeCache {
+    fn qualifies(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let ty = ctx.get_type();
+        if let Some(fast) = &self.fast {
+            if fast.bind(ctx.py()).is(&ty) {
+                return Ok(true);
+            }
+        }
+        let Some(func) = ty.getattr_opt("get_offload_key_position")? else { return Ok(false) };
+        let module = func.getattr_opt("__module__")?;
+        let qualname = func.getattr_opt("__qualname__")?;
+        let (Some(module), Some(qualname)) = (module, qualname) else { return Ok(false) };
+        let known = module.extract::<String>().is_ok_and(|m| KNOWN_CONTEXT_MODULES.contains(&m.as_str()))
+            && qualname.extract::<String>().is_ok_and(|q| q == CONTEXT_METHOD_QUALNAME);
+        if known {
+            self.fast = Some(ty.unbind());
+        }
+        Ok(known)
+    }
+}
+
+impl<'py> Positions<'py> {
+    /// Resolves how to read positions from `ctx` (None → no positions).
+    pub fn new(ctx: Option<&Bound<'py, PyAny>>, cache: &mut ContextTypeCache) -> PyResult<Self> {
+        let Some(ctx) = ctx.filter(|c| !c.is_none()) else { return Ok(Positions::Absent) };
+        if cache.qualifies(ctx)? {
+            // An instance attribute could shadow the method: then honour it.
+            let shadowed = match ctx.getattr_opt("__dict__")? {
+                Some(d) => d.cast::<PyDict>().is_ok_and(|d| {
+                    d.contains("get_offload_key_position").unwrap_or(true)
+                }),
+                None => false,
+            };
+            if !shadowed {
+                if let Some(dict) = ctx.getattr_opt("_offload_key_positions")? {
+                    if let Ok(dict) = dict.cast_into_exact::<PyDict>() {
+                        return Ok(Positions::Dict(dict));
+                    }
+                }
+            }
+        }
+        let method = ctx.getattr("get_offload_key_position").map_err(|_| {
+            let py = ctx.py();
+            new_err(
+                py,
+                &exceptions(py).invalid_type,
+                format!(
+                    "req_context must have vLLM's ReqContext methods; {} has no \
+                     get_offload_key_position",
+                    type_name(ctx)
+                ),
+            )
+        })?;
+        Ok(Positions::Method(method))
+    }
+
+    #[inline]
+    pub fn get(&self, key: &Bound<'py, PyBytes>) -> PyResult<Option<i64>> {
+        match self {
+            Positions::Absent => Ok(None),
+            Positions::Dict(d) => match d.get_item(key)? {
+                Some(v) => position_value(v),
+                None => Ok(None),
+            },
+            Positions::Method(m) => position_value(m.call1((key,))?),
+        }
+    }
+}
+
+/// vLLM's `order_request_keys`: the groups' keys concatenated, then stably sorted by token
+/// position — but only when every key has a position and no key repeats (vLLM compares the
+/// size of its position dict with the number of keys).
+pub fn order_request_keys<'py>(
+    key_groups: &Bound<'py, PyAny>,
+    positions: &Positions<'py>,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let mut keys = Vec::new();
+    let groups = key_groups.try_iter().map_err(|_| {
+        let py = key_groups.py();
+        new_err(
+            py,
+            &exceptions(py).invalid_type,
+            format!("key_groups must be an iterable of key sequences, got {}", type_name(key_groups)),
+        )
+    })?;
+    for group in groups {
+        keys.extend(collect_keys(&group?)?);
+    }
+    let mut ranked = Vec::with_capacity(keys.len());
+    for key in &keys {
+        match positions.get(key)? {
+            Some(p) => ranked.push(p),
+            None => return Ok(keys),
+        }
+    }
+    let mut seen = std::collections::HashSet::with_capacity(keys.len());
+    if !keys.iter().all(|k| seen.insert(k.as_bytes())) {
+        return Ok(keys);
+    }
+    let mut order: Vec<usize> = (0..keys.len()).collect();
+    order.sort_by_key(|&i| ranked[i]);
+    Ok(order.into_iter().map(|i| keys[i].clone()).collect())
+}

@@ -1,0 +1,48 @@
+//! Mapping core errors to Python exceptions: the one place that decides which exception a
+//! [`CoreError`] becomes.
+
+use kvcache_core::CoreError;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+use crate::exceptions::{exceptions, new_err};
+
+/// A core error on its way to Python (a local type: `From<CoreError> for PyErr` would be an
+/// orphan impl).
+pub struct Error(pub CoreError);
+
+impl From<CoreError> for Error {
+    fn from(e: CoreError) -> Self {
+        Error(e)
+    }
+}
+
+impl From<Error> for PyErr {
+    fn from(Error(e): Error) -> PyErr {
+        Python::attach(|py| {
+            let ex = exceptions(py);
+            let message = e.to_string();
+            match e {
+                CoreError::KeyNotFound(_) => new_err(py, &ex.key_not_found, message),
+                CoreError::DuplicateKey(_) => new_err(py, &ex.duplicate_key, message),
+                CoreError::NotEvictable(_) => new_err(py, &ex.not_evictable, message),
+                CoreError::InvalidArgument(_) => new_err(py, &ex.invalid_argument, message),
+                CoreError::InvalidState(_) => new_err(py, &ex.invalid_state, message),
+                // A plan is made and committed inside one call; staleness is a kvcache bug.
+                CoreError::StalePlan => PyRuntimeError::new_err(message),
+            }
+        })
+    }
+}
+
+/// `?`-friendly conversion of core results.
+pub trait IntoPyResult<T> {
+    fn py_err(self) -> PyResult<T>;
+}
+
+impl<T> IntoPyResult<T> for Result<T, CoreError> {
+    #[inline]
+    fn py_err(self) -> PyResult<T> {
+        self.map_err(|e| Error(e).into())
+    }
+}

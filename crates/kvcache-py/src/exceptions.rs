@@ -1,0 +1,139 @@
+//! The `KvCacheError` hierarchy.
+//!
+//! Every error kvcache raises derives from `kvcache.KvCacheError` *and* from the built-in
+//! exception a caller of vLLM's pure-Python policies would catch for the same mistake
+//! (`KeyError` for an absent key, `ValueError` for a bad value, `TypeError` for a bad type), so
+//! code written against vLLM keeps working and code written against kvcache can catch all of
+//! ours at once. Multiple inheritance is not expressible with `create_exception!`, so the
+//! classes are made once with `type(name, bases, namespace)` at import.
+
+use pyo3::exceptions::{PyException, PyKeyError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
+
+pub struct Exceptions {
+    pub base: Py<PyType>,
+    pub key_not_found: Py<PyType>,
+    pub duplicate_key: Py<PyType>,
+    pub not_evictable: Py<PyType>,
+    pub invalid_argument: Py<PyType>,
+    pub invalid_type: Py<PyType>,
+    pub invalid_key: Py<PyType>,
+    pub invalid_chunk: Py<PyType>,
+    pub invalid_state: Py<PyType>,
+}
+
+static EXCEPTIONS: PyOnceLock<Exceptions> = PyOnceLock::new();
+
+fn make_type(
+    py: Python<'_>,
+    name: &str,
+    doc: &str,
+    bases: &[&Bound<'_, PyType>],
+) -> PyResult<Py<PyType>> {
+    let namespace = PyDict::new(py);
+    namespace.set_item("__module__", "kvcache")?;
+    namespace.set_item("__doc__", doc)?;
+    let bases = PyTuple::new(py, bases)?;
+    let ty = py.get_type::<PyType>().call1((name, bases, namespace))?;
+    Ok(ty.cast_into::<PyType>()?.unbind())
+}
+
+pub fn exceptions(py: Python<'_>) -> &Exceptions {
+    EXCEPTIONS.get_or_init(py, || {
+        build(py).expect("creating kvcache's exception classes cannot fail")
+    })
+}
+
+fn build(py: Python<'_>) -> PyResult<Exceptions> {
+    let base = make_type(
+        py,
+        "KvCacheError",
+        "Base class of every error raised by kvcache.",
+        &[&py.get_type::<PyException>()],
+    )?;
+    let b = base.bind(py);
+    let key_error = py.get_type::<PyKeyError>();
+    let value_error = py.get_type::<PyValueError>();
+    let type_error = py.get_type::<PyTypeError>();
+    let invalid_type = make_type(
+        py,
+        "InvalidTypeError",
+        "An argument of the wrong type.",
+        &[b, &type_error],
+    )?;
+    let t = invalid_type.bind(py).clone();
+    Ok(Exceptions {
+        key_not_found: make_type(
+            py,
+            "KeyNotFoundError",
+            "The key is not resident in the cache (or unknown to the manager).",
+            &[b, &key_error],
+        )?,
+        duplicate_key: make_type(
+            py,
+            "DuplicateKeyError",
+            "insert() of a key that is already resident.",
+            &[b, &value_error],
+        )?,
+        not_evictable: make_type(
+            py,
+            "NotEvictableError",
+            "mark_non_evictable() of a key that is not evictable.",
+            &[b, &key_error],
+        )?,
+        invalid_argument: make_type(
+            py,
+            "InvalidArgumentError",
+            "An argument outside its domain, e.g. a negative count.",
+            &[b, &value_error],
+        )?,
+        invalid_key: make_type(
+            py,
+            "InvalidKeyError",
+            "A key that is not a bytes object.",
+            &[&t],
+        )?,
+        invalid_chunk: make_type(
+            py,
+            "InvalidChunkError",
+            "A chunk that is neither kvcache.ChunkStatus nor an object exporting vLLM's 16-byte \
+             ChunkStatus buffer.",
+            &[&t],
+        )?,
+        invalid_state: make_type(
+            py,
+            "InvalidStateError",
+            "A call that contradicts the state of a chunk, e.g. loading a chunk still being stored.",
+            &[b, &value_error],
+        )?,
+        invalid_type,
+        base,
+    })
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let e = exceptions(py);
+    for ty in [
+        &e.base,
+        &e.key_not_found,
+        &e.duplicate_key,
+        &e.not_evictable,
+        &e.invalid_argument,
+        &e.invalid_type,
+        &e.invalid_key,
+        &e.invalid_chunk,
+        &e.invalid_state,
+    ] {
+        let ty = ty.bind(py);
+        m.add(ty.name()?, ty)?;
+    }
+    Ok(())
+}
+
+/// Raises `ty(message)`.
+pub fn new_err(py: Python<'_>, ty: &Py<PyType>, message: String) -> PyErr {
+    PyErr::from_type(ty.bind(py).clone(), message)
+}

@@ -1,0 +1,43 @@
+"""A request context with vLLM's ``ReqContext`` methods, for use without vLLM.
+
+kvcache's policies and manager accept vLLM's own ``ReqContext`` or any object with these
+methods. This one mirrors vLLM 0.33.0's: per-request scratch state keyed by type, and the
+end-token position of each key the scheduler recorded. The policies read ``_offload_key_positions``
+directly when the object is an unmodified instance of this class or of vLLM's, which saves a
+Python call per key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+__all__ = ["ReqContext"]
+
+_T = TypeVar("_T")
+
+
+class ReqContext:
+    """Per-request context: a request id, typed scratch state, and token positions of keys."""
+
+    __slots__ = ("_offload_key_positions", "_state", "kv_transfer_params", "req_id")
+
+    def __init__(self, req_id: str = "", kv_transfer_params: dict[str, Any] | None = None) -> None:
+        self.req_id = req_id
+        self.kv_transfer_params = kv_transfer_params
+        self._state: dict[type, Any] = {}
+        self._offload_key_positions: dict[bytes, int] = {}
+
+    def set_state(self, val: Any) -> None:
+        self._state[type(val)] = val
+
+    def get_state(self, cls: type[_T]) -> _T | None:
+        return self._state.get(cls)
+
+    def set_offload_key_position(self, key: bytes, end_token: int) -> None:
+        self._offload_key_positions[key] = end_token
+
+    def get_offload_key_position(self, key: bytes) -> int | None:
+        return self._offload_key_positions.get(key)
+
+    def __repr__(self) -> str:
+        return f"ReqContext(req_id={self.req_id!r})"
