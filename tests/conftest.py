@@ -1,0 +1,43 @@
+"""Shared fixtures: the vLLM 0.33.0 oracle and key helpers."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+
+ORACLE_VERSION = "0.33.0"
+
+
+def load_oracle() -> ModuleType | None:
+    """vLLM's kv_offload package, or None when vLLM is not installed."""
+    try:
+        vllm = importlib.import_module("vllm")
+    except ImportError:
+        return None
+    if getattr(vllm, "__version__", None) != ORACLE_VERSION:
+        pytest.fail(f"the oracle must be vLLM {ORACLE_VERSION}, found {vllm.__version__}")
+    return importlib.import_module("vllm.v1.kv_offload")
+
+
+def require_oracle() -> None:
+    """Oracle tests fail (not skip) without vLLM: CI must run them.
+
+    Set KVCACHE_ALLOW_NO_ORACLE=1 to skip them on a machine without vLLM.
+    """
+    if load_oracle() is None:
+        if os.environ.get("KVCACHE_ALLOW_NO_ORACLE") == "1":
+            pytest.skip("vLLM 0.33.0 is not installed (KVCACHE_ALLOW_NO_ORACLE=1)")
+        pytest.fail("vLLM 0.33.0 is not installed: run `make install` (or `make test`)")
+
+
+@pytest.fixture
+def oracle() -> None:
+    require_oracle()
+
+
+def make_key(block: int, group: int = 0) -> bytes:
+    """A vLLM OffloadKey: a 32-byte block hash and a 4-byte big-endian group index."""
+    return block.to_bytes(32, "big") + group.to_bytes(4, "big")
