@@ -1,0 +1,65 @@
+"""vLLM 0.33.0's own CPUOffloadingManager, loading our policies by name, decides exactly as with
+its built-in policies: the same hits, stores, chunk ids, evictions, events and usage figures on
+a multi-turn workload with failed stores, split stores, several KV groups and cache resets."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+
+from tests.conftest import require_oracle
+from tests.manager_driver import DriverOptions, drive, multi_turn_workload
+
+pytestmark = pytest.mark.oracle
+
+OUR_CLASS = {"lru": "LRUCachePolicy", "arc": "ARCCachePolicy"}
+
+
+def run(policy: str, ours: bool, num_chunks: int, options: DriverOptions, *, threshold: int,
+        seed: int) -> list[tuple]:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    manager = CPUOffloadingManager(
+        num_chunks=num_chunks,
+        cache_policy=OUR_CLASS[policy] if ours else policy,
+        cache_policy_module_path="kvcache.vllm" if ours else None,
+        enable_events=True,
+        store_threshold=threshold,
+        max_tracker_size=64,
+    )
+    if ours:
+        import kvcache
+
+        assert isinstance(manager._policy, kvcache.BaseCachePolicy)
+    requests = multi_turn_workload(seed, conversations=60)
+    return drive(manager, LookupResult.HIT, lambda rid: ReqContext(req_id=rid), requests, options)
+
+
+CASES = list(
+    itertools.product(
+        ["lru", "arc"],
+        [24, 96],  # chunks: tight (many evictions, failed prepares) and roomy
+        [0, 5],  # fail every 5th store, or never
+        [1, 2],  # KV-cache groups
+        [1, 2],  # store_threshold
+    )
+)
+
+
+@pytest.mark.parametrize(("policy", "num_chunks", "fail_every", "groups", "threshold"), CASES)
+def test_vllm_manager_decides_identically_with_our_policy(
+    policy: str, num_chunks: int, fail_every: int, groups: int, threshold: int
+) -> None:
+    require_oracle()
+    options = DriverOptions(fail_every=fail_every, groups=groups, reset_every=97)
+    seed = zlib.crc32(repr((policy, num_chunks, fail_every, groups, threshold)).encode())
+    ref = run(policy, False, num_chunks, options, threshold=threshold, seed=seed)
+    ours = run(policy, True, num_chunks, options, threshold=threshold, seed=seed)
+    # The workload must exercise what it claims to.
+    assert any(e[0] == "lookup" and "HIT" in e[2] for e in ref)
+    assert any(e[0] == "store" and e[2] is not None and e[-1] for e in ref) or num_chunks > 90
+    for i, (a, b) in enumerate(zip(ref, ours, strict=True)):
+        assert a == b, f"decision {i} differs:\n vLLM: {a}\n ours: {b}"
