@@ -42,7 +42,9 @@ bench-rust:
 	cargo bench -p kvcache-core
 
 bench-py: build
-	$(PY) -m pytest bench -q --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,rounds --benchmark-sort=name
+	@mkdir -p .benchmarks
+	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-enable --benchmark-only --benchmark-columns=min,median,rounds --benchmark-json=.benchmarks/policies.json
+	$(PY) bench/summarize.py .benchmarks/policies.json
 
 # The main job: replay the built-in synthetic multi-turn workload through LRU and ARC.
 replay: build
