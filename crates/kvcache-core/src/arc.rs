@@ -185,7 +185,9 @@ impl<C> ArcPolicy<C> {
     /// Adds a new chunk at the MRU end of T1, forgetting any ghost of the key.
     pub fn insert(&mut self, key: Key<'_>, chunk: C) -> CoreResult<()> {
         match self.index.find(&self.slab, key) {
-            Some(idx) if self.slab.get(idx).list.is_resident() => Err(CoreError::DuplicateKey(KeyBuf::new(key.bytes))),
+            Some(idx) if self.slab.get(idx).list.is_resident() => {
+                Err(CoreError::DuplicateKey(KeyBuf::new(key.bytes)))
+            }
             Some(idx) => {
                 self.bump();
                 self.slab.get_mut(idx).chunk = Some(chunk);
@@ -236,7 +238,9 @@ impl<C> ArcPolicy<C> {
     /// Whether `key` is resident; an error otherwise (ARC keeps no evictable flag: `mark_*`
     /// only check the key exists).
     pub fn check_resident(&self, key: Key<'_>) -> CoreResult<()> {
-        self.get(key).map(|_| ()).ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))
+        self.get(key)
+            .map(|_| ())
+            .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))
     }
 
     /// Moves `target_t1_size` on a ghost hit and refreshes the ghost; false if not a ghost.
@@ -265,8 +269,8 @@ impl<C> ArcPolicy<C> {
     /// adapts `target_t1_size`.
     pub fn on_store_miss(&mut self, keys: &[Key<'_>]) {
         self.bump();
-        for &key in keys.iter().rev() {
-            if let Some(idx) = self.index.find(&self.slab, key) {
+        for idx in self.index.find_many(&self.slab, keys).into_iter().rev() {
+            if idx != NIL {
                 self.adapt_to_ghost_hit(idx);
             }
         }
@@ -294,17 +298,26 @@ impl<C> ArcPolicy<C> {
         }
     }
 
-    /// Applies one finished request's accesses, walking its keys (already in head-to-tail
-    /// order) from tail to head.
-    pub fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)]) {
+    /// Resolves keys to entry handles ([`NIL`] when absent) in one pass; see
+    /// [`KeyIndex::find_many`].
+    pub fn resolve(&self, keys: &[Key<'_>]) -> Vec<u32> {
+        self.index.find_many(&self.slab, keys)
+    }
+
+    /// Whether a resolved handle names a resident entry.
+    pub fn is_resident(&self, idx: u32) -> bool {
+        idx != NIL && self.slab.get(idx).list.is_resident()
+    }
+
+    /// Applies one finished request's accesses, walking its entries (resolved with
+    /// [`resolve`](Self::resolve) since the last change, in head-to-tail order) from tail to
+    /// head.
+    pub fn on_request_finished(&mut self, keys: &[(u32, Access)]) {
         self.bump();
-        for &(key, access) in keys.iter().rev() {
-            if access == Access::Other {
+        for &(idx, access) in keys.iter().rev() {
+            if access == Access::Other || idx == NIL {
                 continue;
             }
-            let Some(idx) = self.index.find(&self.slab, key) else {
-                continue;
-            };
             let list = self.slab.get(idx).list;
             match (access, list) {
                 (Access::InsertionOnly, ListId::T1 | ListId::T2) => self.move_to(idx, list),

@@ -37,6 +37,15 @@ impl KeyIndex {
             .copied()
     }
 
+    /// Looks up a batch of keys before any of them is acted on ([`NIL`](crate::slab::NIL) for
+    /// absent ones). The lookups do not depend on each other, so the CPU overlaps their cache
+    /// misses instead of paying them one after another.
+    pub fn find_many<T: Keyed>(&self, slab: &Slab<T>, keys: &[Key<'_>]) -> Vec<u32> {
+        keys.iter()
+            .map(|&k| self.find(slab, k).unwrap_or(crate::slab::NIL))
+            .collect()
+    }
+
     /// Adds `idx` under `key`; the caller guarantees the key is absent.
     pub fn insert<T: Keyed>(&mut self, slab: &Slab<T>, hasher: &KeyHasher, key: Key<'_>, idx: u32) {
         debug_assert!(self.find(slab, key).is_none());

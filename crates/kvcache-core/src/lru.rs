@@ -424,8 +424,8 @@ impl<C> LruPolicy<C> {
     /// head-to-tail order).
     pub fn touch(&mut self, keys: &[Key<'_>]) {
         self.bump();
-        for &key in keys.iter().rev() {
-            if let Some(idx) = self.index.find(&self.slab, key) {
+        for idx in self.index.find_many(&self.slab, keys).into_iter().rev() {
+            if idx != NIL {
                 self.detach(idx);
                 self.attach_fresh(idx);
             }

@@ -56,7 +56,9 @@ impl ChunkStatus {
     /// A new record starts "not ready" (`ref_cnt == -1`), like vLLM's.
     #[new]
     fn new(chunk_id: i64) -> Self {
-        ChunkStatus { raw: RawChunkStatus::new(chunk_id, -1) }
+        ChunkStatus {
+            raw: RawChunkStatus::new(chunk_id, -1),
+        }
     }
 
     #[getter]
@@ -81,7 +83,11 @@ impl ChunkStatus {
     }
 
     fn __repr__(&self) -> String {
-        format!("ChunkStatus(chunk_id={}, ref_cnt={})", self.chunk_id(), self.ref_cnt())
+        format!(
+            "ChunkStatus(chunk_id={}, ref_cnt={})",
+            self.chunk_id(),
+            self.ref_cnt()
+        )
     }
 
     /// Exports the 16-byte record, writable, as one item of [`CHUNK_STATUS_FORMAT`].
@@ -148,7 +154,10 @@ pub unsafe fn fill_record_view(
     } else {
         // `shape` and `strides` must live as long as the view: keep them in a small box owned
         // by the view through `internal` (freed by `release_record_view`).
-        let dims = Box::new([len_items as ffi::Py_ssize_t, CHUNK_STATUS_BYTES as ffi::Py_ssize_t]);
+        let dims = Box::new([
+            len_items as ffi::Py_ssize_t,
+            CHUNK_STATUS_BYTES as ffi::Py_ssize_t,
+        ]);
         let dims = Box::into_raw(dims);
         view.ndim = 1;
         // SAFETY: `dims` is a live allocation of two Py_ssize_t, freed by `release_record_view`.
@@ -178,8 +187,10 @@ pub unsafe fn release_record_view(view: *mut ffi::Py_buffer) {
 /// A buffer export held for as long as a policy keeps a foreign chunk: the export keeps the
 /// object alive and its memory in place (e.g. a `bytearray` cannot resize while exported).
 pub struct ForeignChunk {
-    view: Box<ffi::Py_buffer>,
+    /// The exporter, kept alive by the export; stored inline so `get()` touches one line less.
+    obj: NonNull<ffi::PyObject>,
     ref_cnt: NonNull<i32>,
+    view: Box<ffi::Py_buffer>,
 }
 
 // SAFETY: the export is only read (one aligned-or-not i32 load) and released while attached to
@@ -223,7 +234,11 @@ impl PyChunk {
         }
         let py = obj.py();
         let invalid = |why: &str| {
-            let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            let ty = obj
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default();
             new_err(
                 py,
                 &exceptions(py).invalid_chunk,
@@ -243,12 +258,14 @@ impl PyChunk {
             return Err(invalid(&format!("no buffer ({cause})")));
         }
         let len = view.len;
-        let Some(ref_cnt) = NonNull::new(view.buf.cast::<i32>()) else {
+        let (Some(ref_cnt), Some(obj)) =
+            (NonNull::new(view.buf.cast::<i32>()), NonNull::new(view.obj))
+        else {
             // SAFETY: the export succeeded; release it exactly once.
             unsafe { ffi::PyBuffer_Release(&mut *view) };
-            return Err(invalid("null buffer"));
+            return Err(invalid("the buffer has no memory or no owner"));
         };
-        let chunk = ForeignChunk { view, ref_cnt };
+        let chunk = ForeignChunk { obj, ref_cnt, view };
         if len != CHUNK_STATUS_BYTES as ffi::Py_ssize_t {
             drop(chunk);
             return Err(invalid(&format!("buffer is {len} bytes")));
@@ -260,8 +277,8 @@ impl PyChunk {
     pub fn object<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
         match self {
             PyChunk::Native(c) => c.bind(py).clone().into_any(),
-            // SAFETY: a successful export stores a strong reference to the exporter in `obj`.
-            PyChunk::Foreign(f) => unsafe { Bound::from_borrowed_ptr(py, f.view.obj) },
+            // SAFETY: the export we hold owns a strong reference to the exporter `obj`.
+            PyChunk::Foreign(f) => unsafe { Bound::from_borrowed_ptr(py, f.obj.as_ptr()) },
         }
     }
 }

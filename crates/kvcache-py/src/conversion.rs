@@ -14,7 +14,10 @@ const KNOWN_CONTEXT_MODULES: [&str; 2] = ["vllm.v1.kv_offload.base", "kvcache._c
 const CONTEXT_METHOD_QUALNAME: &str = "ReqContext.get_offload_key_position";
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
 }
 
 /// A key must be `bytes` (vLLM's `OffloadKey`).
@@ -48,7 +51,10 @@ pub fn collect_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyB
         return Err(new_err(
             py,
             &exceptions(py).invalid_key,
-            format!("expected an iterable of bytes keys, got a single {}", type_name(obj)),
+            format!(
+                "expected an iterable of bytes keys, got a single {}",
+                type_name(obj)
+            ),
         ));
     }
     let iter = obj.try_iter().map_err(|_| {
@@ -80,8 +86,16 @@ pub fn count(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     }
     match obj.extract::<i64>() {
         Ok(n) if n >= 0 => Ok(n as usize),
-        Ok(n) => Err(new_err(py, &ex.invalid_argument, format!("{what} must be >= 0, got {n}"))),
-        Err(_) => Err(new_err(py, &ex.invalid_argument, format!("{what} is out of range"))),
+        Ok(n) => Err(new_err(
+            py,
+            &ex.invalid_argument,
+            format!("{what} must be >= 0, got {n}"),
+        )),
+        Err(_) => Err(new_err(
+            py,
+            &ex.invalid_argument,
+            format!("{what} is out of range"),
+        )),
     }
 }
 
@@ -102,7 +116,11 @@ fn position_value(value: Bound<'_, PyAny>) -> PyResult<Option<i64>> {
         ));
     }
     value.extract::<i64>().map(Some).map_err(|_| {
-        new_err(py, &exceptions(py).invalid_argument, "token position out of the int64 range".into())
+        new_err(
+            py,
+            &exceptions(py).invalid_argument,
+            "token position out of the int64 range".into(),
+        )
     })
 }
 
@@ -130,12 +148,20 @@ impl ContextTypeCache {
                 return Ok(true);
             }
         }
-        let Some(func) = ty.getattr_opt("get_offload_key_position")? else { return Ok(false) };
+        let Some(func) = ty.getattr_opt("get_offload_key_position")? else {
+            return Ok(false);
+        };
         let module = func.getattr_opt("__module__")?;
         let qualname = func.getattr_opt("__qualname__")?;
-        let (Some(module), Some(qualname)) = (module, qualname) else { return Ok(false) };
-        let known = module.extract::<String>().is_ok_and(|m| KNOWN_CONTEXT_MODULES.contains(&m.as_str()))
-            && qualname.extract::<String>().is_ok_and(|q| q == CONTEXT_METHOD_QUALNAME);
+        let (Some(module), Some(qualname)) = (module, qualname) else {
+            return Ok(false);
+        };
+        let known = module
+            .extract::<String>()
+            .is_ok_and(|m| KNOWN_CONTEXT_MODULES.contains(&m.as_str()))
+            && qualname
+                .extract::<String>()
+                .is_ok_and(|q| q == CONTEXT_METHOD_QUALNAME);
         if known {
             self.fast = Some(ty.unbind());
         }
@@ -146,13 +172,15 @@ impl ContextTypeCache {
 impl<'py> Positions<'py> {
     /// Resolves how to read positions from `ctx` (None → no positions).
     pub fn new(ctx: Option<&Bound<'py, PyAny>>, cache: &mut ContextTypeCache) -> PyResult<Self> {
-        let Some(ctx) = ctx.filter(|c| !c.is_none()) else { return Ok(Positions::Absent) };
+        let Some(ctx) = ctx.filter(|c| !c.is_none()) else {
+            return Ok(Positions::Absent);
+        };
         if cache.qualifies(ctx)? {
             // An instance attribute could shadow the method: then honour it.
             let shadowed = match ctx.getattr_opt("__dict__")? {
-                Some(d) => d.cast::<PyDict>().is_ok_and(|d| {
-                    d.contains("get_offload_key_position").unwrap_or(true)
-                }),
+                Some(d) => d
+                    .cast::<PyDict>()
+                    .is_ok_and(|d| d.contains("get_offload_key_position").unwrap_or(true)),
                 None => false,
             };
             if !shadowed {
@@ -204,7 +232,10 @@ pub fn order_request_keys<'py>(
         new_err(
             py,
             &exceptions(py).invalid_type,
-            format!("key_groups must be an iterable of key sequences, got {}", type_name(key_groups)),
+            format!(
+                "key_groups must be an iterable of key sequences, got {}",
+                type_name(key_groups)
+            ),
         )
     })?;
     for group in groups {
@@ -217,8 +248,14 @@ pub fn order_request_keys<'py>(
             None => return Ok(keys),
         }
     }
-    let mut seen = std::collections::HashSet::with_capacity(keys.len());
-    if !keys.iter().all(|k| seen.insert(k.as_bytes())) {
+    let distinct = {
+        let mut seen = hashbrown::HashSet::with_capacity_and_hasher(
+            keys.len(),
+            foldhash::fast::RandomState::default(),
+        );
+        keys.iter().all(|k| seen.insert(k.as_bytes()))
+    };
+    if !distinct {
         return Ok(keys);
     }
     let mut order: Vec<usize> = (0..keys.len()).collect();

@@ -16,7 +16,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::chunk::PyChunk;
-use crate::conversion::{as_key, collect_keys, count, order_request_keys, ContextTypeCache, Positions};
+use crate::conversion::{
+    as_key, collect_keys, count, order_request_keys, ContextTypeCache, Positions,
+};
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::request_state::{next_policy_uid, Graveyard, RequestRanks};
@@ -77,7 +79,11 @@ fn bury_dead(lru: &mut LruPolicy<PyChunk>, graveyard: &Graveyard) {
 
 fn context_error(ctx: &Bound<'_, PyAny>, method: &str) -> PyErr {
     let py = ctx.py();
-    let ty = ctx.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+    let ty = ctx
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default();
     new_err(
         py,
         &exceptions(py).invalid_type,
@@ -97,17 +103,24 @@ fn request_rank(
     let py = ctx.py();
     bury_dead(lru, graveyard);
     let state_type = py.get_type::<RequestRanks>();
-    let get_state = ctx.getattr(intern!(py, "get_state")).map_err(|_| context_error(ctx, "get_state"))?;
+    let get_state = ctx
+        .getattr(intern!(py, "get_state"))
+        .map_err(|_| context_error(ctx, "get_state"))?;
     let existing = get_state.call1((&state_type,))?;
     let state = if existing.is_none() {
         let fresh = Bound::new(py, RequestRanks::default())?;
-        let set_state =
-            ctx.getattr(intern!(py, "set_state")).map_err(|_| context_error(ctx, "set_state"))?;
+        let set_state = ctx
+            .getattr(intern!(py, "set_state"))
+            .map_err(|_| context_error(ctx, "set_state"))?;
         set_state.call1((&fresh,))?;
         fresh
     } else {
         existing.cast_into::<RequestRanks>().map_err(|_| {
-            new_err(py, &exceptions(py).invalid_type, "req_context returned a foreign state".into())
+            new_err(
+                py,
+                &exceptions(py).invalid_type,
+                "req_context returned a foreign state".into(),
+            )
         })?
     };
     let current = state.get().get(uid);
@@ -145,9 +158,15 @@ impl BaseCachePolicy {
     }
 
     /// The chunk stored under `key` (the very object inserted), or None.
-    fn get<'py>(&self, py: Python<'py>, key: Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        key: Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let key = as_key(key)?;
-        Ok(self.get_chunk(self.key(key.as_bytes())).map(|c| c.object(py)))
+        Ok(self
+            .get_chunk(self.key(key.as_bytes()))
+            .map(|c| c.object(py)))
     }
 
     fn __contains__(&self, key: Bound<'_, PyAny>) -> PyResult<bool> {
@@ -179,9 +198,9 @@ impl BaseCachePolicy {
             Inner::Arc(p) => p.insert(k, chunk).py_err(),
             Inner::Lru(p) => {
                 if p.get(k).is_some() {
-                    return Err(kvcache_core::CoreError::DuplicateKey(kvcache_core::KeyBuf::new(
-                        k.bytes,
-                    )))
+                    return Err(kvcache_core::CoreError::DuplicateKey(
+                        kvcache_core::KeyBuf::new(k.bytes),
+                    ))
                     .py_err();
                 }
                 let positions = Positions::new(req_context.as_ref(), &mut self.contexts)?;
@@ -211,7 +230,11 @@ impl BaseCachePolicy {
 
     /// Marks keys recently used (the last key first, so the first key ends most recent).
     #[pyo3(signature = (keys, req_context=None))]
-    fn touch(&mut self, keys: Bound<'_, PyAny>, req_context: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+    fn touch(
+        &mut self,
+        keys: Bound<'_, PyAny>,
+        req_context: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let _ = req_context;
         let keys = collect_keys(&keys)?;
         let ks = self.keys(&keys);
@@ -225,7 +248,11 @@ impl BaseCachePolicy {
     /// Store misses before insertion: ARC adapts to ghost hits; LRU treats them as a touch
     /// (vLLM's default), which only affects resident keys.
     #[pyo3(signature = (keys, req_context=None))]
-    fn on_store_miss(&mut self, keys: Bound<'_, PyAny>, req_context: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+    fn on_store_miss(
+        &mut self,
+        keys: Bound<'_, PyAny>,
+        req_context: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let _ = req_context;
         let keys = collect_keys(&keys)?;
         let ks = self.keys(&keys);
@@ -238,8 +265,14 @@ impl BaseCachePolicy {
 
     /// A request's first observation of keys: LRU gives resident ones the request's rank at
     /// their token position; ARC ignores it (like vLLM's).
-    fn on_request_access(&mut self, keys: Bound<'_, PyAny>, req_context: Bound<'_, PyAny>) -> PyResult<()> {
-        let Inner::Lru(p) = &mut self.inner else { return Ok(()) };
+    fn on_request_access(
+        &mut self,
+        keys: Bound<'_, PyAny>,
+        req_context: Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let Inner::Lru(p) = &mut self.inner else {
+            return Ok(());
+        };
         let ctx = Some(&req_context);
         let keys = collect_keys(&keys)?;
         let positions = Positions::new(ctx, &mut self.contexts)?;
@@ -271,11 +304,12 @@ impl BaseCachePolicy {
                 p.touch(&ks);
             }
             Inner::Arc(p) => {
+                let ks: Vec<Key<'_>> = ordered.iter().map(|k| p.key(k.as_bytes())).collect();
+                let entries = p.resolve(&ks);
                 let mut accesses = Vec::with_capacity(ordered.len());
-                for key in &ordered {
-                    let k = p.key(key.as_bytes());
+                for (key, idx) in ordered.iter().zip(entries) {
                     // Only resident keys can move: classify just those.
-                    let access = if p.get(k).is_none() {
+                    let access = if !p.is_resident(idx) {
                         Access::Other
                     } else if insertion_only_keys.contains(key)? {
                         Access::InsertionOnly
@@ -284,7 +318,7 @@ impl BaseCachePolicy {
                     } else {
                         Access::Other
                     };
-                    accesses.push((k, access));
+                    accesses.push((idx, access));
                 }
                 p.on_request_finished(&accesses);
             }
@@ -313,9 +347,17 @@ impl BaseCachePolicy {
                 p.evict(n, &guard, &SelfCounted)
             }
         };
-        let Some(evicted) = evicted else { return Ok(None) };
+        let Some(evicted) = evicted else {
+            return Ok(None);
+        };
         let items = evicted.into_iter().map(|e| {
-            PyTuple::new(py, [PyBytes::new(py, e.key.as_slice()).into_any(), e.chunk.object(py)])
+            PyTuple::new(
+                py,
+                [
+                    PyBytes::new(py, e.key.as_slice()).into_any(),
+                    e.chunk.object(py),
+                ],
+            )
         });
         let items: Vec<_> = items.collect::<PyResult<_>>()?;
         Ok(Some(PyList::new(py, items)?))
@@ -382,7 +424,12 @@ impl BaseCachePolicy {
                 state.set_item("request_groups", p.num_request_groups())?;
             }
             Inner::Arc(p) => {
-                for (name, list) in [("t1", ListId::T1), ("t2", ListId::T2), ("b1", ListId::B1), ("b2", ListId::B2)] {
+                for (name, list) in [
+                    ("t1", ListId::T1),
+                    ("t2", ListId::T2),
+                    ("b1", ListId::B1),
+                    ("b2", ListId::B2),
+                ] {
                     let keys: Vec<_> = p.list_keys(list).map(|k| PyBytes::new(py, k)).collect();
                     state.set_item(name, PyList::new(py, keys)?)?;
                 }

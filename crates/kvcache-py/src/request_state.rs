@@ -23,7 +23,10 @@ pub struct Graveyard {
 
 impl Graveyard {
     fn bury(&self, rank: RequestRank) {
-        self.ranks.lock().unwrap_or_else(|p| p.into_inner()).push(rank);
+        self.ranks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(rank);
         self.pending.store(true, Ordering::Release);
     }
 
@@ -61,7 +64,11 @@ impl RequestRanks {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         match slots.iter_mut().find(|s| s.policy == policy) {
             Some(slot) => slot.rank = rank,
-            None => slots.push(Slot { policy, rank, graveyard: Arc::downgrade(graveyard) }),
+            None => slots.push(Slot {
+                policy,
+                rank,
+                graveyard: Arc::downgrade(graveyard),
+            }),
         }
     }
 }
