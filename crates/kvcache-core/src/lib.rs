@@ -21,6 +21,8 @@ pub mod index;
 pub mod key;
 pub mod lru;
 pub mod slab;
+#[cfg(any(test, fuzzing, feature = "validate"))]
+pub mod testing;
 
 pub use arc::{Access, ArcPolicy, ListId};
 pub use chunk::{HasRefCnt, RefCounts, SelfCounted};
