@@ -4,6 +4,8 @@
 //!   decision-identical (same victims in the same order, same rank numbers, same ARC target),
 //!   with O(1) per-key updates and evictions proportional to the victims plus entries skipped.
 //! - [`eviction`]: evictions are transactions: `plan(&self)` then `commit(&mut self, plan)`.
+//! - [`manager::Manager`]: vLLM's `CPUOffloadingManager` (chunk pool, ref counts, events,
+//!   store threshold, per-request access tracking), generic over the policy.
 //! - [`key`], [`slab`], [`index`]: keys stored once inline, hashed once per operation; entries
 //!   in index-based slabs threaded by intrusive lists.
 //!
@@ -20,6 +22,7 @@ pub mod host;
 pub mod index;
 pub mod key;
 pub mod lru;
+pub mod manager;
 pub mod slab;
 #[cfg(any(test, fuzzing, feature = "validate"))]
 pub mod testing;
@@ -30,3 +33,4 @@ pub use error::{CoreError, CoreResult};
 pub use eviction::{Evicted, EvictionPlan, Protected};
 pub use key::{Key, KeyBuf, KeyHash, KeyHasher};
 pub use lru::{InsertRank, LruPolicy, RequestRank};
+pub use manager::{LookupResult, Manager, ManagerConfig, RequestToken};

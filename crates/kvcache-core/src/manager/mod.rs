@@ -1,0 +1,568 @@
+//! The CPU offloading manager, decision-identical to vLLM 0.33.0's `CPUOffloadingManager`.
+//!
+//! It owns the chunk pool ([`table`]: ids handed out in vLLM's order, reference counts in one
+//! contiguous table), the evictable and write-pending counts, the `store_threshold` access
+//! tracker ([`tracker`]), per-request access tracking ([`request`]), events and usage figures,
+//! and drives a policy ([`policy::ManagerPolicy`]: LRU or ARC) exactly as vLLM's manager drives
+//! its policy. Every call hashes each key once (the caller builds [`Key`]s with
+//! [`Manager::key`]) and checks its input before changing anything: an `Err` means no change.
+//!
+//! Where vLLM would trip an `assert` (a load of a missing or pending chunk, a completion of a
+//! load that was never prepared, new keys after a request finished), the call returns
+//! [`CoreError`] instead and changes nothing. One offer may not name the same key twice
+//! (vLLM would allocate it twice and leak a chunk).
+
+pub mod policy;
+pub mod request;
+pub mod table;
+pub mod tracker;
+
+use std::collections::BTreeMap;
+
+use crate::arc::Access;
+use crate::error::{CoreError, CoreResult};
+use crate::key::{Key, KeyBuf, KeyHasher};
+pub use policy::ManagerPolicy;
+use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
+pub use request::{group_index, RequestToken};
+use table::ChunkTable;
+pub use table::{ChunkId, ChunkRecord, FREE, PENDING};
+use tracker::AccessTracker;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LookupResult {
+    Miss,
+    Hit,
+    HitPending,
+}
+
+/// The answer to `prepare_store`.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct StoreOutput {
+    /// Offered keys to store, as indices into the offer (so callers can reuse their key objects).
+    pub stored: Vec<usize>,
+    /// The chunk allocated for each stored key.
+    pub chunk_ids: Vec<ChunkId>,
+    /// Keys evicted to make room, in eviction order.
+    pub evicted: Vec<KeyBuf>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    pub keys: Vec<KeyBuf>,
+    /// Removed (evicted, or dropped after a failed store) rather than stored.
+    pub removed: bool,
+    /// A failed store's cleanup: no public eviction happened.
+    pub metadata_only: bool,
+}
+
+/// Usage figures since the last call to [`Manager::take_stats`] (vLLM's `get_stats`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stats {
+    /// Chunks pinned by transfers (pending stores and loads) over all chunks.
+    pub usage: f64,
+    pub write_usage: f64,
+    pub read_usage: f64,
+    /// Chunks requested by each successful allocation since the last call.
+    pub allocation_sizes: Vec<usize>,
+    /// Store candidates below `store_threshold` (None when the threshold is off).
+    pub stores_skipped: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct ManagerConfig {
+    pub num_chunks: usize,
+    pub enable_events: bool,
+    /// Offers a key needs before it is stored; values below 2 store on the first offer.
+    pub store_threshold: i64,
+    pub max_tracker_size: usize,
+}
+
+/// Heap bytes by structure.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MemoryUsage {
+    pub policy: usize,
+    pub table: usize,
+    pub tracker: usize,
+    pub requests: usize,
+}
+
+impl MemoryUsage {
+    pub fn total(&self) -> usize {
+        self.policy + self.table + self.tracker + self.requests
+    }
+}
+
+pub struct Manager<P: ManagerPolicy> {
+    config: ManagerConfig,
+    table: ChunkTable,
+    policy: P,
+    hasher: KeyHasher,
+    events: Option<Vec<Event>>,
+    tracker: Option<AccessTracker>,
+    num_evictable: usize,
+    num_write_pending: usize,
+    stores_skipped: u64,
+    allocation_sizes: Vec<usize>,
+    requests: RequestRegistry<P::RequestState>,
+}
+
+impl<P: ManagerPolicy> Manager<P> {
+    pub fn new(config: ManagerConfig) -> Self {
+        Manager {
+            table: ChunkTable::new(config.num_chunks),
+            policy: P::new(config.num_chunks),
+            hasher: KeyHasher::global(),
+            events: config.enable_events.then(Vec::new),
+            tracker: (config.store_threshold >= 2).then(|| AccessTracker::new(config.max_tracker_size)),
+            num_evictable: 0,
+            num_write_pending: 0,
+            stores_skipped: 0,
+            allocation_sizes: Vec::new(),
+            requests: RequestRegistry::new(),
+            config,
+        }
+    }
+
+    pub fn config(&self) -> &ManagerConfig {
+        &self.config
+    }
+
+    pub fn policy(&self) -> &P {
+        &self.policy
+    }
+
+    pub fn table(&self) -> &ChunkTable {
+        &self.table
+    }
+
+    #[inline]
+    pub fn key<'a>(&self, bytes: &'a [u8]) -> Key<'a> {
+        Key::new(&self.hasher, bytes)
+    }
+
+    pub fn num_evictable(&self) -> usize {
+        self.num_evictable
+    }
+
+    pub fn num_write_pending(&self) -> usize {
+        self.num_write_pending
+    }
+
+    /// Live request states.
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    #[inline]
+    pub fn lookup(&self, key: Key<'_>) -> LookupResult {
+        match self.policy.get(key) {
+            None => LookupResult::Miss,
+            Some(c) if self.table.record(c).ref_cnt() < 0 => LookupResult::HitPending,
+            Some(_) => LookupResult::Hit,
+        }
+    }
+
+    /// The chunk stored under `key` and its `ref_cnt`.
+    pub fn chunk(&self, key: Key<'_>) -> Option<(ChunkId, i32)> {
+        self.policy.get(key).map(|c| (c, self.table.record(c).ref_cnt()))
+    }
+
+    /// The request's state for this cache generation: `current` if still valid, else new
+    /// (vLLM's `on_new_request` / `_get_request_cache_access`).
+    pub fn request(&mut self, current: Option<RequestToken>) -> RequestToken {
+        self.requests.get_or_create(current)
+    }
+
+    /// The request's context is gone: drop its state (and the policy's).
+    pub fn release_request(&mut self, token: RequestToken) {
+        if let Some(access) = self.requests.release(token) {
+            self.policy.release_request(access.policy_state);
+        }
+    }
+
+    fn check_unique(keys: &[Key<'_>], what: &str) -> CoreResult<()> {
+        if keys.len() > 1 {
+            let mut seen = hashbrown::HashSet::with_capacity_and_hasher(keys.len(), foldhash::fast::FixedState::default());
+            for k in keys {
+                if !seen.insert(k.bytes) {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "{what} names key {:?} twice",
+                        KeyBuf::new(k.bytes)
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM asserts no new key is observed once a request finished.
+    fn check_not_finished<'k>(&self, token: RequestToken, mut recorded: impl Iterator<Item = Key<'k>>) -> CoreResult<()> {
+        let req = self.requests.get(token).ok_or_else(|| CoreError::InvalidState("stale request token".into()))?;
+        if req.finished && recorded.any(|k| req.find(k).is_none()) {
+            return Err(CoreError::InvalidState("new cache keys observed after the request finished".into()));
+        }
+        Ok(())
+    }
+
+    /// vLLM's `_record_request_cache_access`: new keys join the request's key groups and are
+    /// shown to the policy; `reused` marks reads of chunks the request did not store itself.
+    fn record_access(&mut self, token: RequestToken, keys: &[(Key<'_>, Option<i64>)], reused: &[Key<'_>]) {
+        let req = self.requests.get_mut(token).expect("checked by the caller");
+        let mut new_keys = Vec::new();
+        for &(key, pos) in keys {
+            if req.find(key).is_none() {
+                req.observe(&self.hasher, key);
+                new_keys.push((key, pos));
+            }
+        }
+        if !new_keys.is_empty() {
+            self.policy.on_request_access(&mut req.policy_state, &new_keys);
+        }
+        for &key in reused {
+            let idx = req.find(key).expect("reused keys are recorded");
+            if req.flags(idx) & INSERTED == 0 {
+                req.set(idx, REUSED);
+            }
+        }
+    }
+
+    /// Pins ready chunks for reading; returns their chunk ids.
+    pub fn prepare_load(
+        &mut self,
+        token: RequestToken,
+        keys: &[Key<'_>],
+        positions: &[Option<i64>],
+    ) -> CoreResult<Vec<ChunkId>> {
+        debug_assert_eq!(keys.len(), positions.len());
+        let mut chunks = Vec::with_capacity(keys.len());
+        for &key in keys {
+            let chunk = self.policy.get(key).ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
+            if self.table.record(chunk).ref_cnt() < 0 {
+                return Err(CoreError::InvalidState(format!(
+                    "chunk of {:?} is not ready for reading",
+                    KeyBuf::new(key.bytes)
+                )));
+            }
+            chunks.push(chunk);
+        }
+        self.check_not_finished(token, keys.iter().copied())?;
+        for (&key, &chunk) in keys.iter().zip(&chunks) {
+            let record = self.table.record(chunk);
+            let cnt = record.ref_cnt();
+            if cnt == 0 {
+                self.policy.mark_non_evictable(key).expect("idle ready chunks are evictable");
+                self.num_evictable -= 1;
+            }
+            record.set_ref_cnt(cnt + 1);
+        }
+        let recorded: Vec<(Key<'_>, Option<i64>)> = keys.iter().copied().zip(positions.iter().copied()).collect();
+        self.record_access(token, &recorded, keys);
+        Ok(chunks)
+    }
+
+    pub fn touch(&mut self, keys: &[Key<'_>]) {
+        self.policy.touch(keys, &self.table);
+    }
+
+    /// Unpins chunks after their loads finished.
+    pub fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
+        let mut chunks = Vec::with_capacity(keys.len());
+        let mut pending: hashbrown::HashMap<ChunkId, i32, foldhash::fast::FixedState> = Default::default();
+        for &key in keys {
+            let chunk = self.policy.get(key).ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
+            let left = pending.entry(chunk).or_insert_with(|| self.table.record(chunk).ref_cnt());
+            if *left <= 0 {
+                return Err(CoreError::InvalidState(format!(
+                    "chunk of {:?} has no load to complete",
+                    KeyBuf::new(key.bytes)
+                )));
+            }
+            *left -= 1;
+            chunks.push(chunk);
+        }
+        for (&key, chunk) in keys.iter().zip(chunks) {
+            let record = self.table.record(chunk);
+            let cnt = record.ref_cnt() - 1;
+            record.set_ref_cnt(cnt);
+            if cnt == 0 {
+                self.num_evictable += 1;
+                self.policy.mark_evictable(key).expect("the key is resident");
+            }
+        }
+        Ok(())
+    }
+
+    /// Decides which offered keys to store, evicting to make room; `None` when it cannot.
+    /// `positions[i]` is the token position of `keys[i]` in the request.
+    pub fn prepare_store(
+        &mut self,
+        token: RequestToken,
+        keys: &[Key<'_>],
+        positions: &[Option<i64>],
+    ) -> CoreResult<Option<StoreOutput>> {
+        debug_assert_eq!(keys.len(), positions.len());
+        Self::check_unique(keys, "prepare_store")?;
+        // Partition the offer: store candidates (not resident) and ready resident chunks.
+        let mut candidates = Vec::new();
+        let mut ready_existing = Vec::new();
+        for (i, &key) in keys.iter().enumerate() {
+            match self.policy.get(key) {
+                None => candidates.push(i),
+                Some(c) if self.table.record(c).ref_cnt() >= 0 => ready_existing.push(i),
+                Some(_) => {}
+            }
+        }
+        // After this offer is recorded, a tracked candidate counts one more; an untracked one
+        // at most 1, below any threshold >= 2.
+        let to_store: Vec<usize> = match &self.tracker {
+            None => candidates.clone(),
+            Some(t) => candidates
+                .iter()
+                .copied()
+                .filter(|&i| {
+                    let c = t.count(keys[i]);
+                    c > 0 && i64::from(c) + 1 >= self.config.store_threshold
+                })
+                .collect(),
+        };
+        let mut recorded_mask = vec![false; keys.len()];
+        for &i in to_store.iter().chain(&ready_existing) {
+            recorded_mask[i] = true;
+        }
+        self.check_not_finished(token, (0..keys.len()).filter(|&i| recorded_mask[i]).map(|i| keys[i]))?;
+
+        // Nothing can fail from here on.
+        if let Some(tracker) = &mut self.tracker {
+            tracker.record(keys);
+            self.stores_skipped += (candidates.len() - to_store.len()) as u64;
+        }
+        let req = self.requests.get(token).expect("checked above");
+        let new_misses: Vec<Key<'_>> = to_store
+            .iter()
+            .map(|&i| keys[i])
+            .filter(|&k| req.find(k).is_none_or(|idx| req.flags(idx) & STORE_MISS == 0))
+            .collect();
+        if !new_misses.is_empty() {
+            // ARC learns from B1/B2 before insert() drops the ghost; once per request.
+            self.policy.on_store_miss(&new_misses, &self.table);
+        }
+        let recorded: Vec<(Key<'_>, Option<i64>)> =
+            (0..keys.len()).filter(|&i| recorded_mask[i]).map(|i| (keys[i], positions[i])).collect();
+        let reused: Vec<Key<'_>> = ready_existing.iter().map(|&i| keys[i]).collect();
+        self.record_access(token, &recorded, &reused);
+        let req = self.requests.get_mut(token).expect("checked above");
+        for key in &new_misses {
+            let idx = req.find(*key).expect("store misses are recorded");
+            req.set(idx, STORE_MISS);
+        }
+
+        if to_store.is_empty() {
+            return Ok(Some(StoreOutput::default()));
+        }
+        self.allocation_sizes.push(to_store.len());
+        let mut evicted = Vec::new();
+        let needed = to_store.len().saturating_sub(self.table.num_free());
+        if needed > 0 {
+            if needed > self.num_evictable {
+                return Ok(None);
+            }
+            // A chunk this offer names must stay cached: protect the whole offer.
+            let Some(victims) = self.policy.evict(needed, keys, &self.table) else {
+                return Ok(None);
+            };
+            self.num_evictable -= victims.len();
+            for (key, chunk) in victims {
+                self.table.free(chunk);
+                evicted.push(key);
+            }
+        }
+        if !evicted.is_empty() {
+            if let Some(events) = &mut self.events {
+                events.push(Event { keys: evicted.clone(), removed: true, metadata_only: false });
+            }
+        }
+        let chunk_ids = self.table.allocate(to_store.len());
+        let req = self.requests.get_mut(token).expect("checked above");
+        for (&i, &chunk) in to_store.iter().zip(&chunk_ids) {
+            self.policy
+                .insert(&mut req.policy_state, keys[i], chunk, positions[i])
+                .expect("store candidates are not resident");
+        }
+        self.num_write_pending += to_store.len();
+        for &i in &to_store {
+            let idx = req.find(keys[i]).expect("stored keys are recorded");
+            req.set(idx, INSERTED);
+        }
+        Ok(Some(StoreOutput { stored: to_store, chunk_ids, evicted }))
+    }
+
+    /// Marks pending stores done: ready and evictable on success, dropped on failure. Keys that
+    /// are absent or already ready are ignored.
+    pub fn complete_store(&mut self, keys: &[Key<'_>], success: bool) {
+        let mut done = Vec::new();
+        for &key in keys {
+            let Some(chunk) = self.policy.get(key) else { continue };
+            if self.table.record(chunk).ref_cnt() >= 0 {
+                continue;
+            }
+            self.num_write_pending -= 1;
+            if success {
+                self.table.record(chunk).set_ref_cnt(0);
+                self.num_evictable += 1;
+                self.policy.mark_evictable(key).expect("the key is resident");
+            } else {
+                self.policy.remove(key).expect("the key is resident");
+                self.table.free(chunk);
+            }
+            done.push(KeyBuf::new(key.bytes));
+        }
+        if let (Some(events), false) = (&mut self.events, done.is_empty()) {
+            events.push(Event { keys: done, removed: !success, metadata_only: !success });
+        }
+    }
+
+    /// Applies the finished request's accesses to the policy, once. `position` gives a key's
+    /// token position; it is called for every key before anything changes.
+    pub fn finish_request<E>(
+        &mut self,
+        token: RequestToken,
+        mut position: impl FnMut(&[u8]) -> Result<Option<i64>, E>,
+    ) -> Result<(), E> {
+        let Some(req) = self.requests.get(token) else { return Ok(()) };
+        if req.finished {
+            return Ok(());
+        }
+        // Key groups by group index, each in first-seen order.
+        let mut groups: BTreeMap<u32, Vec<(&[u8], Option<i64>, u8)>> = BTreeMap::new();
+        for k in req.keys_in_order() {
+            let pos = position(k.key.as_slice())?;
+            groups.entry(k.group).or_default().push((k.key.as_slice(), pos, k.flags));
+        }
+        let mut ordered: Vec<(&[u8], Option<i64>, u8)> = Vec::with_capacity(req.num_keys());
+        for (_, mut keys) in groups {
+            if keys.iter().all(|k| k.1.is_some()) {
+                keys.sort_by_key(|k| k.1);
+            }
+            ordered.extend(keys);
+        }
+        // The policy orders across groups the same way (keys are distinct across groups).
+        if ordered.iter().all(|k| k.1.is_some()) {
+            ordered.sort_by_key(|k| k.1);
+        }
+        let accesses: Vec<(Key<'_>, Access)> = ordered
+            .iter()
+            .map(|&(bytes, _, flags)| {
+                let access = if flags & REUSED != 0 {
+                    Access::Reused
+                } else if flags & INSERTED != 0 {
+                    Access::InsertionOnly
+                } else {
+                    Access::Other
+                };
+                (Key::new(&self.hasher, bytes), access)
+            })
+            .collect();
+        self.policy.on_request_finished(&accesses, &self.table);
+        drop(accesses);
+        drop(ordered);
+        self.requests.get_mut(token).expect("checked above").finished = true;
+        Ok(())
+    }
+
+    /// Takes the events collected so far. A failed store's cleanup only names keys no retry
+    /// has stored again since.
+    pub fn take_events(&mut self) -> Vec<Event> {
+        let Some(events) = &mut self.events else { return Vec::new() };
+        let events = std::mem::take(events);
+        events
+            .into_iter()
+            .filter_map(|mut e| {
+                if e.metadata_only {
+                    e.keys.retain(|k| self.policy.get(Key::new(&self.hasher, k.as_slice())).is_none());
+                    if e.keys.is_empty() {
+                        return None;
+                    }
+                }
+                Some(e)
+            })
+            .collect()
+    }
+
+    /// Drops every chunk and request state (vLLM's `reset_cache`); events, the access tracker
+    /// and pending stats survive, as in vLLM.
+    pub fn reset(&mut self) {
+        self.policy.clear();
+        drop(self.requests.reset());
+        self.num_evictable = 0;
+        self.num_write_pending = 0;
+        self.table.reset();
+    }
+
+    /// vLLM's `get_stats`: usage gauges, and the allocation sizes and skipped stores since the
+    /// last call (which this call resets).
+    pub fn take_stats(&mut self) -> Stats {
+        let n = self.table.num_chunks();
+        let used = self.table.num_allocated() - self.table.free_list_len() - self.num_evictable;
+        let usage = if n > 0 { used as f64 / n as f64 } else { 0.0 };
+        let write_usage = if n > 0 { self.num_write_pending as f64 / n as f64 } else { 0.0 };
+        let stores_skipped = self.tracker.is_some().then(|| std::mem::take(&mut self.stores_skipped));
+        Stats {
+            usage,
+            write_usage,
+            read_usage: f64::max(usage - write_usage, 0.0),
+            allocation_sizes: std::mem::take(&mut self.allocation_sizes),
+            stores_skipped,
+        }
+    }
+
+    pub fn memory_usage(&self) -> MemoryUsage {
+        MemoryUsage {
+            policy: self.policy.heap_bytes(),
+            table: self.table.heap_bytes(),
+            tracker: self.tracker.as_ref().map_or(0, |t| t.heap_bytes()),
+            requests: self.requests.heap_bytes(),
+        }
+    }
+
+    /// Checks the manager's invariants and its policy's.
+    #[cfg(any(test, fuzzing, feature = "validate"))]
+    pub fn validate(&self) -> Result<(), String> {
+        self.policy.validate(&self.table)?;
+        let n = self.table.num_chunks();
+        let resident = self.table.num_allocated() - self.table.free_list_len();
+        if resident != self.policy.len() {
+            return Err(format!("{resident} chunks allocated, policy holds {}", self.policy.len()));
+        }
+        let (mut evictable, mut pending, mut used) = (0, 0, 0);
+        for (id, r) in self.table.records().iter().enumerate() {
+            let cnt = r.ref_cnt();
+            if r.chunk_id.load(std::sync::atomic::Ordering::Relaxed) != id as i64 {
+                return Err(format!("record {id} has the wrong chunk id"));
+            }
+            match cnt {
+                FREE => {}
+                PENDING => pending += 1,
+                0 => evictable += 1,
+                c if c > 0 => {}
+                c => return Err(format!("chunk {id} has ref_cnt {c}")),
+            }
+            if cnt != FREE {
+                used += 1;
+            }
+        }
+        if used != resident {
+            return Err(format!("{used} records in use, {resident} chunks resident"));
+        }
+        if evictable != self.num_evictable || pending != self.num_write_pending {
+            return Err(format!(
+                "counts evictable {}/{evictable}, pending {}/{pending} disagree with the table",
+                self.num_evictable, self.num_write_pending
+            ));
+        }
+        if self.table.num_free() + resident != n {
+            return Err("free and resident chunks do not add up".into());
+        }
+        Ok(())
+    }
+}

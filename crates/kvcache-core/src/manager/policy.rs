@@ -1,0 +1,217 @@
+//! What the manager needs from a policy, implemented by [`LruPolicy`] and [`ArcPolicy`] over
+//! the manager's chunk ids. Per-request policy state (LRU's request rank) lives in the
+//! manager's request registry, so it dies with the request like vLLM's state on `ReqContext`.
+
+use crate::arc::{Access, ArcPolicy};
+use crate::error::CoreResult;
+use crate::key::{Key, KeyBuf};
+use crate::lru::{InsertRank, LruPolicy, RequestRank};
+use crate::manager::table::{ChunkId, ChunkTable};
+
+pub trait ManagerPolicy {
+    /// Per-request state the policy keeps (dropped or released with the request).
+    type RequestState: Default;
+
+    fn new(capacity: usize) -> Self;
+    fn name(&self) -> &'static str;
+    fn get(&self, key: Key<'_>) -> Option<ChunkId>;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// A new pending chunk; `position` is the key's token position in the storing request.
+    fn insert(
+        &mut self,
+        state: &mut Self::RequestState,
+        key: Key<'_>,
+        chunk: ChunkId,
+        position: Option<i64>,
+    ) -> CoreResult<()>;
+    fn remove(&mut self, key: Key<'_>) -> CoreResult<ChunkId>;
+    fn touch(&mut self, keys: &[Key<'_>], table: &ChunkTable);
+    fn on_store_miss(&mut self, keys: &[Key<'_>], table: &ChunkTable);
+    fn on_request_access(&mut self, state: &mut Self::RequestState, keys: &[(Key<'_>, Option<i64>)]);
+    /// One finished request's keys in prefix order, each with how the request used it.
+    fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)], table: &ChunkTable);
+    fn evict(&mut self, n: usize, protected: &[Key<'_>], table: &ChunkTable) -> Option<Vec<(KeyBuf, ChunkId)>>;
+    fn mark_evictable(&mut self, key: Key<'_>) -> CoreResult<()>;
+    fn mark_non_evictable(&mut self, key: Key<'_>) -> CoreResult<()>;
+    fn release_request(&mut self, state: Self::RequestState);
+    fn clear(&mut self);
+    fn heap_bytes(&self) -> usize;
+    #[cfg(any(test, fuzzing, feature = "validate"))]
+    fn validate(&self, table: &ChunkTable) -> Result<(), String>;
+}
+
+impl ManagerPolicy for LruPolicy<ChunkId> {
+    type RequestState = Option<RequestRank>;
+
+    fn new(capacity: usize) -> Self {
+        LruPolicy::new(capacity)
+    }
+
+    fn name(&self) -> &'static str {
+        "lru"
+    }
+
+    #[inline]
+    fn get(&self, key: Key<'_>) -> Option<ChunkId> {
+        LruPolicy::get(self, key).copied()
+    }
+
+    fn len(&self) -> usize {
+        LruPolicy::len(self)
+    }
+
+    fn insert(
+        &mut self,
+        state: &mut Self::RequestState,
+        key: Key<'_>,
+        chunk: ChunkId,
+        position: Option<i64>,
+    ) -> CoreResult<()> {
+        let rank = match position {
+            None => InsertRank::Fresh,
+            Some(pos) => {
+                let rank = self.request_rank(*state);
+                *state = Some(rank);
+                InsertRank::Request(rank, pos)
+            }
+        };
+        // A new chunk is pending (ref_cnt −1), so never evictable yet.
+        LruPolicy::insert(self, key, chunk, rank, false)
+    }
+
+    fn remove(&mut self, key: Key<'_>) -> CoreResult<ChunkId> {
+        LruPolicy::remove(self, key)
+    }
+
+    fn touch(&mut self, keys: &[Key<'_>], _table: &ChunkTable) {
+        LruPolicy::touch(self, keys)
+    }
+
+    fn on_store_miss(&mut self, keys: &[Key<'_>], _table: &ChunkTable) {
+        // vLLM's default on_store_miss is a touch.
+        LruPolicy::touch(self, keys)
+    }
+
+    fn on_request_access(&mut self, state: &mut Self::RequestState, keys: &[(Key<'_>, Option<i64>)]) {
+        let rank = self.request_rank(*state);
+        *state = Some(rank);
+        LruPolicy::on_request_access(self, rank, keys).expect("a fresh request rank is valid");
+    }
+
+    fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)], _table: &ChunkTable) {
+        let keys: Vec<Key<'_>> = keys.iter().map(|(k, _)| *k).collect();
+        LruPolicy::touch(self, &keys)
+    }
+
+    fn evict(&mut self, n: usize, protected: &[Key<'_>], table: &ChunkTable) -> Option<Vec<(KeyBuf, ChunkId)>> {
+        let guard = self.protect(protected.iter().copied());
+        let evicted = LruPolicy::evict(self, n, &guard, table)?;
+        Some(evicted.into_iter().map(|e| (e.key, e.chunk)).collect())
+    }
+
+    fn mark_evictable(&mut self, key: Key<'_>) -> CoreResult<()> {
+        LruPolicy::mark_evictable(self, key)
+    }
+
+    fn mark_non_evictable(&mut self, key: Key<'_>) -> CoreResult<()> {
+        LruPolicy::mark_non_evictable(self, key)
+    }
+
+    fn release_request(&mut self, state: Self::RequestState) {
+        if let Some(rank) = state {
+            self.release_request_rank(rank);
+        }
+    }
+
+    fn clear(&mut self) {
+        LruPolicy::clear(self)
+    }
+
+    fn heap_bytes(&self) -> usize {
+        LruPolicy::heap_bytes(self)
+    }
+
+    #[cfg(any(test, fuzzing, feature = "validate"))]
+    fn validate(&self, _table: &ChunkTable) -> Result<(), String> {
+        LruPolicy::validate(self)
+    }
+}
+
+impl ManagerPolicy for ArcPolicy<ChunkId> {
+    type RequestState = ();
+
+    fn new(capacity: usize) -> Self {
+        ArcPolicy::new(capacity)
+    }
+
+    fn name(&self) -> &'static str {
+        "arc"
+    }
+
+    #[inline]
+    fn get(&self, key: Key<'_>) -> Option<ChunkId> {
+        ArcPolicy::get(self, key).copied()
+    }
+
+    fn len(&self) -> usize {
+        ArcPolicy::len(self)
+    }
+
+    fn insert(&mut self, _: &mut (), key: Key<'_>, chunk: ChunkId, _: Option<i64>) -> CoreResult<()> {
+        ArcPolicy::insert(self, key, chunk)
+    }
+
+    fn remove(&mut self, key: Key<'_>) -> CoreResult<ChunkId> {
+        ArcPolicy::remove(self, key)
+    }
+
+    fn touch(&mut self, keys: &[Key<'_>], table: &ChunkTable) {
+        ArcPolicy::touch(self, keys, table)
+    }
+
+    fn on_store_miss(&mut self, keys: &[Key<'_>], _table: &ChunkTable) {
+        ArcPolicy::on_store_miss(self, keys)
+    }
+
+    fn on_request_access(&mut self, _: &mut (), _: &[(Key<'_>, Option<i64>)]) {}
+
+    fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)], _table: &ChunkTable) {
+        let ks: Vec<Key<'_>> = keys.iter().map(|(k, _)| *k).collect();
+        let entries = self.resolve(&ks);
+        let accesses: Vec<(u32, Access)> = entries.into_iter().zip(keys).map(|(i, (_, a))| (i, *a)).collect();
+        ArcPolicy::on_request_finished(self, &accesses)
+    }
+
+    fn evict(&mut self, n: usize, protected: &[Key<'_>], table: &ChunkTable) -> Option<Vec<(KeyBuf, ChunkId)>> {
+        let guard = self.protect(protected.iter().copied());
+        let evicted = ArcPolicy::evict(self, n, &guard, table)?;
+        Some(evicted.into_iter().map(|e| (e.key, e.chunk)).collect())
+    }
+
+    fn mark_evictable(&mut self, _key: Key<'_>) -> CoreResult<()> {
+        // ARC reads ref_cnt itself; vLLM's ARC ignores these notifications.
+        Ok(())
+    }
+
+    fn mark_non_evictable(&mut self, _key: Key<'_>) -> CoreResult<()> {
+        Ok(())
+    }
+
+    fn release_request(&mut self, _: ()) {}
+
+    fn clear(&mut self) {
+        ArcPolicy::clear(self)
+    }
+
+    fn heap_bytes(&self) -> usize {
+        ArcPolicy::heap_bytes(self)
+    }
+
+    #[cfg(any(test, fuzzing, feature = "validate"))]
+    fn validate(&self, table: &ChunkTable) -> Result<(), String> {
+        ArcPolicy::validate(self, table)
+    }
+}

@@ -1,0 +1,192 @@
+//! Per-request cache access tracking (vLLM's `_RequestCacheAccess`).
+//!
+//! For each request the manager remembers the keys it observed, in first-seen order and by KV
+//! cache group, and which of them it stored (inserted), reused (read while ready) or missed on
+//! store. When the request finishes, the policy sees one access per key in prefix order. The
+//! registry owns this state; the request's context holds only a [`RequestToken`], and the state
+//! lives until the token is released (its context died) or the cache is reset.
+
+use hashbrown::HashMap;
+
+use crate::index::{KeyIndex, Keyed};
+use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::slab::Slab;
+
+/// Names one request's state for one cache generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RequestToken {
+    pub generation: u64,
+    pub id: u64,
+}
+
+pub(crate) const INSERTED: u8 = 1;
+pub(crate) const REUSED: u8 = 2;
+pub(crate) const STORE_MISS: u8 = 4;
+
+pub(crate) struct SeenKey {
+    pub key: KeyBuf,
+    pub group: u32,
+    pub flags: u8,
+}
+
+impl Keyed for SeenKey {
+    fn key(&self) -> &[u8] {
+        self.key.as_slice()
+    }
+}
+
+/// One request's accesses. `S` is the policy's own per-request state (LRU's rank).
+pub struct RequestAccess<S> {
+    pub(crate) seen: Slab<SeenKey>,
+    pub(crate) index: KeyIndex,
+    pub(crate) finished: bool,
+    pub(crate) policy_state: S,
+}
+
+impl<S: Default> RequestAccess<S> {
+    fn new() -> Self {
+        RequestAccess {
+            seen: Slab::default(),
+            index: KeyIndex::default(),
+            finished: false,
+            policy_state: S::default(),
+        }
+    }
+}
+
+impl<S> RequestAccess<S> {
+    pub(crate) fn find(&self, key: Key<'_>) -> Option<u32> {
+        self.index.find(&self.seen, key)
+    }
+
+    /// Records a newly observed key (the caller checked it is unseen).
+    pub(crate) fn observe(&mut self, hasher: &KeyHasher, key: Key<'_>) -> u32 {
+        let idx = self.seen.insert(SeenKey { key: KeyBuf::new(key.bytes), group: group_index(key.bytes), flags: 0 });
+        self.index.insert(&self.seen, hasher, key, idx);
+        idx
+    }
+
+    pub(crate) fn flags(&self, idx: u32) -> u8 {
+        self.seen.get(idx).flags
+    }
+
+    pub(crate) fn set(&mut self, idx: u32, flag: u8) {
+        self.seen.get_mut(idx).flags |= flag;
+    }
+
+    /// Keys in first-seen order (slab order: the slab never frees while the request lives).
+    pub(crate) fn keys_in_order(&self) -> impl Iterator<Item = &SeenKey> {
+        self.seen.iter().map(|(_, k)| k)
+    }
+
+    pub fn num_keys(&self) -> usize {
+        self.seen.len()
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.seen.allocation_size() + self.index.allocation_size()
+    }
+}
+
+/// vLLM's `get_offload_group_idx`: the key's last 4 bytes, big-endian (fewer if shorter).
+pub fn group_index(key: &[u8]) -> u32 {
+    let tail = &key[key.len().saturating_sub(4)..];
+    tail.iter().fold(0u32, |acc, &b| (acc << 8) | u32::from(b))
+}
+
+pub struct RequestRegistry<S> {
+    requests: HashMap<u64, RequestAccess<S>, foldhash::fast::FixedState>,
+    next_id: u64,
+    generation: u64,
+}
+
+impl<S: Default> RequestRegistry<S> {
+    pub fn new() -> Self {
+        RequestRegistry { requests: HashMap::default(), next_id: 0, generation: 0 }
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// The request's state: `current` if it is still valid, else a fresh one.
+    pub fn get_or_create(&mut self, current: Option<RequestToken>) -> RequestToken {
+        if let Some(t) = current {
+            if t.generation == self.generation && self.requests.contains_key(&t.id) {
+                return t;
+            }
+        }
+        self.next_id += 1;
+        self.requests.insert(self.next_id, RequestAccess::new());
+        RequestToken { generation: self.generation, id: self.next_id }
+    }
+
+    /// A valid token's state (None for a stale or released token).
+    pub fn get(&self, token: RequestToken) -> Option<&RequestAccess<S>> {
+        (token.generation == self.generation).then(|| self.requests.get(&token.id)).flatten()
+    }
+
+    pub fn get_mut(&mut self, token: RequestToken) -> Option<&mut RequestAccess<S>> {
+        if token.generation != self.generation {
+            return None;
+        }
+        self.requests.get_mut(&token.id)
+    }
+
+    /// Forgets the request (its context died); returns its state for the policy to release.
+    pub fn release(&mut self, token: RequestToken) -> Option<RequestAccess<S>> {
+        if token.generation != self.generation {
+            return None;
+        }
+        self.requests.remove(&token.id)
+    }
+
+    /// Every request's state becomes stale (vLLM's `reset_cache`).
+    pub fn reset(&mut self) -> Vec<RequestAccess<S>> {
+        self.generation += 1;
+        self.requests.drain().map(|(_, r)| r).collect()
+    }
+
+    pub fn heap_bytes(&self) -> usize {
+        self.requests.allocation_size() + self.requests.values().map(|r| r.heap_bytes()).sum::<usize>()
+    }
+}
+
+impl<S: Default> Default for RequestRegistry<S> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_index_reads_the_last_four_bytes_big_endian() {
+        assert_eq!(group_index(&[9, 9, 0, 0, 1, 2]), 0x0102);
+        assert_eq!(group_index(&[1, 2]), 0x0102);
+        assert_eq!(group_index(&[]), 0);
+    }
+
+    #[test]
+    fn tokens_go_stale_on_reset_and_release() {
+        let mut r = RequestRegistry::<()>::new();
+        let t = r.get_or_create(None);
+        assert_eq!(r.get_or_create(Some(t)), t);
+        r.reset();
+        assert!(r.get(t).is_none());
+        let t2 = r.get_or_create(Some(t));
+        assert_ne!(t2, t);
+        assert!(r.release(t2).is_some());
+        assert!(r.get(t2).is_none());
+    }
+}

@@ -1,0 +1,129 @@
+//! The bounded access tracker behind `store_threshold`: how often each recently offered key was
+//! offered, so a chunk is stored only once it was offered `store_threshold` times.
+//!
+//! Semantics of vLLM's `_record_accesses`: an ordered map from key to count, bounded by
+//! `max_tracker_size`. Keys of an offer already tracked move to the most recent end and count
+//! once more (and are safe from eviction during this offer); new keys start at 1, evicting the
+//! least recent unprotected entries to make room, and are skipped when only protected entries
+//! remain.
+
+use crate::index::{KeyIndex, Keyed};
+use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::slab::{Linked, Links, List, Slab, NIL};
+
+struct Tracked {
+    key: KeyBuf,
+    links: Links,
+    count: u32,
+}
+
+impl Linked for Tracked {
+    fn links(&self) -> &Links {
+        &self.links
+    }
+    fn links_mut(&mut self) -> &mut Links {
+        &mut self.links
+    }
+}
+
+impl Keyed for Tracked {
+    fn key(&self) -> &[u8] {
+        self.key.as_slice()
+    }
+}
+
+pub struct AccessTracker {
+    max_size: usize,
+    slab: Slab<Tracked>,
+    index: KeyIndex,
+    order: List,
+    hasher: KeyHasher,
+}
+
+impl AccessTracker {
+    pub fn new(max_size: usize) -> Self {
+        AccessTracker {
+            max_size,
+            slab: Slab::default(),
+            index: KeyIndex::default(),
+            order: List::default(),
+            hasher: KeyHasher::global(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    pub fn count(&self, key: Key<'_>) -> u32 {
+        self.index.find(&self.slab, key).map_or(0, |i| self.slab.get(i).count)
+    }
+
+    /// Records one offer of `keys` (in offer order, duplicates counted as vLLM counts them).
+    pub fn record(&mut self, keys: &[Key<'_>]) {
+        let found = self.index.find_many(&self.slab, keys);
+        // Protected: tracked keys of this offer (distinct entries).
+        let mut protected = 0usize;
+        let mut seen = hashbrown::HashSet::<u32, foldhash::fast::FixedState>::default();
+        for &idx in &found {
+            if idx != NIL {
+                self.order.move_to_back(&mut self.slab, idx);
+                self.slab.get_mut(idx).count += 1;
+                if seen.insert(idx) {
+                    protected += 1;
+                }
+            }
+        }
+        let mut unprotected = self.index.len() - protected;
+        for (&key, &idx) in keys.iter().zip(&found) {
+            if idx != NIL || self.index.find(&self.slab, key).is_some() {
+                continue;
+            }
+            if self.index.len() >= self.max_size {
+                if unprotected == 0 {
+                    continue;
+                }
+                let oldest = self.order.head();
+                self.order.unlink(&mut self.slab, oldest);
+                let old_key = Key::new(&self.hasher, self.slab.get(oldest).key());
+                self.index.remove(&self.slab, old_key);
+                self.slab.remove(oldest);
+                unprotected -= 1;
+            }
+            let idx = self.slab.insert(Tracked {
+                key: KeyBuf::new(key.bytes),
+                links: Links::default(),
+                count: 1,
+            });
+            self.index.insert(&self.slab, &self.hasher, key, idx);
+            self.order.push_back(&mut self.slab, idx);
+        }
+    }
+
+    pub fn heap_bytes(&self) -> usize {
+        self.slab.allocation_size() + self.index.allocation_size()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_offers_and_evicts_the_oldest_unprotected() {
+        let h = KeyHasher::global();
+        let k = |b: &'static [u8]| Key::new(&h, b);
+        let mut t = AccessTracker::new(2);
+        t.record(&[k(b"a"), k(b"b")]);
+        t.record(&[k(b"a"), k(b"c")]);
+        // "b" was the oldest unprotected entry; "a" was protected by this offer.
+        assert_eq!((t.count(k(b"a")), t.count(k(b"b")), t.count(k(b"c"))), (2, 0, 1));
+        // Both tracked keys are protected: a new key is not tracked.
+        t.record(&[k(b"a"), k(b"c"), k(b"d")]);
+        assert_eq!((t.count(k(b"a")), t.count(k(b"c")), t.count(k(b"d"))), (3, 2, 0));
+    }
+}
