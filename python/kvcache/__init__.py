@@ -1,8 +1,9 @@
 """kvcache: fast, frugal CPU KV-cache offloading for vLLM.
 
 Rust implementations of vLLM 0.33.0's CPU-offloading cache policies (``LRUCachePolicy``,
-``ARCCachePolicy``), decision-identical to vLLM's. ``import kvcache`` imports neither vLLM nor
-torch; ``kvcache.vllm`` is the adapter vLLM loads by configuration.
+``ARCCachePolicy``) and manager (``OffloadingManager``), decision-identical to vLLM's.
+``import kvcache`` imports neither vLLM nor torch; ``kvcache.vllm`` is the adapter vLLM loads by
+configuration, and ``kvcache.transfer`` moves chunks between GPU and host memory.
 """
 
 from kvcache._context import ReqContext
@@ -23,6 +24,8 @@ from kvcache._core import (
     __version__,
     order_request_keys,
 )
+from kvcache._types import LoadStoreSpec, LookupResult, OffloadingEvent, PrepareStoreOutput
+from kvcache.manager import ManagerStats, OffloadingManager
 
 __all__ = [
     "ARCCachePolicy",
@@ -37,7 +40,13 @@ __all__ = [
     "KeyNotFoundError",
     "KvCacheError",
     "LRUCachePolicy",
+    "LoadStoreSpec",
+    "LookupResult",
+    "ManagerStats",
     "NotEvictableError",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
     "ReqContext",
     "__version__",
     "order_request_keys",

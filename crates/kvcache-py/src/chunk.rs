@@ -9,46 +9,26 @@
 
 use std::ffi::{c_int, CStr};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicI32, AtomicI64, Ordering};
+use std::sync::atomic::Ordering;
 
+use kvcache_core::manager::ChunkRecord;
 use kvcache_core::HasRefCnt;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
 use crate::exceptions::{exceptions, new_err};
 
-/// Layout of vLLM's ctypes `ChunkStatus`. Atomics give interior mutability with the layout of
-/// plain integers: Python writes through exported buffers, Rust reads through `&self`.
-#[repr(C)]
-pub struct RawChunkStatus {
-    pub ref_cnt: AtomicI32,
-    _pad: AtomicI32,
-    pub chunk_id: AtomicI64,
-}
-
-const _: () = assert!(std::mem::size_of::<RawChunkStatus>() == CHUNK_STATUS_BYTES);
-
-pub const CHUNK_STATUS_BYTES: usize = 16;
+pub const CHUNK_STATUS_BYTES: usize = std::mem::size_of::<ChunkRecord>();
 
 /// PEP 3118 format of one record: int32 `ref_cnt`, 4 pad bytes, int64 `chunk_id`
 /// (little-endian, as on every platform vLLM runs on). numpy turns it into a structured dtype.
 pub const CHUNK_STATUS_FORMAT: &CStr = c"T{<i:ref_cnt:4x<q:chunk_id:}";
 
-impl RawChunkStatus {
-    pub fn new(chunk_id: i64, ref_cnt: i32) -> Self {
-        RawChunkStatus {
-            ref_cnt: AtomicI32::new(ref_cnt),
-            _pad: AtomicI32::new(0),
-            chunk_id: AtomicI64::new(chunk_id),
-        }
-    }
-}
-
 /// Offloading status of one chunk: `ref_cnt` (−1 while the store is pending, else the number
 /// of loads reading it) and `chunk_id` (its slot in host memory).
 #[pyclass(name = "ChunkStatus", module = "kvcache._core", frozen)]
 pub struct ChunkStatus {
-    raw: RawChunkStatus,
+    raw: ChunkRecord,
 }
 
 #[pymethods]
@@ -57,7 +37,7 @@ impl ChunkStatus {
     #[new]
     fn new(chunk_id: i64) -> Self {
         ChunkStatus {
-            raw: RawChunkStatus::new(chunk_id, -1),
+            raw: ChunkRecord::new(chunk_id, -1),
         }
     }
 
@@ -111,12 +91,6 @@ impl ChunkStatus {
     /// # Safety
     /// Called by CPython with the view it got from `__getbuffer__`.
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
-}
-
-impl ChunkStatus {
-    pub fn raw(&self) -> &RawChunkStatus {
-        &self.raw
-    }
 }
 
 /// Fills `view` with `len_items` records (or one 0-d record when `len_items == 0`) at `buf`.

@@ -10,6 +10,7 @@ mod chunk;
 mod conversion;
 mod errors;
 mod exceptions;
+mod manager;
 mod policy;
 mod request_state;
 mod transfer;
@@ -21,7 +22,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<policy::BaseCachePolicy>()?;
     m.add_class::<policy::LruCachePolicy>()?;
     m.add_class::<policy::ArcCachePolicy>()?;
-    m.add_class::<request_state::RequestRanks>()?;
+    m.add_class::<request_state::RequestState>()?;
+    m.add_class::<manager::PyManager>()?;
+    m.add_class::<manager::ChunkTableView>()?;
     m.add_function(wrap_pyfunction!(policy::order_request_keys_py, m)?)?;
     exceptions::register(m)?;
     transfer::register(m)?;

@@ -5,13 +5,10 @@
 //! (keys, chunks, positions, protected sets) before the core is touched, then runs its loop in
 //! Rust; eviction reads reference counts straight from chunk memory.
 
-use std::sync::Arc;
-
 use kvcache_core::{
     Access, ArcPolicy, InsertRank, Key, ListId, LruPolicy, RequestRank, SelfCounted,
 };
 use pyo3::exceptions::PyAssertionError;
-use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
@@ -20,8 +17,7 @@ use crate::conversion::{
     as_key, collect_keys, count, order_request_keys, ContextTypeCache, Positions,
 };
 use crate::errors::IntoPyResult;
-use crate::exceptions::{exceptions, new_err};
-use crate::request_state::{next_policy_uid, Graveyard, RequestRanks};
+use crate::request_state::{require_context, Owner};
 
 enum Inner {
     Lru(LruPolicy<PyChunk>),
@@ -32,8 +28,7 @@ enum Inner {
 #[pyclass(name = "BaseCachePolicy", module = "kvcache._core", subclass)]
 pub struct BaseCachePolicy {
     inner: Inner,
-    uid: u64,
-    graveyard: Arc<Graveyard>,
+    owner: Owner,
     contexts: ContextTypeCache,
 }
 
@@ -43,12 +38,7 @@ fn capacity_arg(cache_capacity: &Bound<'_, PyAny>) -> PyResult<usize> {
 
 impl BaseCachePolicy {
     fn new(inner: Inner) -> Self {
-        BaseCachePolicy {
-            inner,
-            uid: next_policy_uid(),
-            graveyard: Arc::default(),
-            contexts: ContextTypeCache::default(),
-        }
+        BaseCachePolicy { inner, owner: Owner::default(), contexts: ContextTypeCache::default() }
     }
 
     fn key<'a>(&self, bytes: &'a [u8]) -> Key<'a> {
@@ -71,79 +61,23 @@ impl BaseCachePolicy {
 }
 
 /// Releases the ranks of requests whose state was collected since the last call.
-fn bury_dead(lru: &mut LruPolicy<PyChunk>, graveyard: &Graveyard) {
-    for rank in graveyard.take() {
-        lru.release_request_rank(rank);
+fn bury_dead(lru: &mut LruPolicy<PyChunk>, owner: &Owner) {
+    for token in owner.graveyard.take() {
+        lru.release_request_rank(token.into());
     }
-}
-
-fn context_error(ctx: &Bound<'_, PyAny>, method: &str) -> PyErr {
-    let py = ctx.py();
-    let ty = ctx
-        .get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_default();
-    new_err(
-        py,
-        &exceptions(py).invalid_type,
-        format!("req_context must have vLLM's ReqContext methods; {ty} has no {method}"),
-    )
 }
 
 /// The request's rank in `lru`, kept on the context like vLLM's `_get_request_rank` does.
 /// Every Python call happens before the policy changes.
 fn request_rank(
     lru: &mut LruPolicy<PyChunk>,
-    uid: u64,
-    graveyard: &Arc<Graveyard>,
+    owner: &Owner,
     ctx: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<RequestRank> {
     let ctx = require_context(ctx)?;
-    let py = ctx.py();
-    bury_dead(lru, graveyard);
-    let state_type = py.get_type::<RequestRanks>();
-    let get_state = ctx
-        .getattr(intern!(py, "get_state"))
-        .map_err(|_| context_error(ctx, "get_state"))?;
-    let existing = get_state.call1((&state_type,))?;
-    let state = if existing.is_none() {
-        let fresh = Bound::new(py, RequestRanks::default())?;
-        let set_state = ctx
-            .getattr(intern!(py, "set_state"))
-            .map_err(|_| context_error(ctx, "set_state"))?;
-        set_state.call1((&fresh,))?;
-        fresh
-    } else {
-        existing.cast_into::<RequestRanks>().map_err(|_| {
-            new_err(
-                py,
-                &exceptions(py).invalid_type,
-                "req_context returned a foreign state".into(),
-            )
-        })?
-    };
-    let current = state.get().get(uid);
-    let rank = lru.request_rank(current);
-    if current != Some(rank) {
-        state.get().set(uid, rank, graveyard);
-    }
-    Ok(rank)
-}
-
-/// LRU needs a context for request ranks: refuse `None` with a clear error.
-fn require_context<'a, 'py>(ctx: Option<&'a Bound<'py, PyAny>>) -> PyResult<&'a Bound<'py, PyAny>> {
-    match ctx {
-        Some(c) if !c.is_none() => Ok(c),
-        _ => Python::attach(|py| {
-            Err(new_err(
-                py,
-                &exceptions(py).invalid_type,
-                "this call needs a req_context (vLLM's ReqContext or an object with its methods)"
-                    .into(),
-            ))
-        }),
-    }
+    bury_dead(lru, owner);
+    let token = owner.token(ctx, |current| lru.request_rank(current.map(Into::into)).into())?;
+    Ok(token.into())
 }
 
 #[pymethods]
@@ -207,7 +141,7 @@ impl BaseCachePolicy {
                 let rank = match positions.get(&key)? {
                     None => InsertRank::Fresh,
                     Some(pos) => InsertRank::Request(
-                        request_rank(p, self.uid, &self.graveyard, req_context.as_ref())?,
+                        request_rank(p, &self.owner, req_context.as_ref())?,
                         pos,
                     ),
                 };
@@ -284,7 +218,7 @@ impl BaseCachePolicy {
                 observed.push((k, positions.get(key)?));
             }
         }
-        let rank = request_rank(p, self.uid, &self.graveyard, ctx)?;
+        let rank = request_rank(p, &self.owner, ctx)?;
         p.on_request_access(rank, &observed).py_err()
     }
 
@@ -338,7 +272,7 @@ impl BaseCachePolicy {
         let protected = collect_keys(&protected)?;
         let evicted = match &mut self.inner {
             Inner::Lru(p) => {
-                bury_dead(p, &self.graveyard);
+                bury_dead(p, &self.owner);
                 let guard = p.protect(protected.iter().map(|k| p.key(k.as_bytes())));
                 p.evict(n, &guard, &SelfCounted)
             }
@@ -369,7 +303,7 @@ impl BaseCachePolicy {
             Inner::Lru(p) => {
                 p.clear();
                 // Ranks buried before the clear are stale now.
-                self.graveyard.take();
+                self.owner.graveyard.take();
             }
             Inner::Arc(p) => p.clear(),
         }

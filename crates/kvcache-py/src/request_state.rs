@@ -1,92 +1,197 @@
-//! Per-request state a policy keeps on vLLM's `ReqContext`, and how it is let go.
+//! Per-request state kept on vLLM's `ReqContext`, and how it is let go.
 //!
-//! vLLM's LRU stores its request rank on the context (`set_state`), keyed by type, so the rank
-//! lives exactly as long as the request's context. Ours does the same with its own type
-//! (`_RequestRanks`), which holds one slot per policy instance: two policies seeing one context
-//! never share or overwrite each other's rank, and vLLM's policy (keyed by its own type) is
-//! untouched. When the context dies, the state object's destructor reports each rank to its
-//! policy's graveyard; the policy drops the rank's anchor at its next call. A rank from before a
-//! `clear()` is stale and replaced on first use, as in vLLM.
+//! vLLM's LRU and manager store their per-request state on the context (`set_state`, keyed by
+//! type), so it lives exactly as long as the request's context. Ours does the same with its own
+//! type (`_RequestState`), which holds one slot per owner (a policy or a manager instance): two
+//! owners seeing one context never share or overwrite each other's state, and vLLM's objects
+//! (keyed by their own types) are untouched. A slot holds only a token naming state the owner
+//! keeps in Rust. When the context dies, the state object's destructor reports each token to its
+//! owner's graveyard, and the owner frees that state at its next call. A token from before a
+//! cache reset is stale and replaced on first use, as in vLLM.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use kvcache_core::RequestRank;
+use pyo3::intern;
 use pyo3::prelude::*;
 
-/// Ranks whose request state was collected, waiting for their policy to release them.
+use crate::exceptions::{exceptions, new_err};
+
+/// Names an owner's state for one request in one cache generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Token {
+    pub generation: u64,
+    pub id: u64,
+}
+
+impl From<kvcache_core::RequestRank> for Token {
+    fn from(r: kvcache_core::RequestRank) -> Self {
+        Token { generation: r.generation, id: r.rank }
+    }
+}
+
+impl From<Token> for kvcache_core::RequestRank {
+    fn from(t: Token) -> Self {
+        kvcache_core::RequestRank { generation: t.generation, rank: t.id }
+    }
+}
+
+impl From<kvcache_core::RequestToken> for Token {
+    fn from(r: kvcache_core::RequestToken) -> Self {
+        Token { generation: r.generation, id: r.id }
+    }
+}
+
+impl From<Token> for kvcache_core::RequestToken {
+    fn from(t: Token) -> Self {
+        kvcache_core::RequestToken { generation: t.generation, id: t.id }
+    }
+}
+
+/// Tokens whose request context was collected, waiting for their owner to free them.
 #[derive(Default)]
 pub struct Graveyard {
     pending: AtomicBool,
-    ranks: Mutex<Vec<RequestRank>>,
+    tokens: Mutex<Vec<Token>>,
 }
 
 impl Graveyard {
-    fn bury(&self, rank: RequestRank) {
-        self.ranks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(rank);
+    fn bury(&self, token: Token) {
+        self.tokens.lock().unwrap_or_else(|p| p.into_inner()).push(token);
         self.pending.store(true, Ordering::Release);
     }
 
-    /// Takes the buried ranks, if any (one atomic load when there are none).
-    pub fn take(&self) -> Vec<RequestRank> {
+    /// Takes the buried tokens, if any (one atomic swap when there are none).
+    pub fn take(&self) -> Vec<Token> {
         if !self.pending.swap(false, Ordering::Acquire) {
             return Vec::new();
         }
-        std::mem::take(&mut *self.ranks.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut *self.tokens.lock().unwrap_or_else(|p| p.into_inner()))
     }
 }
 
 struct Slot {
-    policy: u64,
-    rank: RequestRank,
+    owner: u64,
+    token: Token,
     graveyard: Weak<Graveyard>,
 }
 
-/// Request ranks of every kvcache policy that has seen one request context.
-#[pyclass(name = "_RequestRanks", module = "kvcache._core", frozen)]
+/// The tokens of every kvcache policy or manager that has seen one request context.
+#[pyclass(name = "_RequestState", module = "kvcache._core", frozen)]
 #[derive(Default)]
-pub struct RequestRanks {
+pub struct RequestState {
     slots: Mutex<Vec<Slot>>,
 }
 
-impl RequestRanks {
-    pub fn get(&self, policy: u64) -> Option<RequestRank> {
+impl RequestState {
+    fn get(&self, owner: u64) -> Option<Token> {
         let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        slots.iter().find(|s| s.policy == policy).map(|s| s.rank)
+        slots.iter().find(|s| s.owner == owner).map(|s| s.token)
     }
 
-    /// Records `rank` for `policy`; a replaced rank is stale (from before a `clear`), so it is
+    /// Records `token` for `owner`; a replaced token is stale (from before a reset), so it is
     /// not reported to the graveyard.
-    pub fn set(&self, policy: u64, rank: RequestRank, graveyard: &Arc<Graveyard>) {
+    fn set(&self, owner: u64, token: Token, graveyard: &Arc<Graveyard>) {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        match slots.iter_mut().find(|s| s.policy == policy) {
-            Some(slot) => slot.rank = rank,
-            None => slots.push(Slot {
-                policy,
-                rank,
-                graveyard: Arc::downgrade(graveyard),
-            }),
+        match slots.iter_mut().find(|s| s.owner == owner) {
+            Some(slot) => slot.token = token,
+            None => slots.push(Slot { owner, token, graveyard: Arc::downgrade(graveyard) }),
         }
     }
 }
 
-impl Drop for RequestRanks {
+impl Drop for RequestState {
     fn drop(&mut self) {
         let slots = std::mem::take(self.slots.get_mut().unwrap_or_else(|p| p.into_inner()));
         for slot in slots {
             if let Some(graveyard) = slot.graveyard.upgrade() {
-                graveyard.bury(slot.rank);
+                graveyard.bury(slot.token);
             }
         }
     }
 }
 
-/// Gives each policy instance an id for its slot.
-pub fn next_policy_uid() -> u64 {
-    use std::sync::atomic::AtomicU64;
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
+/// An owner of per-request state: a unique id and the graveyard its dead requests go to.
+pub struct Owner {
+    pub uid: u64,
+    pub graveyard: Arc<Graveyard>,
+}
+
+impl Default for Owner {
+    fn default() -> Self {
+        use std::sync::atomic::AtomicU64;
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Owner { uid: NEXT.fetch_add(1, Ordering::Relaxed), graveyard: Arc::default() }
+    }
+}
+
+fn context_error(ctx: &Bound<'_, PyAny>, what: &str) -> PyErr {
+    let py = ctx.py();
+    let ty = ctx.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+    new_err(
+        py,
+        &exceptions(py).invalid_type,
+        format!("req_context must have vLLM's ReqContext methods; {ty}: {what}"),
+    )
+}
+
+/// A request context is required: refuse `None` with a clear error.
+pub fn require_context<'a, 'py>(ctx: Option<&'a Bound<'py, PyAny>>) -> PyResult<&'a Bound<'py, PyAny>> {
+    match ctx {
+        Some(c) if !c.is_none() => Ok(c),
+        _ => Python::attach(|py| {
+            Err(new_err(
+                py,
+                &exceptions(py).invalid_type,
+                "this call needs a req_context (vLLM's ReqContext or an object with its methods)"
+                    .into(),
+            ))
+        }),
+    }
+}
+
+impl Owner {
+    /// The owner's token on `ctx`, made valid by `validate` (which returns the current token,
+    /// allocating one if the stored token is missing or stale). Every Python call happens
+    /// before `validate` runs, so an error leaves the owner unchanged.
+    pub fn token(
+        &self,
+        ctx: &Bound<'_, PyAny>,
+        validate: impl FnOnce(Option<Token>) -> Token,
+    ) -> PyResult<Token> {
+        let py = ctx.py();
+        let state_type = py.get_type::<RequestState>();
+        let get_state = ctx
+            .getattr(intern!(py, "get_state"))
+            .map_err(|_| context_error(ctx, "no get_state"))?;
+        let existing = get_state.call1((&state_type,))?;
+        let state = if existing.is_none() {
+            let fresh = Bound::new(py, RequestState::default())?;
+            let set_state = ctx
+                .getattr(intern!(py, "set_state"))
+                .map_err(|_| context_error(ctx, "no set_state"))?;
+            set_state.call1((&fresh,))?;
+            fresh
+        } else {
+            existing
+                .cast_into::<RequestState>()
+                .map_err(|_| context_error(ctx, "get_state returned a foreign object"))?
+        };
+        let current = state.get().get(self.uid);
+        let token = validate(current);
+        if current != Some(token) {
+            state.get().set(self.uid, token, &self.graveyard);
+        }
+        Ok(token)
+    }
+
+    /// The owner's token on `ctx` if it has one (no state is created).
+    pub fn existing_token(&self, ctx: &Bound<'_, PyAny>) -> PyResult<Option<Token>> {
+        let py = ctx.py();
+        let get_state = ctx
+            .getattr(intern!(py, "get_state"))
+            .map_err(|_| context_error(ctx, "no get_state"))?;
+        let existing = get_state.call1((py.get_type::<RequestState>(),))?;
+        Ok(existing.cast::<RequestState>().ok().and_then(|s| s.get().get(self.uid)))
+    }
 }
