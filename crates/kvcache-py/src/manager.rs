@@ -10,7 +10,7 @@ use std::ffi::c_int;
 use std::ptr;
 
 use kvcache_core::manager::{ChunkId, Event, LookupResult, Manager, ManagerConfig};
-use kvcache_core::{ArcPolicy, Key, LruPolicy};
+use kvcache_core::{ArcPolicy, Key, ListId, LruPolicy};
 use pyo3::exceptions::{PyAssertionError, PyBufferError};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -78,17 +78,26 @@ const DEFAULT_MAX_TRACKER_SIZE: usize = 64_000;
 static NUMPY: PyOnceLock<(Py<PyAny>, Py<PyAny>)> = PyOnceLock::new();
 
 /// A load/store spec naming `ids` (an int32 array, as vLLM's `CPULoadStoreSpec`).
-fn make_spec<'py>(py: Python<'py>, types: &ResultTypes, ids: &[ChunkId]) -> PyResult<Bound<'py, PyAny>> {
+fn make_spec<'py>(
+    py: Python<'py>,
+    types: &ResultTypes,
+    ids: &[ChunkId],
+) -> PyResult<Bound<'py, PyAny>> {
     let (frombuffer, int32) = NUMPY.get_or_try_init(py, || -> PyResult<_> {
         let np = py.import("numpy")?;
-        Ok((np.getattr("frombuffer")?.unbind(), np.getattr("int32")?.unbind()))
+        Ok((
+            np.getattr("frombuffer")?.unbind(),
+            np.getattr("int32")?.unbind(),
+        ))
     })?;
     let mut raw = Vec::with_capacity(ids.len() * 4);
     for &id in ids {
         // Chunk ids index a table of at most u32::MAX entries; vLLM's spec is int32.
         raw.extend_from_slice(&(id as i32).to_le_bytes());
     }
-    let array = frombuffer.bind(py).call1((PyBytes::new(py, &raw), int32.bind(py)))?;
+    let array = frombuffer
+        .bind(py)
+        .call1((PyBytes::new(py, &raw), int32.bind(py)))?;
     types.spec_cls.bind(py).call1((array,))
 }
 
@@ -134,7 +143,11 @@ impl PyManager {
     }
 
     /// Token positions of `keys`; only LRU reads them while a request runs.
-    fn positions(&mut self, ctx: &Bound<'_, PyAny>, keys: &[Bound<'_, PyBytes>]) -> PyResult<Vec<Option<i64>>> {
+    fn positions(
+        &mut self,
+        ctx: &Bound<'_, PyAny>,
+        keys: &[Bound<'_, PyBytes>],
+    ) -> PyResult<Vec<Option<i64>>> {
         if !self.is_lru() {
             return Ok(vec![None; keys.len()]);
         }
@@ -146,9 +159,10 @@ impl PyManager {
     fn request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<kvcache_core::RequestToken> {
         self.bury_dead();
         let inner = &mut self.inner;
-        let token = self.owner.token(ctx, |current| {
-            with_manager!(inner, m => m.request(current.map(Into::into)).into())
-        })?;
+        let token = self.owner.token(
+            ctx,
+            |current| with_manager!(inner, m => m.request(current.map(Into::into)).into()),
+        )?;
         Ok(token.into())
     }
 
@@ -190,7 +204,11 @@ impl PyManager {
         let py = cls.py();
         let num_chunks = count(&num_chunks, "num_chunks")?;
         if num_chunks > u32::MAX as usize {
-            return Err(new_err(py, &exceptions(py).invalid_argument, format!("num_chunks {num_chunks} exceeds 2**32 - 1")));
+            return Err(new_err(
+                py,
+                &exceptions(py).invalid_argument,
+                format!("num_chunks {num_chunks} exceeds 2**32 - 1"),
+            ));
         }
         let max_tracker_size = match max_tracker_size {
             Some(n) => count(&n, "max_tracker_size")?,
@@ -207,7 +225,12 @@ impl PyManager {
                 ),
             ));
         };
-        let config = ManagerConfig { num_chunks, enable_events, store_threshold, max_tracker_size };
+        let config = ManagerConfig {
+            num_chunks,
+            enable_events,
+            store_threshold,
+            max_tracker_size,
+        };
         let inner = match kind {
             "lru" => Inner::Lru(Manager::new(config)),
             _ => Inner::Arc(Manager::new(config)),
@@ -229,7 +252,11 @@ impl PyManager {
     /// "lru" or "arc".
     #[getter]
     fn cache_policy(&self) -> &'static str {
-        if self.is_lru() { "lru" } else { "arc" }
+        if self.is_lru() {
+            "lru"
+        } else {
+            "arc"
+        }
     }
 
     #[getter]
@@ -290,13 +317,18 @@ impl PyManager {
         let positions = self.positions(ctx, &keys)?;
         let token = self.request(ctx)?;
         let ks = self.keys(&keys);
-        let ids = with_manager!(&mut self.inner, m => m.prepare_load(token, &ks, &positions)).py_err()?;
+        let ids =
+            with_manager!(&mut self.inner, m => m.prepare_load(token, &ks, &positions)).py_err()?;
         make_spec(py, &self.types, &ids)
     }
 
     /// Marks keys recently used.
     #[pyo3(signature = (keys, req_context = None))]
-    fn touch(&mut self, keys: Bound<'_, PyAny>, req_context: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+    fn touch(
+        &mut self,
+        keys: Bound<'_, PyAny>,
+        req_context: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let _ = req_context;
         let keys = collect_keys(&keys)?;
         let ks = self.keys(&keys);
@@ -306,7 +338,11 @@ impl PyManager {
 
     /// Unpins chunks whose loads finished.
     #[pyo3(signature = (keys, req_context = None))]
-    fn complete_load(&mut self, keys: Bound<'_, PyAny>, req_context: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+    fn complete_load(
+        &mut self,
+        keys: Bound<'_, PyAny>,
+        req_context: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let _ = req_context;
         let keys = collect_keys(&keys)?;
         let ks = self.keys(&keys);
@@ -326,16 +362,27 @@ impl PyManager {
         let positions = self.positions(ctx, &keys)?;
         let token = self.request(ctx)?;
         let ks = self.keys(&keys);
-        let out = with_manager!(&mut self.inner, m => m.prepare_store(token, &ks, &positions)).py_err()?;
+        let out = with_manager!(&mut self.inner, m => m.prepare_store(token, &ks, &positions))
+            .py_err()?;
         let Some(out) = out else { return Ok(None) };
         let kwargs = PyDict::new(py);
-        kwargs.set_item("keys_to_store", PyList::new(py, out.stored.iter().map(|&i| &keys[i]))?)?;
+        kwargs.set_item(
+            "keys_to_store",
+            PyList::new(py, out.stored.iter().map(|&i| &keys[i]))?,
+        )?;
         kwargs.set_item("store_spec", make_spec(py, &self.types, &out.chunk_ids)?)?;
         kwargs.set_item(
             "evicted_keys",
-            PyList::new(py, out.evicted.iter().map(|k| PyBytes::new(py, k.as_slice())))?,
+            PyList::new(
+                py,
+                out.evicted.iter().map(|k| PyBytes::new(py, k.as_slice())),
+            )?,
         )?;
-        self.types.output_cls.bind(py).call((), Some(&kwargs)).map(Some)
+        self.types
+            .output_cls
+            .bind(py)
+            .call((), Some(&kwargs))
+            .map(Some)
     }
 
     /// Completes stores: on success the chunks become readable and evictable; on failure the
@@ -355,15 +402,25 @@ impl PyManager {
     }
 
     /// Starts tracking a request.
-    fn on_new_request<'py>(&mut self, py: Python<'py>, req_context: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn on_new_request<'py>(
+        &mut self,
+        py: Python<'py>,
+        req_context: Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         self.request(&req_context)?;
         self.types.new_request.bind(py).call0()
     }
 
     /// Applies the request's accesses to the policy in prefix order (once).
-    fn on_request_finished(&mut self, py: Python<'_>, req_context: Bound<'_, PyAny>) -> PyResult<()> {
+    fn on_request_finished(
+        &mut self,
+        py: Python<'_>,
+        req_context: Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         self.bury_dead();
-        let Some(token) = self.owner.existing_token(&req_context)? else { return Ok(()) };
+        let Some(token) = self.owner.existing_token(&req_context)? else {
+            return Ok(());
+        };
         let positions = Positions::new(Some(&req_context), &mut self.contexts)?;
         with_manager!(&mut self.inner, m => {
             m.finish_request(token.into(), |key| positions.get(&PyBytes::new(py, key)))
@@ -373,7 +430,10 @@ impl PyManager {
     /// Events (stored / removed keys) since the last call.
     fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events = with_manager!(&mut self.inner, m => m.take_events());
-        let objects: Vec<_> = events.into_iter().map(|e| self.event(py, e)).collect::<PyResult<_>>()?;
+        let objects: Vec<_> = events
+            .into_iter()
+            .map(|e| self.event(py, e))
+            .collect::<PyResult<_>>()?;
         PyList::new(py, objects)
     }
 
@@ -387,7 +447,14 @@ impl PyManager {
     /// call; `stores_skipped` is None unless `store_threshold >= 2`.
     fn _take_stats<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let s = with_manager!(&mut self.inner, m => m.take_stats());
-        (s.usage, s.write_usage, s.read_usage, s.allocation_sizes, s.stores_skipped).into_pyobject(py)
+        (
+            s.usage,
+            s.write_usage,
+            s.read_usage,
+            s.allocation_sizes,
+            s.stores_skipped,
+        )
+            .into_pyobject(py)
     }
 
     /// Heap bytes by structure, and per resident chunk.
@@ -408,7 +475,59 @@ impl PyManager {
     /// The chunk table: a read-only buffer of `num_chunks` ChunkStatus records (index = chunk
     /// id; `ref_cnt` −2 marks a free slot). `numpy.asarray(manager.chunk_table())` views it.
     fn chunk_table(slf: Bound<'_, Self>) -> PyResult<ChunkTableView> {
-        Ok(ChunkTableView { manager: slf.unbind() })
+        Ok(ChunkTableView {
+            manager: slf.unbind(),
+        })
+    }
+
+    /// Internal state for tests: the policy's (as `BaseCachePolicy._debug_state`), the free
+    /// list, the allocation count and the evictable / write-pending counts.
+    fn _debug_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let state = PyDict::new(py);
+        match &self.inner {
+            Inner::Lru(m) => {
+                let ranks = PyDict::new(py);
+                for e in m.policy().entries() {
+                    ranks.set_item(PyBytes::new(py, e.key), (e.rank, -(e.position as i128)))?;
+                }
+                state.set_item("ranks", ranks)?;
+            }
+            Inner::Arc(m) => {
+                let p = m.policy();
+                for (name, list) in [
+                    ("t1", ListId::T1),
+                    ("t2", ListId::T2),
+                    ("b1", ListId::B1),
+                    ("b2", ListId::B2),
+                ] {
+                    let keys: Vec<_> = p.list_keys(list).map(|k| PyBytes::new(py, k)).collect();
+                    state.set_item(name, PyList::new(py, keys)?)?;
+                }
+                state.set_item("target_t1_size", p.target_t1_size())?;
+            }
+        }
+        let chunks = PyDict::new(py);
+        let add = |key: &[u8], id: ChunkId, ref_cnt: i32| {
+            chunks.set_item(PyBytes::new(py, key), (id, ref_cnt))
+        };
+        match &self.inner {
+            Inner::Lru(m) => m
+                .policy()
+                .iter()
+                .try_for_each(|(k, &c)| add(k, c, m.table().record(c).ref_cnt()))?,
+            Inner::Arc(m) => m
+                .policy()
+                .iter()
+                .try_for_each(|(k, &c)| add(k, c, m.table().record(c).ref_cnt()))?,
+        }
+        state.set_item("chunks", chunks)?;
+        with_manager!(&self.inner, m => {
+            state.set_item("free_list", m.table().free_list().to_vec())?;
+            state.set_item("num_allocated", m.table().num_allocated())?;
+            state.set_item("num_evictable", m.num_evictable())?;
+            state.set_item("num_write_pending", m.num_write_pending())?;
+        });
+        Ok(state)
     }
 
     /// Checks the manager's and its policy's invariants; raises AssertionError if one is broken.
@@ -427,7 +546,11 @@ pub struct ChunkTableView {
 impl ChunkTableView {
     /// # Safety
     /// Called by CPython with a valid `view` to fill.
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
         if flags & ffi::PyBUF_WRITABLE != 0 {
             return Err(PyBufferError::new_err("the chunk table is read-only"));
         }
@@ -467,7 +590,13 @@ unsafe fn fill_empty_view(view: *mut ffi::Py_buffer, flags: c_int, owner: Bound<
     static EMPTY: [u8; 16] = [0; 16];
     // SAFETY: the caller passes a valid view; the buffer is a static with zero length exported.
     unsafe {
-        fill_record_view(view, flags, ptr::addr_of!(EMPTY).cast_mut().cast(), 1, owner);
+        fill_record_view(
+            view,
+            flags,
+            ptr::addr_of!(EMPTY).cast_mut().cast(),
+            1,
+            owner,
+        );
         (*view).len = 0;
         (*view).readonly = 1;
         *(*view).shape = 0;

@@ -38,7 +38,11 @@ fn capacity_arg(cache_capacity: &Bound<'_, PyAny>) -> PyResult<usize> {
 
 impl BaseCachePolicy {
     fn new(inner: Inner) -> Self {
-        BaseCachePolicy { inner, owner: Owner::default(), contexts: ContextTypeCache::default() }
+        BaseCachePolicy {
+            inner,
+            owner: Owner::default(),
+            contexts: ContextTypeCache::default(),
+        }
     }
 
     fn key<'a>(&self, bytes: &'a [u8]) -> Key<'a> {
@@ -76,7 +80,9 @@ fn request_rank(
 ) -> PyResult<RequestRank> {
     let ctx = require_context(ctx)?;
     bury_dead(lru, owner);
-    let token = owner.token(ctx, |current| lru.request_rank(current.map(Into::into)).into())?;
+    let token = owner.token(ctx, |current| {
+        lru.request_rank(current.map(Into::into)).into()
+    })?;
     Ok(token.into())
 }
 

@@ -26,25 +26,37 @@ pub struct Token {
 
 impl From<kvcache_core::RequestRank> for Token {
     fn from(r: kvcache_core::RequestRank) -> Self {
-        Token { generation: r.generation, id: r.rank }
+        Token {
+            generation: r.generation,
+            id: r.rank,
+        }
     }
 }
 
 impl From<Token> for kvcache_core::RequestRank {
     fn from(t: Token) -> Self {
-        kvcache_core::RequestRank { generation: t.generation, rank: t.id }
+        kvcache_core::RequestRank {
+            generation: t.generation,
+            rank: t.id,
+        }
     }
 }
 
 impl From<kvcache_core::RequestToken> for Token {
     fn from(r: kvcache_core::RequestToken) -> Self {
-        Token { generation: r.generation, id: r.id }
+        Token {
+            generation: r.generation,
+            id: r.id,
+        }
     }
 }
 
 impl From<Token> for kvcache_core::RequestToken {
     fn from(t: Token) -> Self {
-        kvcache_core::RequestToken { generation: t.generation, id: t.id }
+        kvcache_core::RequestToken {
+            generation: t.generation,
+            id: t.id,
+        }
     }
 }
 
@@ -57,7 +69,10 @@ pub struct Graveyard {
 
 impl Graveyard {
     fn bury(&self, token: Token) {
-        self.tokens.lock().unwrap_or_else(|p| p.into_inner()).push(token);
+        self.tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(token);
         self.pending.store(true, Ordering::Release);
     }
 
@@ -95,7 +110,11 @@ impl RequestState {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         match slots.iter_mut().find(|s| s.owner == owner) {
             Some(slot) => slot.token = token,
-            None => slots.push(Slot { owner, token, graveyard: Arc::downgrade(graveyard) }),
+            None => slots.push(Slot {
+                owner,
+                token,
+                graveyard: Arc::downgrade(graveyard),
+            }),
         }
     }
 }
@@ -121,13 +140,20 @@ impl Default for Owner {
     fn default() -> Self {
         use std::sync::atomic::AtomicU64;
         static NEXT: AtomicU64 = AtomicU64::new(1);
-        Owner { uid: NEXT.fetch_add(1, Ordering::Relaxed), graveyard: Arc::default() }
+        Owner {
+            uid: NEXT.fetch_add(1, Ordering::Relaxed),
+            graveyard: Arc::default(),
+        }
     }
 }
 
 fn context_error(ctx: &Bound<'_, PyAny>, what: &str) -> PyErr {
     let py = ctx.py();
-    let ty = ctx.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+    let ty = ctx
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default();
     new_err(
         py,
         &exceptions(py).invalid_type,
@@ -136,7 +162,9 @@ fn context_error(ctx: &Bound<'_, PyAny>, what: &str) -> PyErr {
 }
 
 /// A request context is required: refuse `None` with a clear error.
-pub fn require_context<'a, 'py>(ctx: Option<&'a Bound<'py, PyAny>>) -> PyResult<&'a Bound<'py, PyAny>> {
+pub fn require_context<'a, 'py>(
+    ctx: Option<&'a Bound<'py, PyAny>>,
+) -> PyResult<&'a Bound<'py, PyAny>> {
     match ctx {
         Some(c) if !c.is_none() => Ok(c),
         _ => Python::attach(|py| {
@@ -192,6 +220,9 @@ impl Owner {
             .getattr(intern!(py, "get_state"))
             .map_err(|_| context_error(ctx, "no get_state"))?;
         let existing = get_state.call1((py.get_type::<RequestState>(),))?;
-        Ok(existing.cast::<RequestState>().ok().and_then(|s| s.get().get(self.uid)))
+        Ok(existing
+            .cast::<RequestState>()
+            .ok()
+            .and_then(|s| s.get().get(self.uid)))
     }
 }

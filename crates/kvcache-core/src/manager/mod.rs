@@ -23,8 +23,8 @@ use crate::arc::Access;
 use crate::error::{CoreError, CoreResult};
 use crate::key::{Key, KeyBuf, KeyHasher};
 pub use policy::ManagerPolicy;
-use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
 pub use request::{group_index, RequestToken};
+use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
 use table::ChunkTable;
 pub use table::{ChunkId, ChunkRecord, FREE, PENDING};
 use tracker::AccessTracker;
@@ -114,7 +114,8 @@ impl<P: ManagerPolicy> Manager<P> {
             policy: P::new(config.num_chunks),
             hasher: KeyHasher::global(),
             events: config.enable_events.then(Vec::new),
-            tracker: (config.store_threshold >= 2).then(|| AccessTracker::new(config.max_tracker_size)),
+            tracker: (config.store_threshold >= 2)
+                .then(|| AccessTracker::new(config.max_tracker_size)),
             num_evictable: 0,
             num_write_pending: 0,
             stores_skipped: 0,
@@ -165,7 +166,9 @@ impl<P: ManagerPolicy> Manager<P> {
 
     /// The chunk stored under `key` and its `ref_cnt`.
     pub fn chunk(&self, key: Key<'_>) -> Option<(ChunkId, i32)> {
-        self.policy.get(key).map(|c| (c, self.table.record(c).ref_cnt()))
+        self.policy
+            .get(key)
+            .map(|c| (c, self.table.record(c).ref_cnt()))
     }
 
     /// The request's state for this cache generation: `current` if still valid, else new
@@ -183,7 +186,10 @@ impl<P: ManagerPolicy> Manager<P> {
 
     fn check_unique(keys: &[Key<'_>], what: &str) -> CoreResult<()> {
         if keys.len() > 1 {
-            let mut seen = hashbrown::HashSet::with_capacity_and_hasher(keys.len(), foldhash::fast::FixedState::default());
+            let mut seen = hashbrown::HashSet::with_capacity_and_hasher(
+                keys.len(),
+                foldhash::fast::FixedState::default(),
+            );
             for k in keys {
                 if !seen.insert(k.bytes) {
                     return Err(CoreError::InvalidArgument(format!(
@@ -197,17 +203,31 @@ impl<P: ManagerPolicy> Manager<P> {
     }
 
     /// vLLM asserts no new key is observed once a request finished.
-    fn check_not_finished<'k>(&self, token: RequestToken, mut recorded: impl Iterator<Item = Key<'k>>) -> CoreResult<()> {
-        let req = self.requests.get(token).ok_or_else(|| CoreError::InvalidState("stale request token".into()))?;
+    fn check_not_finished<'k>(
+        &self,
+        token: RequestToken,
+        mut recorded: impl Iterator<Item = Key<'k>>,
+    ) -> CoreResult<()> {
+        let req = self
+            .requests
+            .get(token)
+            .ok_or_else(|| CoreError::InvalidState("stale request token".into()))?;
         if req.finished && recorded.any(|k| req.find(k).is_none()) {
-            return Err(CoreError::InvalidState("new cache keys observed after the request finished".into()));
+            return Err(CoreError::InvalidState(
+                "new cache keys observed after the request finished".into(),
+            ));
         }
         Ok(())
     }
 
     /// vLLM's `_record_request_cache_access`: new keys join the request's key groups and are
     /// shown to the policy; `reused` marks reads of chunks the request did not store itself.
-    fn record_access(&mut self, token: RequestToken, keys: &[(Key<'_>, Option<i64>)], reused: &[Key<'_>]) {
+    fn record_access(
+        &mut self,
+        token: RequestToken,
+        keys: &[(Key<'_>, Option<i64>)],
+        reused: &[Key<'_>],
+    ) {
         let req = self.requests.get_mut(token).expect("checked by the caller");
         let mut new_keys = Vec::new();
         for &(key, pos) in keys {
@@ -217,7 +237,8 @@ impl<P: ManagerPolicy> Manager<P> {
             }
         }
         if !new_keys.is_empty() {
-            self.policy.on_request_access(&mut req.policy_state, &new_keys);
+            self.policy
+                .on_request_access(&mut req.policy_state, &new_keys);
         }
         for &key in reused {
             let idx = req.find(key).expect("reused keys are recorded");
@@ -237,7 +258,10 @@ impl<P: ManagerPolicy> Manager<P> {
         debug_assert_eq!(keys.len(), positions.len());
         let mut chunks = Vec::with_capacity(keys.len());
         for &key in keys {
-            let chunk = self.policy.get(key).ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
+            let chunk = self
+                .policy
+                .get(key)
+                .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
             if self.table.record(chunk).ref_cnt() < 0 {
                 return Err(CoreError::InvalidState(format!(
                     "chunk of {:?} is not ready for reading",
@@ -251,12 +275,18 @@ impl<P: ManagerPolicy> Manager<P> {
             let record = self.table.record(chunk);
             let cnt = record.ref_cnt();
             if cnt == 0 {
-                self.policy.mark_non_evictable(key).expect("idle ready chunks are evictable");
+                self.policy
+                    .mark_non_evictable(key)
+                    .expect("idle ready chunks are evictable");
                 self.num_evictable -= 1;
             }
             record.set_ref_cnt(cnt + 1);
         }
-        let recorded: Vec<(Key<'_>, Option<i64>)> = keys.iter().copied().zip(positions.iter().copied()).collect();
+        let recorded: Vec<(Key<'_>, Option<i64>)> = keys
+            .iter()
+            .copied()
+            .zip(positions.iter().copied())
+            .collect();
         self.record_access(token, &recorded, keys);
         Ok(chunks)
     }
@@ -268,10 +298,16 @@ impl<P: ManagerPolicy> Manager<P> {
     /// Unpins chunks after their loads finished.
     pub fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
         let mut chunks = Vec::with_capacity(keys.len());
-        let mut pending: hashbrown::HashMap<ChunkId, i32, foldhash::fast::FixedState> = Default::default();
+        let mut pending: hashbrown::HashMap<ChunkId, i32, foldhash::fast::FixedState> =
+            Default::default();
         for &key in keys {
-            let chunk = self.policy.get(key).ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
-            let left = pending.entry(chunk).or_insert_with(|| self.table.record(chunk).ref_cnt());
+            let chunk = self
+                .policy
+                .get(key)
+                .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
+            let left = pending
+                .entry(chunk)
+                .or_insert_with(|| self.table.record(chunk).ref_cnt());
             if *left <= 0 {
                 return Err(CoreError::InvalidState(format!(
                     "chunk of {:?} has no load to complete",
@@ -287,7 +323,9 @@ impl<P: ManagerPolicy> Manager<P> {
             record.set_ref_cnt(cnt);
             if cnt == 0 {
                 self.num_evictable += 1;
-                self.policy.mark_evictable(key).expect("the key is resident");
+                self.policy
+                    .mark_evictable(key)
+                    .expect("the key is resident");
             }
         }
         Ok(())
@@ -330,7 +368,12 @@ impl<P: ManagerPolicy> Manager<P> {
         for &i in to_store.iter().chain(&ready_existing) {
             recorded_mask[i] = true;
         }
-        self.check_not_finished(token, (0..keys.len()).filter(|&i| recorded_mask[i]).map(|i| keys[i]))?;
+        self.check_not_finished(
+            token,
+            (0..keys.len())
+                .filter(|&i| recorded_mask[i])
+                .map(|i| keys[i]),
+        )?;
 
         // Nothing can fail from here on.
         if let Some(tracker) = &mut self.tracker {
@@ -341,14 +384,19 @@ impl<P: ManagerPolicy> Manager<P> {
         let new_misses: Vec<Key<'_>> = to_store
             .iter()
             .map(|&i| keys[i])
-            .filter(|&k| req.find(k).is_none_or(|idx| req.flags(idx) & STORE_MISS == 0))
+            .filter(|&k| {
+                req.find(k)
+                    .is_none_or(|idx| req.flags(idx) & STORE_MISS == 0)
+            })
             .collect();
         if !new_misses.is_empty() {
             // ARC learns from B1/B2 before insert() drops the ghost; once per request.
             self.policy.on_store_miss(&new_misses, &self.table);
         }
-        let recorded: Vec<(Key<'_>, Option<i64>)> =
-            (0..keys.len()).filter(|&i| recorded_mask[i]).map(|i| (keys[i], positions[i])).collect();
+        let recorded: Vec<(Key<'_>, Option<i64>)> = (0..keys.len())
+            .filter(|&i| recorded_mask[i])
+            .map(|i| (keys[i], positions[i]))
+            .collect();
         let reused: Vec<Key<'_>> = ready_existing.iter().map(|&i| keys[i]).collect();
         self.record_access(token, &recorded, &reused);
         let req = self.requests.get_mut(token).expect("checked above");
@@ -379,7 +427,11 @@ impl<P: ManagerPolicy> Manager<P> {
         }
         if !evicted.is_empty() {
             if let Some(events) = &mut self.events {
-                events.push(Event { keys: evicted.clone(), removed: true, metadata_only: false });
+                events.push(Event {
+                    keys: evicted.clone(),
+                    removed: true,
+                    metadata_only: false,
+                });
             }
         }
         let chunk_ids = self.table.allocate(to_store.len());
@@ -394,7 +446,11 @@ impl<P: ManagerPolicy> Manager<P> {
             let idx = req.find(keys[i]).expect("stored keys are recorded");
             req.set(idx, INSERTED);
         }
-        Ok(Some(StoreOutput { stored: to_store, chunk_ids, evicted }))
+        Ok(Some(StoreOutput {
+            stored: to_store,
+            chunk_ids,
+            evicted,
+        }))
     }
 
     /// Marks pending stores done: ready and evictable on success, dropped on failure. Keys that
@@ -402,7 +458,9 @@ impl<P: ManagerPolicy> Manager<P> {
     pub fn complete_store(&mut self, keys: &[Key<'_>], success: bool) {
         let mut done = Vec::new();
         for &key in keys {
-            let Some(chunk) = self.policy.get(key) else { continue };
+            let Some(chunk) = self.policy.get(key) else {
+                continue;
+            };
             if self.table.record(chunk).ref_cnt() >= 0 {
                 continue;
             }
@@ -410,7 +468,9 @@ impl<P: ManagerPolicy> Manager<P> {
             if success {
                 self.table.record(chunk).set_ref_cnt(0);
                 self.num_evictable += 1;
-                self.policy.mark_evictable(key).expect("the key is resident");
+                self.policy
+                    .mark_evictable(key)
+                    .expect("the key is resident");
             } else {
                 self.policy.remove(key).expect("the key is resident");
                 self.table.free(chunk);
@@ -418,7 +478,11 @@ impl<P: ManagerPolicy> Manager<P> {
             done.push(KeyBuf::new(key.bytes));
         }
         if let (Some(events), false) = (&mut self.events, done.is_empty()) {
-            events.push(Event { keys: done, removed: !success, metadata_only: !success });
+            events.push(Event {
+                keys: done,
+                removed: !success,
+                metadata_only: !success,
+            });
         }
     }
 
@@ -429,7 +493,9 @@ impl<P: ManagerPolicy> Manager<P> {
         token: RequestToken,
         mut position: impl FnMut(&[u8]) -> Result<Option<i64>, E>,
     ) -> Result<(), E> {
-        let Some(req) = self.requests.get(token) else { return Ok(()) };
+        let Some(req) = self.requests.get(token) else {
+            return Ok(());
+        };
         if req.finished {
             return Ok(());
         }
@@ -437,7 +503,10 @@ impl<P: ManagerPolicy> Manager<P> {
         let mut groups: BTreeMap<u32, Vec<(&[u8], Option<i64>, u8)>> = BTreeMap::new();
         for k in req.keys_in_order() {
             let pos = position(k.key.as_slice())?;
-            groups.entry(k.group).or_default().push((k.key.as_slice(), pos, k.flags));
+            groups
+                .entry(k.group)
+                .or_default()
+                .push((k.key.as_slice(), pos, k.flags));
         }
         let mut ordered: Vec<(&[u8], Option<i64>, u8)> = Vec::with_capacity(req.num_keys());
         for (_, mut keys) in groups {
@@ -466,20 +535,29 @@ impl<P: ManagerPolicy> Manager<P> {
         self.policy.on_request_finished(&accesses, &self.table);
         drop(accesses);
         drop(ordered);
-        self.requests.get_mut(token).expect("checked above").finished = true;
+        self.requests
+            .get_mut(token)
+            .expect("checked above")
+            .finished = true;
         Ok(())
     }
 
     /// Takes the events collected so far. A failed store's cleanup only names keys no retry
     /// has stored again since.
     pub fn take_events(&mut self) -> Vec<Event> {
-        let Some(events) = &mut self.events else { return Vec::new() };
+        let Some(events) = &mut self.events else {
+            return Vec::new();
+        };
         let events = std::mem::take(events);
         events
             .into_iter()
             .filter_map(|mut e| {
                 if e.metadata_only {
-                    e.keys.retain(|k| self.policy.get(Key::new(&self.hasher, k.as_slice())).is_none());
+                    e.keys.retain(|k| {
+                        self.policy
+                            .get(Key::new(&self.hasher, k.as_slice()))
+                            .is_none()
+                    });
                     if e.keys.is_empty() {
                         return None;
                     }
@@ -505,8 +583,15 @@ impl<P: ManagerPolicy> Manager<P> {
         let n = self.table.num_chunks();
         let used = self.table.num_allocated() - self.table.free_list_len() - self.num_evictable;
         let usage = if n > 0 { used as f64 / n as f64 } else { 0.0 };
-        let write_usage = if n > 0 { self.num_write_pending as f64 / n as f64 } else { 0.0 };
-        let stores_skipped = self.tracker.is_some().then(|| std::mem::take(&mut self.stores_skipped));
+        let write_usage = if n > 0 {
+            self.num_write_pending as f64 / n as f64
+        } else {
+            0.0
+        };
+        let stores_skipped = self
+            .tracker
+            .is_some()
+            .then(|| std::mem::take(&mut self.stores_skipped));
         Stats {
             usage,
             write_usage,
@@ -532,7 +617,10 @@ impl<P: ManagerPolicy> Manager<P> {
         let n = self.table.num_chunks();
         let resident = self.table.num_allocated() - self.table.free_list_len();
         if resident != self.policy.len() {
-            return Err(format!("{resident} chunks allocated, policy holds {}", self.policy.len()));
+            return Err(format!(
+                "{resident} chunks allocated, policy holds {}",
+                self.policy.len()
+            ));
         }
         let (mut evictable, mut pending, mut used) = (0, 0, 0);
         for (id, r) in self.table.records().iter().enumerate() {

@@ -30,10 +30,19 @@ pub trait ManagerPolicy {
     fn remove(&mut self, key: Key<'_>) -> CoreResult<ChunkId>;
     fn touch(&mut self, keys: &[Key<'_>], table: &ChunkTable);
     fn on_store_miss(&mut self, keys: &[Key<'_>], table: &ChunkTable);
-    fn on_request_access(&mut self, state: &mut Self::RequestState, keys: &[(Key<'_>, Option<i64>)]);
+    fn on_request_access(
+        &mut self,
+        state: &mut Self::RequestState,
+        keys: &[(Key<'_>, Option<i64>)],
+    );
     /// One finished request's keys in prefix order, each with how the request used it.
     fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)], table: &ChunkTable);
-    fn evict(&mut self, n: usize, protected: &[Key<'_>], table: &ChunkTable) -> Option<Vec<(KeyBuf, ChunkId)>>;
+    fn evict(
+        &mut self,
+        n: usize,
+        protected: &[Key<'_>],
+        table: &ChunkTable,
+    ) -> Option<Vec<(KeyBuf, ChunkId)>>;
     fn mark_evictable(&mut self, key: Key<'_>) -> CoreResult<()>;
     fn mark_non_evictable(&mut self, key: Key<'_>) -> CoreResult<()>;
     fn release_request(&mut self, state: Self::RequestState);
@@ -95,7 +104,11 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
         LruPolicy::touch(self, keys)
     }
 
-    fn on_request_access(&mut self, state: &mut Self::RequestState, keys: &[(Key<'_>, Option<i64>)]) {
+    fn on_request_access(
+        &mut self,
+        state: &mut Self::RequestState,
+        keys: &[(Key<'_>, Option<i64>)],
+    ) {
         let rank = self.request_rank(*state);
         *state = Some(rank);
         LruPolicy::on_request_access(self, rank, keys).expect("a fresh request rank is valid");
@@ -106,7 +119,12 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
         LruPolicy::touch(self, &keys)
     }
 
-    fn evict(&mut self, n: usize, protected: &[Key<'_>], table: &ChunkTable) -> Option<Vec<(KeyBuf, ChunkId)>> {
+    fn evict(
+        &mut self,
+        n: usize,
+        protected: &[Key<'_>],
+        table: &ChunkTable,
+    ) -> Option<Vec<(KeyBuf, ChunkId)>> {
         let guard = self.protect(protected.iter().copied());
         let evicted = LruPolicy::evict(self, n, &guard, table)?;
         Some(evicted.into_iter().map(|e| (e.key, e.chunk)).collect())
@@ -160,7 +178,13 @@ impl ManagerPolicy for ArcPolicy<ChunkId> {
         ArcPolicy::len(self)
     }
 
-    fn insert(&mut self, _: &mut (), key: Key<'_>, chunk: ChunkId, _: Option<i64>) -> CoreResult<()> {
+    fn insert(
+        &mut self,
+        _: &mut (),
+        key: Key<'_>,
+        chunk: ChunkId,
+        _: Option<i64>,
+    ) -> CoreResult<()> {
         ArcPolicy::insert(self, key, chunk)
     }
 
@@ -181,11 +205,20 @@ impl ManagerPolicy for ArcPolicy<ChunkId> {
     fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)], _table: &ChunkTable) {
         let ks: Vec<Key<'_>> = keys.iter().map(|(k, _)| *k).collect();
         let entries = self.resolve(&ks);
-        let accesses: Vec<(u32, Access)> = entries.into_iter().zip(keys).map(|(i, (_, a))| (i, *a)).collect();
+        let accesses: Vec<(u32, Access)> = entries
+            .into_iter()
+            .zip(keys)
+            .map(|(i, (_, a))| (i, *a))
+            .collect();
         ArcPolicy::on_request_finished(self, &accesses)
     }
 
-    fn evict(&mut self, n: usize, protected: &[Key<'_>], table: &ChunkTable) -> Option<Vec<(KeyBuf, ChunkId)>> {
+    fn evict(
+        &mut self,
+        n: usize,
+        protected: &[Key<'_>],
+        table: &ChunkTable,
+    ) -> Option<Vec<(KeyBuf, ChunkId)>> {
         let guard = self.protect(protected.iter().copied());
         let evicted = ArcPolicy::evict(self, n, &guard, table)?;
         Some(evicted.into_iter().map(|e| (e.key, e.chunk)).collect())

@@ -61,7 +61,11 @@ impl<S> RequestAccess<S> {
 
     /// Records a newly observed key (the caller checked it is unseen).
     pub(crate) fn observe(&mut self, hasher: &KeyHasher, key: Key<'_>) -> u32 {
-        let idx = self.seen.insert(SeenKey { key: KeyBuf::new(key.bytes), group: group_index(key.bytes), flags: 0 });
+        let idx = self.seen.insert(SeenKey {
+            key: KeyBuf::new(key.bytes),
+            group: group_index(key.bytes),
+            flags: 0,
+        });
         self.index.insert(&self.seen, hasher, key, idx);
         idx
     }
@@ -102,7 +106,11 @@ pub struct RequestRegistry<S> {
 
 impl<S: Default> RequestRegistry<S> {
     pub fn new() -> Self {
-        RequestRegistry { requests: HashMap::default(), next_id: 0, generation: 0 }
+        RequestRegistry {
+            requests: HashMap::default(),
+            next_id: 0,
+            generation: 0,
+        }
     }
 
     pub fn generation(&self) -> u64 {
@@ -126,12 +134,17 @@ impl<S: Default> RequestRegistry<S> {
         }
         self.next_id += 1;
         self.requests.insert(self.next_id, RequestAccess::new());
-        RequestToken { generation: self.generation, id: self.next_id }
+        RequestToken {
+            generation: self.generation,
+            id: self.next_id,
+        }
     }
 
     /// A valid token's state (None for a stale or released token).
     pub fn get(&self, token: RequestToken) -> Option<&RequestAccess<S>> {
-        (token.generation == self.generation).then(|| self.requests.get(&token.id)).flatten()
+        (token.generation == self.generation)
+            .then(|| self.requests.get(&token.id))
+            .flatten()
     }
 
     pub fn get_mut(&mut self, token: RequestToken) -> Option<&mut RequestAccess<S>> {
@@ -156,7 +169,12 @@ impl<S: Default> RequestRegistry<S> {
     }
 
     pub fn heap_bytes(&self) -> usize {
-        self.requests.allocation_size() + self.requests.values().map(|r| r.heap_bytes()).sum::<usize>()
+        self.requests.allocation_size()
+            + self
+                .requests
+                .values()
+                .map(|r| r.heap_bytes())
+                .sum::<usize>()
     }
 }
 

@@ -58,8 +58,14 @@ pub struct ChunkTable {
 
 impl ChunkTable {
     pub fn new(num_chunks: usize) -> Self {
-        let records = (0..num_chunks).map(|i| ChunkRecord::new(i as i64, FREE)).collect();
-        ChunkTable { records, num_allocated: 0, free_list: Vec::new() }
+        let records = (0..num_chunks)
+            .map(|i| ChunkRecord::new(i as i64, FREE))
+            .collect();
+        ChunkTable {
+            records,
+            num_allocated: 0,
+            free_list: Vec::new(),
+        }
     }
 
     pub fn num_chunks(&self) -> usize {
@@ -77,6 +83,11 @@ impl ChunkTable {
 
     pub fn free_list_len(&self) -> usize {
         self.free_list.len()
+    }
+
+    /// Freed ids in the order they will be reused last-to-first (vLLM's `_free_list`).
+    pub fn free_list(&self) -> &[ChunkId] {
+        &self.free_list
     }
 
     #[inline]

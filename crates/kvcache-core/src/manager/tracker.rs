@@ -60,7 +60,9 @@ impl AccessTracker {
     }
 
     pub fn count(&self, key: Key<'_>) -> u32 {
-        self.index.find(&self.slab, key).map_or(0, |i| self.slab.get(i).count)
+        self.index
+            .find(&self.slab, key)
+            .map_or(0, |i| self.slab.get(i).count)
     }
 
     /// Records one offer of `keys` (in offer order, duplicates counted as vLLM counts them).
@@ -121,9 +123,15 @@ mod tests {
         t.record(&[k(b"a"), k(b"b")]);
         t.record(&[k(b"a"), k(b"c")]);
         // "b" was the oldest unprotected entry; "a" was protected by this offer.
-        assert_eq!((t.count(k(b"a")), t.count(k(b"b")), t.count(k(b"c"))), (2, 0, 1));
+        assert_eq!(
+            (t.count(k(b"a")), t.count(k(b"b")), t.count(k(b"c"))),
+            (2, 0, 1)
+        );
         // Both tracked keys are protected: a new key is not tracked.
         t.record(&[k(b"a"), k(b"c"), k(b"d")]);
-        assert_eq!((t.count(k(b"a")), t.count(k(b"c")), t.count(k(b"d"))), (3, 2, 0));
+        assert_eq!(
+            (t.count(k(b"a")), t.count(k(b"c")), t.count(k(b"d"))),
+            (3, 2, 0)
+        );
     }
 }

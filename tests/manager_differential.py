@@ -1,0 +1,225 @@
+"""vLLM 0.33.0's CPUOffloadingManager and ours, driven op by op and compared after every op.
+
+Both managers see the same request contexts (each keeps its per-request state on the context
+under its own type, so they do not interfere) and the same calls. Every result is compared:
+lookups, load and store specs (chunk ids), keys to store, evicted keys, None for a failed
+prepare, events, stats. After every operation ``check()`` runs our ``validate()`` and compares
+the whole state: each key's chunk id and ref_cnt, the free list, the counts, and the policy's
+internal order (ARC's lists and target, LRU's ranks).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.conftest import make_key
+
+OPS = (
+    "new_request", "lookup", "load", "complete_load", "touch", "store", "complete_store",
+    "finish", "events", "stats", "reset", "end_request",
+)  # fmt: skip
+
+
+def normalize_event(e: Any) -> tuple:
+    return (tuple(e.keys), e.medium, e.removed, e.metadata_only)
+
+
+def normalize_store(out: Any) -> Any:
+    if out is None:
+        return None
+    return (list(out.keys_to_store), out.store_spec.block_ids.tolist(), list(out.evicted_keys))
+
+
+@dataclass
+class Request:
+    ctx: Any
+    keys: list[bytes]
+    finished: bool = False
+
+
+@dataclass
+class ManagerPair:
+    policy: str
+    num_chunks: int
+    store_threshold: int = 1
+    max_tracker_size: int = 64_000
+    num_blocks: int = 16
+    num_groups: int = 1
+    ref: Any = None
+    ours: Any = None
+    requests: list[Request] = field(default_factory=list)
+    loads: list[tuple[Any, list[bytes]]] = field(default_factory=list)
+    stores: list[tuple[Any, list[bytes]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as Ref
+
+        from kvcache.vllm import CPUOffloadingManager as Ours
+
+        kwargs = dict(
+            num_chunks=self.num_chunks,
+            cache_policy=self.policy,
+            enable_events=True,
+            store_threshold=self.store_threshold,
+            max_tracker_size=self.max_tracker_size,
+        )
+        self.ref, self.ours = Ref(**kwargs), Ours(**kwargs)
+        self.universe = [
+            make_key(b, g) for b in range(self.num_blocks) for g in range(self.num_groups)
+        ]
+
+    def both(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return getattr(self.ref, method)(*args, **kwargs), getattr(self.ours, method)(*args, **kwargs)
+
+    # --- operations -----------------------------------------------------------------------
+
+    def new_request(self, blocks: list[int], groups: list[int]) -> Request:
+        from vllm.v1.kv_offload.base import ReqContext
+
+        ctx = ReqContext(req_id=f"r{len(self.requests)}")
+        keys = []
+        for i, b in enumerate(blocks):
+            for g in groups:
+                key = make_key(b, g)
+                ctx.set_offload_key_position(key, 16 * (i + 1))
+                keys.append(key)
+        ref, ours = self.both("on_new_request", ctx)
+        assert ref == ours
+        request = Request(ctx, keys)
+        self.requests.append(request)
+        return request
+
+    def lookup(self, key: bytes, ctx: Any) -> Any:
+        ref, ours = self.both("lookup", key, ctx)
+        assert ours is ref, f"lookup({key!r}): vLLM {ref}, ours {ours}"
+        return ref
+
+    def load(self, request: Request, keys: list[bytes]) -> None:
+        from vllm.v1.kv_offload.base import LookupResult
+
+        keys = [k for k in keys if self.ref.lookup(k, request.ctx) is LookupResult.HIT]
+        if request.finished and any(
+            k not in request.ctx.get_state(_ref_state_type()).seen_keys for k in keys
+        ):
+            return  # vLLM asserts on new keys after finish; ours raises (tested elsewhere)
+        ref, ours = self.both("prepare_load", keys, request.ctx)
+        assert ours.block_ids.tolist() == ref.block_ids.tolist()
+        self.loads.append((request.ctx, keys))
+
+    def complete_load(self, index: int) -> None:
+        ctx, keys = self.loads.pop(index)
+        self.both("complete_load", keys, ctx)
+
+    def touch(self, keys: list[bytes], ctx: Any) -> None:
+        self.both("touch", keys, ctx)
+
+    def store(self, request: Request, keys: list[bytes]) -> None:
+        keys = list(dict.fromkeys(keys))  # one offer names a key once
+        if request.finished:
+            return  # the scheduler never stores for a finished request
+        ref, ours = self.both("prepare_store", keys, request.ctx)
+        assert normalize_store(ours) == normalize_store(ref), (
+            f"prepare_store({len(keys)} keys): vLLM {normalize_store(ref)}, "
+            f"ours {normalize_store(ours)}"
+        )
+        if ref is not None and ref.keys_to_store:
+            self.stores.append((request.ctx, list(ref.keys_to_store)))
+
+    def complete_store(self, index: int, success: bool, extra: list[bytes]) -> None:
+        ctx, keys = self.stores.pop(index)
+        self.both("complete_store", keys + extra, ctx, success=success)
+
+    def finish(self, request: Request) -> None:
+        self.both("on_request_finished", request.ctx)
+        request.finished = True
+
+    def events(self) -> None:
+        ref, ours = self.both("take_events")
+        assert [normalize_event(e) for e in ours] == [normalize_event(e) for e in ref]
+
+    def stats(self) -> None:
+        ref, ours = self.both("get_stats")
+        assert ours.data == ref.data, f"stats: vLLM {ref.data}, ours {ours.data}"
+
+    def reset(self) -> None:
+        self.both("reset_cache")
+        # The scheduler drops jobs in flight at a reset: they never complete.
+        self.loads.clear()
+        self.stores.clear()
+
+    def end_request(self, index: int) -> None:
+        request = self.requests.pop(index)
+        self.loads = [(c, k) for c, k in self.loads if c is not request.ctx]
+        self.stores = [(c, k) for c, k in self.stores if c is not request.ctx]
+
+    # --- comparison -----------------------------------------------------------------------
+
+    def check(self) -> None:
+        self.ours.validate()
+        state = self.ours._debug_state()
+        policy = self.ref._policy
+        ref_chunks = {}
+        resident = policy.chunks if self.policy == "lru" else {**policy.t1, **policy.t2}
+        for key, chunk in resident.items():
+            ref_chunks[key] = (chunk.chunk_id, chunk.ref_cnt)
+        assert state["chunks"] == ref_chunks, "chunk ids or ref counts differ"
+        assert state["free_list"] == self.ref._free_list
+        assert state["num_allocated"] == self.ref._num_allocated_chunks
+        assert state["num_evictable"] == self.ref._num_evictable_cache_chunks
+        assert state["num_write_pending"] == self.ref._num_write_pending_chunks
+        if self.policy == "arc":
+            for name in ("t1", "t2", "b1", "b2"):
+                assert state[name] == list(getattr(policy, name)), f"ARC {name} differs"
+            assert state["target_t1_size"] == policy.target_t1_size
+        else:
+            assert state["ranks"] == policy._ranks, "LRU ranks differ"
+
+    # --- random manager-shaped traffic ------------------------------------------------------
+
+    def random_step(self, rng: random.Random) -> str:
+        op = rng.choices(OPS, weights=[6, 8, 6, 6, 3, 10, 9, 5, 3, 2, 0.15, 3])[0]
+        if op == "new_request" or not self.requests:
+            blocks = rng.sample(range(self.num_blocks), rng.randint(1, min(8, self.num_blocks)))
+            if rng.random() < 0.5:
+                blocks.sort()
+            groups = sorted(rng.sample(range(self.num_groups), rng.randint(1, self.num_groups)))
+            self.new_request(blocks, groups)
+            return "new_request"
+        request = rng.choice(self.requests)
+        if op == "lookup":
+            for key in request.keys:
+                if self.lookup(key, request.ctx).name != "HIT":
+                    break
+        elif op == "load":
+            self.load(request, [k for k in request.keys if rng.random() < 0.7])
+        elif op == "complete_load" and self.loads:
+            self.complete_load(rng.randrange(len(self.loads)))
+        elif op == "touch":
+            self.touch(rng.sample(self.universe, rng.randint(0, 4)), request.ctx)
+        elif op == "store":
+            keys = [k for k in request.keys if rng.random() < 0.8]
+            if rng.random() < 0.1:
+                keys.append(rng.choice(self.universe))  # a key without a position
+            self.store(request, keys)
+        elif op == "complete_store" and self.stores:
+            extra = rng.sample(self.universe, rng.randint(0, 2)) if rng.random() < 0.2 else []
+            self.complete_store(rng.randrange(len(self.stores)), rng.random() < 0.85, extra)
+        elif op == "finish":
+            self.finish(request)
+        elif op == "events":
+            self.events()
+        elif op == "stats":
+            self.stats()
+        elif op == "reset":
+            self.reset()
+        elif op == "end_request":
+            self.end_request(self.requests.index(request))
+        return op
+
+
+def _ref_state_type() -> type:
+    from vllm.v1.kv_offload.cpu.manager import _RequestCacheAccess
+
+    return _RequestCacheAccess

@@ -1,0 +1,84 @@
+"""Conformance of kvcache's manager with vLLM 0.33.0's CPUOffloadingManager.
+
+- Seeded random operation sequences (``tests/manager_differential.py``): every result and the
+  whole state compared after each operation, for LRU and ARC, tight and roomy caches, one and
+  two KV-cache groups, with and without ``store_threshold``.
+- Replays of a multi-turn workload through the scheduler-shaped driver: identical decision logs
+  (lookups incl. HIT_PENDING, chunk ids, keys to store, evictions, failed prepares, events,
+  stats) with failed stores, split stores and cache resets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import zlib
+
+import pytest
+
+from tests.conftest import require_oracle
+from tests.manager_differential import ManagerPair
+from tests.manager_driver import DriverOptions, drive, multi_turn_workload
+
+pytestmark = pytest.mark.oracle
+
+RANDOM_OPS = int(os.environ.get("KVCACHE_MANAGER_CONFORMANCE_OPS", "40000"))
+
+
+@pytest.mark.parametrize("threshold", [1, 2])
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_seeded_random_operations_match_vllm(policy: str, threshold: int) -> None:
+    require_oracle()
+    rng = random.Random(f"manager-{policy}-{threshold}")
+    counts: dict[str, int] = {}
+    done = 0
+    while done < RANDOM_OPS:
+        pair = ManagerPair(
+            policy,
+            num_chunks=rng.choice([1, 3, 6, 12, 24]),
+            store_threshold=threshold,
+            max_tracker_size=rng.choice([4, 64]),
+            num_blocks=rng.choice([6, 16]),
+            num_groups=rng.choice([1, 2]),
+        )
+        for _ in range(1500):
+            op = pair.random_step(rng)
+            counts[op] = counts.get(op, 0) + 1
+            pair.check()
+            done += 1
+        pair.events()
+        pair.stats()
+    for op in ("lookup", "load", "complete_load", "store", "complete_store", "finish", "reset"):
+        assert counts.get(op, 0) > 0, f"no {op} operations were generated"
+
+
+def run(policy: str, ours: bool, num_chunks: int, options: DriverOptions, *, threshold: int,
+        seed: int) -> list[tuple]:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as Ref
+
+    from kvcache.vllm import CPUOffloadingManager as Ours
+
+    cls = Ours if ours else Ref
+    manager = cls(num_chunks=num_chunks, cache_policy=policy, enable_events=True,
+                  store_threshold=threshold, max_tracker_size=64)
+    requests = multi_turn_workload(seed, conversations=60)
+    return drive(manager, LookupResult.HIT, lambda rid: ReqContext(req_id=rid), requests, options)
+
+
+CASES = list(itertools.product(["lru", "arc"], [24, 96], [0, 5], [1, 2], [1, 2]))
+
+
+@pytest.mark.parametrize(("policy", "num_chunks", "fail_every", "groups", "threshold"), CASES)
+def test_workload_replay_decides_identically(
+    policy: str, num_chunks: int, fail_every: int, groups: int, threshold: int
+) -> None:
+    require_oracle()
+    options = DriverOptions(fail_every=fail_every, groups=groups, reset_every=97)
+    seed = zlib.crc32(repr((policy, num_chunks, fail_every, groups, threshold)).encode())
+    ref = run(policy, False, num_chunks, options, threshold=threshold, seed=seed)
+    ours = run(policy, True, num_chunks, options, threshold=threshold, seed=seed)
+    assert any(e[0] == "lookup" and "HIT_PENDING" in e[2] for e in ref)
+    for i, (a, b) in enumerate(zip(ref, ours, strict=True)):
+        assert a == b, f"decision {i} differs:\n vLLM: {a}\n ours: {b}"
