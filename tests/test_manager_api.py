@@ -1,0 +1,156 @@
+"""The Python surface of ``kvcache.OffloadingManager``: results, the chunk table export, memory
+accounting, request state lifetime, and typed errors that leave the manager unchanged."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import numpy as np
+import pytest
+
+import kvcache
+from tests.conftest import make_key
+
+KEYS = [make_key(i) for i in range(8)]
+
+
+def stored(manager: kvcache.OffloadingManager, keys: list[bytes]) -> kvcache.ReqContext:
+    ctx = kvcache.ReqContext("r")
+    for i, key in enumerate(keys):
+        ctx.set_offload_key_position(key, 16 * (i + 1))
+    manager.on_new_request(ctx)
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None
+    manager.complete_store(out.keys_to_store, ctx)
+    return ctx
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_store_load_evict_round_trip(policy: str) -> None:
+    m = kvcache.OffloadingManager(4, policy, enable_events=True)
+    ctx = kvcache.ReqContext("r")
+    m.on_new_request(ctx)
+    assert m.lookup(KEYS[0], ctx) is kvcache.LookupResult.MISS
+    out = m.prepare_store(KEYS[:3], ctx)
+    assert out.keys_to_store == KEYS[:3] and out.evicted_keys == []
+    assert out.store_spec.block_ids.dtype == np.int32
+    assert out.store_spec.block_ids.tolist() == [0, 1, 2]
+    assert m.lookup(KEYS[0], ctx) is kvcache.LookupResult.HIT_PENDING
+    m.complete_store(KEYS[:3], ctx)
+    assert m.lookup(KEYS[0], ctx) is kvcache.LookupResult.HIT
+    assert m.prepare_load(KEYS[:1], ctx).block_ids.tolist() == [0]
+    out = m.prepare_store(KEYS[3:6], ctx)  # 1 free chunk: evicts 2 idle ones, never KEYS[0]
+    assert len(out.evicted_keys) == 2 and KEYS[0] not in out.evicted_keys
+    m.complete_load(KEYS[:1], ctx)
+    m.on_request_finished(ctx)
+    events = m.take_events()
+    assert [(e.removed, len(e.keys)) for e in events] == [(False, 3), (True, 2)]
+    assert m.take_events() == []
+    stats = m.get_stats()
+    assert stats.allocation_sizes == [3, 3] and stats.stores_skipped is None
+    m.validate()
+
+
+def test_chunk_table_is_a_read_only_numpy_view() -> None:
+    m = kvcache.OffloadingManager(4)
+    stored(m, KEYS[:2])
+    table = np.asarray(m.chunk_table())
+    assert table.dtype.names == ("ref_cnt", "chunk_id")
+    assert table["chunk_id"].tolist() == [0, 1, 2, 3]
+    assert table["ref_cnt"].tolist() == [0, 0, -2, -2]  # two idle chunks, two free slots
+    assert not table.flags.writeable
+    with pytest.raises(TypeError):
+        memoryview(m.chunk_table()).cast("B")[0:1] = b"\x00"
+    with pytest.raises(TypeError, match="not writable"):
+        (ctypes.c_char * 16).from_buffer(m.chunk_table())
+    ctx = kvcache.ReqContext("load")
+    m.prepare_load(KEYS[:1], ctx)
+    assert table["ref_cnt"].tolist()[0] == 1, "the view follows the live table"
+    del m
+    gc.collect()
+    assert table["chunk_id"].tolist() == [0, 1, 2, 3], "the view keeps the table alive"
+
+
+def test_empty_manager_table_and_zero_chunks() -> None:
+    m = kvcache.OffloadingManager(0)
+    assert np.asarray(m.chunk_table()).shape == (0,)
+    ctx = kvcache.ReqContext("r")
+    assert m.prepare_store(KEYS[:1], ctx) is None
+    assert m.get_stats().usage == 0.0
+
+
+def test_request_state_is_released_with_its_context() -> None:
+    m = kvcache.OffloadingManager(8, "lru")
+    ctx = stored(m, KEYS[:3])
+    assert m.num_requests == 1
+    del ctx
+    gc.collect()
+    assert m.num_requests == 0
+    m.validate()
+
+
+def test_memory_usage_is_reported_per_structure() -> None:
+    m = kvcache.OffloadingManager(1024, "arc")
+    stored(m, KEYS)
+    usage = m.memory_usage()
+    assert usage["resident_chunks"] == len(KEYS)
+    assert usage["table"] >= 1024 * 16
+    assert usage["total"] == sum(usage[k] for k in ("policy", "table", "tracker", "requests"))
+
+
+def test_store_threshold_skips_first_offers() -> None:
+    m = kvcache.OffloadingManager(8, store_threshold=2, max_tracker_size=16)
+    ctx = kvcache.ReqContext("r")
+    assert m.prepare_store(KEYS[:2], ctx).keys_to_store == []
+    assert m.prepare_store(KEYS[:2], ctx).keys_to_store == KEYS[:2]
+    assert m.get_stats().stores_skipped == 2
+
+
+def test_constructor_is_keyword_only_and_validates() -> None:
+    with pytest.raises(TypeError):
+        kvcache.OffloadingManager(8, "lru", True)
+    with pytest.raises(kvcache.InvalidArgumentError):
+        kvcache.OffloadingManager(8, "fifo")
+    with pytest.raises(kvcache.InvalidArgumentError):
+        kvcache.OffloadingManager(-1)
+    with pytest.raises(kvcache.InvalidTypeError):
+        kvcache.OffloadingManager("8")
+
+
+def snapshot(m: kvcache.OffloadingManager) -> dict:
+    m.validate()
+    return m._debug_state()
+
+
+BAD_CALLS = [
+    ("load absent", lambda m, c: m.prepare_load([make_key(99)], c), kvcache.KeyNotFoundError),
+    ("load pending", lambda m, c: m.prepare_load([KEYS[5]], c), kvcache.InvalidStateError),
+    ("unload idle", lambda m, c: m.complete_load([KEYS[0]], c), kvcache.InvalidStateError),
+    ("unload absent", lambda m, c: m.complete_load([make_key(99)], c), kvcache.KeyNotFoundError),
+    ("store twice", lambda m, c: m.prepare_store([KEYS[6], KEYS[6]], c),
+     kvcache.InvalidArgumentError),
+    ("store mixed", lambda m, c: m.prepare_store([KEYS[6], 3], c), kvcache.InvalidKeyError),
+    ("store no context", lambda m, c: m.prepare_store([KEYS[6]], None), kvcache.InvalidTypeError),
+    ("lookup int", lambda m, c: m.lookup(1, c), kvcache.InvalidKeyError),
+    ("touch str", lambda m, c: m.touch("abc", c), kvcache.InvalidKeyError),
+    ("load after finish", lambda m, c: m.prepare_load([KEYS[7]], c), kvcache.InvalidStateError),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize(("name", "call", "error"), BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
+def test_bad_calls_raise_typed_errors_and_change_nothing(
+    policy: str, name: str, call, error: type
+) -> None:
+    m = kvcache.OffloadingManager(8, policy)
+    ctx = stored(m, KEYS[:5])
+    other = stored(m, KEYS[7:8])  # resident, never seen by `ctx`
+    m.prepare_store([KEYS[5]], ctx)  # pending
+    if name == "load after finish":
+        m.on_request_finished(ctx)
+    before = snapshot(m)
+    with pytest.raises(error):
+        call(m, ctx)
+    assert snapshot(m) == before
+    del other
