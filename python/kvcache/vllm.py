@@ -62,6 +62,7 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
     result types; the bookkeeping runs in Rust."""
 
     _result_types = SimpleNamespace(
+        native=False,
         miss=LookupResult.MISS,
         hit=LookupResult.HIT,
         hit_pending=LookupResult.HIT_PENDING,

@@ -13,6 +13,7 @@ mod exceptions;
 mod manager;
 mod policy;
 mod request_state;
+mod results;
 mod transfer;
 
 #[pymodule(gil_used = true)]
@@ -25,6 +26,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<request_state::RequestState>()?;
     m.add_class::<manager::PyManager>()?;
     m.add_class::<manager::ChunkTableView>()?;
+    m.add_class::<results::LoadStoreSpec>()?;
+    m.add_class::<results::PrepareStoreOutput>()?;
+    m.add_class::<results::OffloadingEvent>()?;
     m.add_function(wrap_pyfunction!(policy::order_request_keys_py, m)?)?;
     exceptions::register(m)?;
     transfer::register(m)?;

@@ -9,12 +9,11 @@
 use std::ffi::c_int;
 use std::ptr;
 
-use kvcache_core::manager::{ChunkId, Event, LookupResult, Manager, ManagerConfig};
+use kvcache_core::manager::{ChunkId, Event, Manager, ManagerConfig};
 use kvcache_core::{ArcPolicy, Key, ListId, LruPolicy};
 use pyo3::exceptions::{PyAssertionError, PyBufferError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
 use crate::chunk::{fill_record_view, release_record_view};
@@ -22,6 +21,7 @@ use crate::conversion::{as_key, collect_keys, count, ContextTypeCache, Positions
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::request_state::{require_context, Owner};
+use crate::results::ResultTypes;
 
 enum Inner {
     Lru(Manager<LruPolicy<ChunkId>>),
@@ -38,68 +38,8 @@ macro_rules! with_manager {
     };
 }
 
-/// The Python types results are built from (see the module docs).
-struct ResultTypes {
-    miss: Py<PyAny>,
-    hit: Py<PyAny>,
-    hit_pending: Py<PyAny>,
-    spec_cls: Py<PyAny>,
-    output_cls: Py<PyAny>,
-    event_cls: Py<PyAny>,
-    medium: Py<PyAny>,
-    new_request: Py<PyAny>,
-}
-
-impl ResultTypes {
-    fn from_class(cls: &Bound<'_, PyType>) -> PyResult<Self> {
-        let types = cls.getattr("_result_types").map_err(|_| {
-            pyo3::exceptions::PyTypeError::new_err(
-                "OffloadingManager is abstract here: use kvcache.OffloadingManager or \
-                 kvcache.vllm.CPUOffloadingManager",
-            )
-        })?;
-        let get = |name: &str| types.getattr(name).map(Bound::unbind);
-        Ok(ResultTypes {
-            miss: get("miss")?,
-            hit: get("hit")?,
-            hit_pending: get("hit_pending")?,
-            spec_cls: get("spec_cls")?,
-            output_cls: get("output_cls")?,
-            event_cls: get("event_cls")?,
-            medium: get("medium")?,
-            new_request: get("new_request")?,
-        })
-    }
-}
-
 /// vLLM's default bound of the `store_threshold` access tracker.
 const DEFAULT_MAX_TRACKER_SIZE: usize = 64_000;
-
-static NUMPY: PyOnceLock<(Py<PyAny>, Py<PyAny>)> = PyOnceLock::new();
-
-/// A load/store spec naming `ids` (an int32 array, as vLLM's `CPULoadStoreSpec`).
-fn make_spec<'py>(
-    py: Python<'py>,
-    types: &ResultTypes,
-    ids: &[ChunkId],
-) -> PyResult<Bound<'py, PyAny>> {
-    let (frombuffer, int32) = NUMPY.get_or_try_init(py, || -> PyResult<_> {
-        let np = py.import("numpy")?;
-        Ok((
-            np.getattr("frombuffer")?.unbind(),
-            np.getattr("int32")?.unbind(),
-        ))
-    })?;
-    let mut raw = Vec::with_capacity(ids.len() * 4);
-    for &id in ids {
-        // Chunk ids index a table of at most u32::MAX entries; vLLM's spec is int32.
-        raw.extend_from_slice(&(id as i32).to_le_bytes());
-    }
-    let array = frombuffer
-        .bind(py)
-        .call1((PyBytes::new(py, &raw), int32.bind(py)))?;
-    types.spec_cls.bind(py).call1((array,))
-}
 
 /// Offloading manager for host-memory KV chunks: vLLM 0.33.0's `CPUOffloadingManager`
 /// decisions, in Rust. Subclassed by `kvcache.OffloadingManager` and
@@ -168,12 +108,7 @@ impl PyManager {
 
     fn event<'py>(&self, py: Python<'py>, e: Event) -> PyResult<Bound<'py, PyAny>> {
         let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k.as_slice())))?;
-        let kwargs = PyDict::new(py);
-        kwargs.set_item("keys", keys)?;
-        kwargs.set_item("medium", self.types.medium.bind(py))?;
-        kwargs.set_item("removed", e.removed)?;
-        kwargs.set_item("metadata_only", e.metadata_only)?;
-        self.types.event_cls.bind(py).call((), Some(&kwargs))
+        self.types.event(py, keys, e.removed, e.metadata_only)
     }
 }
 
@@ -297,12 +232,7 @@ impl PyManager {
         let _ = req_context;
         let key = as_key(key)?;
         let result = with_manager!(&self.inner, m => m.lookup(m.key(key.as_bytes())));
-        let member = match result {
-            LookupResult::Miss => &self.types.miss,
-            LookupResult::Hit => &self.types.hit,
-            LookupResult::HitPending => &self.types.hit_pending,
-        };
-        Ok(member.bind(py).clone())
+        Ok(self.types.lookup(py, result))
     }
 
     /// Pins the keys' ready chunks for reading; returns a spec naming their chunk ids.
@@ -319,7 +249,7 @@ impl PyManager {
         let ks = self.keys(&keys);
         let ids =
             with_manager!(&mut self.inner, m => m.prepare_load(token, &ks, &positions)).py_err()?;
-        make_spec(py, &self.types, &ids)
+        self.types.spec(py, &ids)
     }
 
     /// Marks keys recently used.
@@ -365,24 +295,13 @@ impl PyManager {
         let out = with_manager!(&mut self.inner, m => m.prepare_store(token, &ks, &positions))
             .py_err()?;
         let Some(out) = out else { return Ok(None) };
-        let kwargs = PyDict::new(py);
-        kwargs.set_item(
-            "keys_to_store",
-            PyList::new(py, out.stored.iter().map(|&i| &keys[i]))?,
+        let stored = PyList::new(py, out.stored.iter().map(|&i| &keys[i]))?;
+        let spec = self.types.spec(py, &out.chunk_ids)?;
+        let evicted = PyList::new(
+            py,
+            out.evicted.iter().map(|k| PyBytes::new(py, k.as_slice())),
         )?;
-        kwargs.set_item("store_spec", make_spec(py, &self.types, &out.chunk_ids)?)?;
-        kwargs.set_item(
-            "evicted_keys",
-            PyList::new(
-                py,
-                out.evicted.iter().map(|k| PyBytes::new(py, k.as_slice())),
-            )?,
-        )?;
-        self.types
-            .output_cls
-            .bind(py)
-            .call((), Some(&kwargs))
-            .map(Some)
+        self.types.store_output(py, stored, spec, evicted).map(Some)
     }
 
     /// Completes stores: on success the chunks become readable and evictable; on failure the
@@ -408,7 +327,7 @@ impl PyManager {
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         self.request(&req_context)?;
-        self.types.new_request.bind(py).call0()
+        self.types.new_request(py)
     }
 
     /// Applies the request's accesses to the policy in prefix order (once).

@@ -1,0 +1,264 @@
+//! Results of manager calls: kvcache's own types (Rust classes, cheap to build) or vLLM's
+//! (built the way vLLM's manager builds them, minus redundant work).
+//!
+//! A subclass of the Rust manager names its result types in `_result_types`: `native=True`
+//! selects the classes below (`kvcache.OffloadingManager`); otherwise the object names vLLM's
+//! classes (`kvcache.vllm.CPUOffloadingManager`).
+
+use numpy::{PyArray1, PyArrayMethods};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyType};
+
+use kvcache_core::manager::{ChunkId, LookupResult};
+
+/// Chunk ids of a load or store: `block_ids` is an `np.int32` array (as vLLM's spec).
+#[pyclass(name = "LoadStoreSpec", module = "kvcache._core", frozen)]
+pub struct LoadStoreSpec {
+    block_ids: Py<PyArray1<i32>>,
+}
+
+#[pymethods]
+impl LoadStoreSpec {
+    #[new]
+    fn new(py: Python<'_>, block_ids: Vec<i32>) -> Self {
+        LoadStoreSpec {
+            block_ids: PyArray1::from_vec(py, block_ids).unbind(),
+        }
+    }
+
+    #[getter]
+    fn block_ids(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.block_ids.clone_ref(py)
+    }
+
+    /// The same array, under the tiering layer's name.
+    #[getter]
+    fn chunk_ids(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.block_ids.clone_ref(py)
+    }
+
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        self.block_ids.bind(py).len()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "LoadStoreSpec({})",
+            self.block_ids
+                .bind(py)
+                .to_vec()?
+                .iter()
+                .map(i32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    }
+}
+
+/// What `prepare_store` decided: keys to store, where (`store_spec`), and keys evicted.
+#[pyclass(name = "PrepareStoreOutput", module = "kvcache._core", frozen)]
+pub struct PrepareStoreOutput {
+    #[pyo3(get)]
+    keys_to_store: Py<PyList>,
+    #[pyo3(get)]
+    store_spec: Py<PyAny>,
+    #[pyo3(get)]
+    evicted_keys: Py<PyList>,
+}
+
+#[pymethods]
+impl PrepareStoreOutput {
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "PrepareStoreOutput(keys_to_store={}, store_spec={}, evicted_keys={})",
+            self.keys_to_store.bind(py).repr()?,
+            self.store_spec.bind(py).repr()?,
+            self.evicted_keys.bind(py).repr()?
+        ))
+    }
+}
+
+/// Keys stored in (`removed=False`) or removed from (`removed=True`) the CPU tier;
+/// `metadata_only` marks the cleanup of a failed store rather than an eviction.
+#[pyclass(name = "OffloadingEvent", module = "kvcache._core", frozen, eq)]
+pub struct OffloadingEvent {
+    #[pyo3(get)]
+    keys: Py<PyList>,
+    #[pyo3(get)]
+    removed: bool,
+    #[pyo3(get)]
+    metadata_only: bool,
+}
+
+impl PartialEq for OffloadingEvent {
+    fn eq(&self, other: &Self) -> bool {
+        Python::attach(|py| {
+            self.removed == other.removed
+                && self.metadata_only == other.metadata_only
+                && self.keys.bind(py).eq(other.keys.bind(py)).unwrap_or(false)
+        })
+    }
+}
+
+#[pymethods]
+impl OffloadingEvent {
+    #[getter]
+    fn medium(&self) -> &'static str {
+        "CPU"
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "OffloadingEvent(keys={}, medium='CPU', removed={}, metadata_only={})",
+            self.keys.bind(py).repr()?,
+            if self.removed { "True" } else { "False" },
+            if self.metadata_only { "True" } else { "False" },
+        ))
+    }
+}
+
+/// vLLM's classes, when results must be vLLM's own objects.
+struct Foreign {
+    spec_cls: Py<PyType>,
+    output_cls: Py<PyAny>,
+    event_cls: Py<PyAny>,
+    medium: Py<PyAny>,
+    new_request: Py<PyAny>,
+}
+
+pub struct ResultTypes {
+    miss: Py<PyAny>,
+    hit: Py<PyAny>,
+    hit_pending: Py<PyAny>,
+    foreign: Option<Foreign>,
+}
+
+impl ResultTypes {
+    /// Reads `cls._result_types` (see the module docs).
+    pub fn from_class(cls: &Bound<'_, PyType>) -> PyResult<Self> {
+        let types = cls.getattr("_result_types").map_err(|_| {
+            PyTypeError::new_err(
+                "use kvcache.OffloadingManager or kvcache.vllm.CPUOffloadingManager \
+                 (the base class names no result types)",
+            )
+        })?;
+        let get = |name: &str| types.getattr(name).map(Bound::unbind);
+        let native = types
+            .getattr("native")
+            .and_then(|v| v.is_truthy())
+            .unwrap_or(false);
+        let foreign = if native {
+            None
+        } else {
+            Some(Foreign {
+                spec_cls: types.getattr("spec_cls")?.cast_into::<PyType>()?.unbind(),
+                output_cls: get("output_cls")?,
+                event_cls: get("event_cls")?,
+                medium: get("medium")?,
+                new_request: get("new_request")?,
+            })
+        };
+        Ok(ResultTypes {
+            miss: get("miss")?,
+            hit: get("hit")?,
+            hit_pending: get("hit_pending")?,
+            foreign,
+        })
+    }
+
+    #[inline]
+    pub fn lookup<'py>(&self, py: Python<'py>, result: LookupResult) -> Bound<'py, PyAny> {
+        let member = match result {
+            LookupResult::Miss => &self.miss,
+            LookupResult::Hit => &self.hit,
+            LookupResult::HitPending => &self.hit_pending,
+        };
+        member.bind(py).clone()
+    }
+
+    /// A spec naming `ids`. vLLM's spec is made without running its `__init__`, which would
+    /// only copy the array we already built as `np.int32`.
+    pub fn spec<'py>(&self, py: Python<'py>, ids: &[ChunkId]) -> PyResult<Bound<'py, PyAny>> {
+        // Chunk ids fit: the manager holds at most 2**31 - 1 chunks.
+        let ids: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
+        let array = PyArray1::from_vec(py, ids);
+        match &self.foreign {
+            None => Ok(Bound::new(
+                py,
+                LoadStoreSpec {
+                    block_ids: array.unbind(),
+                },
+            )?
+            .into_any()),
+            Some(f) => {
+                let cls = f.spec_cls.bind(py);
+                let spec = cls.call_method1(pyo3::intern!(py, "__new__"), (cls,))?;
+                spec.setattr(pyo3::intern!(py, "block_ids"), array)?;
+                Ok(spec)
+            }
+        }
+    }
+
+    pub fn store_output<'py>(
+        &self,
+        py: Python<'py>,
+        keys_to_store: Bound<'py, PyList>,
+        spec: Bound<'py, PyAny>,
+        evicted_keys: Bound<'py, PyList>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match &self.foreign {
+            None => Ok(Bound::new(
+                py,
+                PrepareStoreOutput {
+                    keys_to_store: keys_to_store.unbind(),
+                    store_spec: spec.unbind(),
+                    evicted_keys: evicted_keys.unbind(),
+                },
+            )?
+            .into_any()),
+            Some(f) => f
+                .output_cls
+                .bind(py)
+                .call1((keys_to_store, spec, evicted_keys)),
+        }
+    }
+
+    pub fn event<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Bound<'py, PyList>,
+        removed: bool,
+        metadata_only: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match &self.foreign {
+            None => Ok(Bound::new(
+                py,
+                OffloadingEvent {
+                    keys: keys.unbind(),
+                    removed,
+                    metadata_only,
+                },
+            )?
+            .into_any()),
+            Some(f) => {
+                let event = f.event_cls.bind(py);
+                if metadata_only {
+                    let kwargs = pyo3::types::PyDict::new(py);
+                    kwargs.set_item("metadata_only", true)?;
+                    event.call((keys, f.medium.bind(py), removed), Some(&kwargs))
+                } else {
+                    event.call1((keys, f.medium.bind(py), removed))
+                }
+            }
+        }
+    }
+
+    /// What `on_new_request` returns: vLLM's `RequestOffloadingContext()`, or None.
+    pub fn new_request<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        match &self.foreign {
+            None => Ok(py.None().into_bound(py)),
+            Some(f) => f.new_request.bind(py).call0(),
+        }
+    }
+}
