@@ -125,10 +125,24 @@ impl CopyRuns {
         }
     }
 
-    /// Writes `src`, then `dst`, then `len` (each `len()` entries) into `out`, as the signed
-    /// 64-bit integers GPU kernels index with. `out` must hold exactly `3 * len()` entries.
-    pub fn write_soa(&self, out: &mut [i64]) -> HostResult<()> {
-        let n = self.len();
+    /// Number of descriptors when every run is cut into pieces of at most `max_piece` bytes
+    /// (`0`: no cutting). GPU kernels share work per descriptor, so one long run would
+    /// otherwise keep a single program busy while the others idle.
+    pub fn count_pieces(&self, max_piece: u64) -> usize {
+        if max_piece == 0 {
+            return self.len();
+        }
+        self.len
+            .iter()
+            .map(|&l| l.div_ceil(max_piece) as usize)
+            .sum()
+    }
+
+    /// Writes the descriptors (runs cut as in [`Self::count_pieces`]) into `out` as the signed
+    /// 64-bit integers GPU kernels index with: all sources, then all destinations, then all
+    /// lengths. `out` must hold exactly `3 * count_pieces(max_piece)` entries.
+    pub fn write_soa(&self, max_piece: u64, out: &mut [i64]) -> HostResult<()> {
+        let n = self.count_pieces(max_piece);
         if out.len() != 3 * n {
             return Err(HostError::InvalidArgument(format!(
                 "descriptor buffer holds {} entries, expected 3 * {n}",
@@ -137,14 +151,18 @@ impl CopyRuns {
         }
         let (s, rest) = out.split_at_mut(n);
         let (d, l) = rest.split_at_mut(n);
-        for (o, &v) in s.iter_mut().zip(&self.src) {
-            *o = v as i64;
-        }
-        for (o, &v) in d.iter_mut().zip(&self.dst) {
-            *o = v as i64;
-        }
-        for (o, &v) in l.iter_mut().zip(&self.len) {
-            *o = v as i64;
+        let step = if max_piece == 0 { u64::MAX } else { max_piece };
+        let mut i = 0;
+        for ((&src, &dst), &len) in self.src.iter().zip(&self.dst).zip(&self.len) {
+            let mut off = 0;
+            while off < len {
+                let piece = step.min(len - off);
+                s[i] = (src + off) as i64;
+                d[i] = (dst + off) as i64;
+                l[i] = piece as i64;
+                i += 1;
+                off += piece;
+            }
         }
         Ok(())
     }
@@ -587,12 +605,25 @@ mod tests {
             .unwrap();
         assert_eq!(runs.alignment(), 8);
         let mut out = vec![0i64; 6];
-        runs.write_soa(&mut out).unwrap();
+        runs.write_soa(0, &mut out).unwrap();
         assert_eq!(
             out,
             vec![(HOST + 120) as i64, (HOST + 144) as i64, 192, 64, 24, 24]
         );
-        assert!(runs.write_soa(&mut [0i64; 5]).is_err());
+        assert!(runs.write_soa(0, &mut [0i64; 5]).is_err());
+        // Cutting: one 48-byte run becomes pieces of 16 + 16 + 16.
+        let lay = TransferLayout::new(vec![layer(0, 24, 24, 8, 0)], 2, HOST, 8, 48, 0).unwrap();
+        let runs = lay
+            .plan(Direction::Store, &[2, 3], &[1], &mut PlanScratch::default())
+            .unwrap();
+        assert_eq!(
+            (runs.len(), runs.count_pieces(16), runs.count_pieces(0)),
+            (1, 3, 1)
+        );
+        let mut out = vec![0i64; 9];
+        runs.write_soa(16, &mut out).unwrap();
+        let h = (HOST + 48) as i64;
+        assert_eq!(out, vec![48, 64, 80, h, h + 16, h + 32, 16, 16, 16]);
     }
 
     proptest! {

@@ -276,18 +276,29 @@ impl Plan {
         drop(self.data.take_lease());
     }
 
-    /// Writes `src`, `dst`, `len` (each `len(plan)` int64) into a writable C-contiguous int64
-    /// buffer of exactly `3 * len(plan)` entries.
-    fn write_runs(&self, py: Python<'_>, out: PyBuffer<i64>) -> PyResult<()> {
-        let mut v = vec![0i64; 3 * self.data.runs.len()];
-        self.data.runs.write_soa(&mut v).map_err(host_err)?;
-        if out.item_count() != v.len() {
+    /// Descriptors after cutting runs into pieces of at most `max_piece_bytes` (0: none).
+    #[pyo3(signature = (max_piece_bytes=0))]
+    fn num_pieces(&self, max_piece_bytes: u64) -> usize {
+        self.data.runs.count_pieces(max_piece_bytes)
+    }
+
+    /// Writes every source, then every destination, then every length (int64, runs cut into
+    /// pieces of at most `max_piece_bytes`, 0: none) into `out`, a writable C-contiguous int64
+    /// buffer of exactly `3 * num_pieces(max_piece_bytes)` entries.
+    #[pyo3(signature = (out, max_piece_bytes=0))]
+    fn write_runs(&self, py: Python<'_>, out: PyBuffer<i64>, max_piece_bytes: u64) -> PyResult<()> {
+        let n = self.data.runs.count_pieces(max_piece_bytes);
+        if out.item_count() != 3 * n {
             return Err(PyValueError::new_err(format!(
-                "descriptor buffer holds {} entries, expected {}",
-                out.item_count(),
-                v.len()
+                "descriptor buffer holds {} entries, expected 3 * {n}",
+                out.item_count()
             )));
         }
+        let mut v = vec![0i64; 3 * n];
+        self.data
+            .runs
+            .write_soa(max_piece_bytes, &mut v)
+            .map_err(host_err)?;
         out.copy_from_slice(py, &v)
     }
 }
