@@ -296,3 +296,32 @@ def test_close_and_collection_wait_for_jobs() -> None:
     gc.collect()
     pool.close()  # would raise if a job still held the pool
     assert pool.closed
+
+
+def test_copier_guards_finish_on_shutdown_and_refuse_misuse() -> None:
+    """The Rust worker behind the CPU path: runs a plan once, only host-memory plans, and
+    finishes queued work on shutdown before refusing more."""
+    from kvcache import _core
+
+    with HostChunkPool(4, 64, pin=False) as pool:
+        layer = torch.arange(64, dtype=torch.float32).reshape(4, 16)
+        engine = TransferEngine([layer], pool)
+        copier = _core.CpuCopier()
+        plan = engine.plan(store=True, gpu_block_ids=[3], chunk_ids=[0])
+        copier.submit(7, plan)
+        copier.wait([7])
+        with pytest.raises(ValueError, match="already executed"):
+            copier.submit(8, plan)
+        device_layout = _core.TransferLayout(pool, [(1 << 40, 64, 64, 4, 0)], 1)
+        device_plan = device_layout.plan(True, np.array([1]), np.array([2]))
+        with pytest.raises(ValueError, match="host-memory"):
+            copier.submit(9, device_plan)
+        copier.submit(10, engine.plan(store=True, gpu_block_ids=[2], chunk_ids=[1]))
+        copier.shutdown()
+        assert copier.in_flight() == 0
+        assert sorted(copier.poll()) == [(7, True), (10, True)]
+        with pytest.raises(RuntimeError, match="shut down"):
+            copier.submit(11, engine.plan(store=True, gpu_block_ids=[1], chunk_ids=[2]))
+        assert torch.equal(pool.tensor()[:2], layer[[3, 2]].view(torch.uint8))
+        del plan, device_plan
+        engine.close()

@@ -124,7 +124,7 @@ class _CpuBackend:
         return self._copier.in_flight()
 
     def close(self) -> None:
-        self._copier.wait(None)
+        self._copier.shutdown()
 
 
 @dataclass

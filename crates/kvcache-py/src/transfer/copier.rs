@@ -151,6 +151,18 @@ impl CpuCopier {
     fn in_flight(&self) -> usize {
         self.shared.lock().in_flight.len()
     }
+
+    /// Finishes the queued jobs and stops the worker thread (GIL released); later `submit`
+    /// calls raise. Results stay available to `poll()`. Idempotent.
+    fn shutdown(&self, py: Python<'_>) {
+        drop(self.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
+        let handle = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle {
+            py.detach(move || {
+                let _ = h.join();
+            });
+        }
+    }
 }
 
 impl Drop for CpuCopier {
