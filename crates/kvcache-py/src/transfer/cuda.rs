@@ -38,7 +38,7 @@ pub(crate) struct CudartRegistrar {
     get_last_error: GetLastErrorFn,
     flags: c_uint,
     /// Keeps the library (or the test's callback objects) alive while the functions may run.
-    _keepalive: Py<PyAny>,
+    keepalive: Option<Py<PyAny>>,
 }
 
 impl CudartRegistrar {
@@ -63,8 +63,20 @@ impl CudartRegistrar {
                 unregister: std::mem::transmute::<usize, UnregisterFn>(u),
                 get_last_error: std::mem::transmute::<usize, GetLastErrorFn>(e),
                 flags,
-                _keepalive: keepalive,
+                keepalive: Some(keepalive),
             })
+        }
+    }
+}
+
+impl Drop for CudartRegistrar {
+    fn drop(&mut self) {
+        // A failed registration drops the registrar while the GIL is released; give the
+        // reference back with the interpreter attached rather than deferring it. (After
+        // interpreter shutdown there is nothing left to release it to: leak it.)
+        let mut slot = self.keepalive.take();
+        if Python::try_attach(|_| drop(slot.take())).is_none() {
+            std::mem::forget(slot.take());
         }
     }
 }
