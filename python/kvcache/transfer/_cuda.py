@@ -35,8 +35,11 @@ class Runtime(Protocol):
     host_register: int
     host_unregister: int
     get_last_error: int
+    memcpy_async: int
 
     def clear_error(self) -> int: ...
+
+    def error_string(self, code: int) -> str: ...
 
     def device_pointer(self, host_address: int) -> int | None: ...
 

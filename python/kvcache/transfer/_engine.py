@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from kvcache.transfer._cuda import CudaRuntime
+    from kvcache.transfer._cuda import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -148,16 +148,21 @@ class _CudaBackend:
         kernel_max_run_bytes: int,
         kernel_min_runs: int,
         kernel_programs: int,
+        runtime: Runtime | None = None,
+        cuda: Any = None,
     ) -> None:
+        """``runtime`` and ``cuda`` (a ``torch.cuda`` stand-in) let tests drive the stream and
+        event bookkeeping without a GPU; by default the real ones are used."""
         import torch
 
         from kvcache.transfer import _cuda
 
-        rt = _cuda.runtime()
+        rt = runtime if runtime is not None else _cuda.runtime()
         if rt is None:
             raise RuntimeError("CUDA layers given but the CUDA runtime is not available")
-        self._rt: CudaRuntime = rt
+        self._rt: Runtime = rt
         self._torch = torch
+        self._cuda = torch.cuda if cuda is None else cuda
         self._device = device
         self._pool = pool
         kernel_ok = bool(pool.pinned and getattr(pool, "device_can_use_host_pointer", False))
@@ -170,8 +175,8 @@ class _CudaBackend:
         self._kernel_max_run_bytes = kernel_max_run_bytes
         self._kernel_min_runs = kernel_min_runs
         self._kernel_programs = kernel_programs
-        with torch.cuda.device(device):
-            self._streams = {True: torch.cuda.Stream(device), False: torch.cuda.Stream(device)}
+        with self._cuda.device(device):
+            self._streams = {True: self._cuda.Stream(device), False: self._cuda.Stream(device)}
         self._queues: dict[bool, deque[_CudaJob]] = {True: deque(), False: deque()}
 
     @staticmethod
@@ -191,11 +196,13 @@ class _CudaBackend:
         runs = len(plan)
         return runs >= self._kernel_min_runs and plan.nbytes <= runs * self._kernel_max_run_bytes
 
-    def _enqueue(self, plan: _core.Plan, stream: Any) -> tuple[bool, tuple[Any, ...]]:
+    def _enqueue(
+        self, plan: _core.Plan, stream: Any, *, kernel: bool
+    ) -> tuple[bool, tuple[Any, ...]]:
         torch = self._torch
         if len(plan) == 0:
             return True, ()
-        if self._use_kernel(plan):
+        if kernel:
             from kvcache.transfer import _kernel
 
             n = plan.num_pieces(_kernel.PIECE_BYTES)
@@ -219,24 +226,30 @@ class _CudaBackend:
         return True, ()
 
     def submit(self, job_id: int, plan: _core.Plan, *, store: bool) -> None:
-        torch = self._torch
+        cuda = self._cuda
         stream = self._streams[store]
         event = None
         ok = False
         keep: tuple[Any, ...] = ()
+        kernel = self._use_kernel(plan)
         try:
-            with torch.cuda.device(self._device):
+            with cuda.device(self._device):
                 # A store reads KV the model may still be writing; a load overwrites blocks
                 # whose previous users may still be queued. Both wait for the current stream.
-                stream.wait_stream(torch.cuda.current_stream(self._device))
-                with torch.cuda.stream(stream):
-                    ok, keep = self._enqueue(plan, stream)
-                    event = torch.cuda.Event()
+                stream.wait_stream(cuda.current_stream(self._device))
+                with cuda.stream(stream):
+                    ok, keep = self._enqueue(plan, stream, kernel=kernel)
+                    event = cuda.Event()
                     event.record(stream)
         except Exception:
             logger.exception("submitting transfer job %d failed", job_id)
             ok = False
             event = None
+            self._rt.clear_error()
+            if kernel and self._copy == "auto":
+                # Most likely Triton could not compile or launch here: keep working on DMA.
+                self._kernel_allowed = False
+                logger.warning("the copy kernel failed; later jobs use DMA")
             try:
                 stream.synchronize()  # nothing of this job may still run when we drop it
             except Exception:
