@@ -63,6 +63,12 @@ class Bench:
         self.job_bytes = (4 if quick else 64) * MiB
         self.reps = 1 if quick else 3
         self.skipped = 0
+        self.can_pin = False
+        if self.cuda:  # measure pageable alone rather than die if this machine cannot pin
+            with HostChunkPool(1, 1 * MiB, pin="auto") as probe:
+                self.can_pin = probe.pinned and probe.device_can_use_host_pointer
+            if not self.can_pin:
+                _out("WARNING: host memory could not be pinned; only pageable pools measured")
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -75,7 +81,7 @@ class Bench:
             self.torch.cuda.synchronize(self.device)
 
     def pool_kinds(self) -> list[str]:
-        return ["pinned", "pageable"] if self.cuda else ["pageable"]
+        return ["pinned", "pageable"] if self.can_pin else ["pageable"]
 
     def methods(self, pool_kind: str) -> list[str]:
         if not self.cuda:
@@ -371,7 +377,7 @@ class Bench:
 
     def kernel_programs(self, baseline: dict[str, Any]) -> list[dict[str, Any]]:
         """Kernel bandwidth at scattered 16 KiB pages versus the number of programs."""
-        if not self.cuda:
+        if not self.can_pin:
             return []
         torch = self.torch
         page = 16 * KiB
