@@ -22,7 +22,8 @@ MIN_BLOCK_WORDS = 128
 MAX_BLOCK_WORDS = 1024
 
 
-@triton.jit
+# The run count changes with every job: do not compile a variant per value class of it.
+@triton.jit(do_not_specialize=["num_runs"])
 def _copy_runs(src_ptr, dst_ptr, len_ptr, num_runs, BLOCK: tl.constexpr):
     # Program p handles runs p, p + P, p + 2P, ...; within a run, BLOCK words per step.
     lanes = tl.arange(0, BLOCK)
