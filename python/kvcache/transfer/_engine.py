@@ -416,7 +416,9 @@ class TransferEngine:
         return self._submit(False, gpu_block_ids, chunk_ids)
 
     def plan(self, *, store: bool, gpu_block_ids: object, chunk_ids: object) -> _core.Plan:
-        """Validates a request and returns its copy plan without running it (diagnostics)."""
+        """Validates a request and returns its copy plan without running it (diagnostics:
+        ``len(plan)`` runs after coalescing, ``plan.num_pages`` before). The plan keeps the
+        pool from closing until it is dropped."""
         self._check_open()
         g = as_ids("gpu_block_ids", gpu_block_ids)
         c = as_ids("chunk_ids", chunk_ids)
