@@ -1,3 +1,16 @@
-"""Host chunk pool and GPU <-> host transfer engine (placeholder until implemented)."""
+"""Host chunk pool and asynchronous GPU <-> host transfer engine.
 
-__all__: list[str] = []
+``HostChunkPool`` is host memory for offloaded KV-cache chunks: an exact-size anonymous mapping
+owned by Rust (no power-of-two rounding), exported through the buffer protocol and pinned with
+the CUDA runtime when possible. ``TransferEngine`` moves chunks between that pool and per-layer
+KV-cache tensors: asynchronously on dedicated CUDA streams, or, with CPU tensors, on a Rust
+worker thread, so the same API runs (and is tested) on machines without a GPU.
+
+Importing this package imports neither torch nor CUDA; torch is imported when a pool is pinned
+or viewed as a tensor, or when an engine is created.
+"""
+
+from kvcache.transfer._engine import TransferEngine
+from kvcache.transfer._pool import HostChunkPool
+
+__all__ = ["HostChunkPool", "TransferEngine"]

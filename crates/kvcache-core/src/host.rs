@@ -1,1 +1,0 @@
-//! Host memory for offloaded chunks (issue: host chunk pool). Placeholder until implemented.

@@ -1,0 +1,496 @@
+//! [`HostRegion`]: a page-aligned anonymous mapping with optional piecewise registration.
+//!
+//! Why not a `Vec<u8>` or the accelerator's pinned allocator: the allocator behind torch's
+//! `pin_memory=True` rounds each allocation up to a power of two (an 80 GiB pool costs
+//! 128 GiB), and a `Vec` would be zero-filled (fully resident) up front. A private anonymous
+//! mapping costs nothing until a page is touched, and can be pinned after the fact.
+//!
+//! Lifetime rules (why the mapping outlives `close()`): Python views of the region created with
+//! `torch.frombuffer` keep the exporting object alive but do not keep a buffer export open,
+//! so an exporter cannot know that they exist. `close()` therefore unregisters the region and
+//! gives its physical pages back (`MADV_DONTNEED`): stale views then read zeros instead of
+//! crashing. The address range itself is unmapped exactly once, when the last owner (the pool
+//! object, and any plan or in-flight copy holding an `Arc`) drops it.
+#![allow(unsafe_code)]
+
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use super::error::{HostError, HostResult};
+
+/// The operating system's page size (4 KiB on x86-64 Linux), read once.
+pub fn page_size() -> usize {
+    static PAGE: OnceLock<usize> = OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: sysconf reads a constant of the running system; no memory is passed.
+        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        usize::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
+    })
+}
+
+/// Registers host memory with an accelerator runtime (e.g. `cudaHostRegister`). Implemented
+/// outside the core (the bindings call the CUDA runtime; tests use mocks).
+pub trait HostRegistrar: Send {
+    /// Registers `len` bytes starting at `addr`; `Err(code)` on failure.
+    fn register(&mut self, addr: usize, len: usize) -> Result<(), i32>;
+    /// Undoes a successful `register` of the range starting at `addr`.
+    fn unregister(&mut self, addr: usize) -> Result<(), i32>;
+    /// Clears the error state a failed call may leave behind. CUDA keeps the last error per
+    /// thread and reports it again from unrelated later calls unless it is read and reset.
+    fn clear_error(&mut self);
+}
+
+/// Bytes per registration piece for a mapping of `total` bytes whose chunks are `unit` bytes.
+///
+/// One registration call fails beyond a driver limit, so large regions are registered in
+/// pieces of at most `max_piece` bytes. Pieces start on chunk boundaries that are also page
+/// boundaries, so no chunk straddles two registrations and no page is registered twice.
+pub fn registration_piece_bytes(
+    total: usize,
+    unit: usize,
+    page: usize,
+    max_piece: usize,
+) -> HostResult<usize> {
+    if unit == 0 || page == 0 {
+        return Err(HostError::InvalidArgument(
+            "chunk and page sizes must be positive".into(),
+        ));
+    }
+    if max_piece < page {
+        return Err(HostError::InvalidArgument(format!(
+            "registration pieces of at most {max_piece} bytes are smaller than a page ({page})"
+        )));
+    }
+    if total <= max_piece {
+        return Ok(total);
+    }
+    let aligned = lcm(unit, page).filter(|&a| a <= max_piece).ok_or_else(|| {
+        HostError::InvalidArgument(format!(
+            "chunks of {unit} bytes cannot start registration pieces of at most {max_piece} bytes \
+             on page boundaries"
+        ))
+    })?;
+    Ok(max_piece / aligned * aligned)
+}
+
+fn gcd(mut a: usize, mut b: usize) -> usize {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+fn lcm(a: usize, b: usize) -> Option<usize> {
+    (a / gcd(a, b)).checked_mul(b)
+}
+
+struct Registration {
+    registrar: Box<dyn HostRegistrar>,
+    /// `(address, length)` of every registered piece, in registration order.
+    pieces: Vec<(usize, usize)>,
+    piece_bytes: usize,
+}
+
+impl Registration {
+    /// Unregisters every piece (last first); returns how many calls failed.
+    fn undo(mut self) -> usize {
+        let mut failures = 0;
+        while let Some((addr, _)) = self.pieces.pop() {
+            if self.registrar.unregister(addr).is_err() {
+                self.registrar.clear_error();
+                failures += 1;
+            }
+        }
+        failures
+    }
+}
+
+struct State {
+    registration: Option<Registration>,
+    leases: usize,
+    closed: bool,
+}
+
+/// A private anonymous mapping of at least `len` bytes (rounded up to whole pages), never
+/// populated eagerly. Shared through `Arc`; see the module docs for the lifetime rules.
+pub struct HostRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+    map_len: usize,
+    state: Mutex<State>,
+}
+
+// SAFETY: `ptr` designates a mapping owned exclusively by this value and unmapped only in
+// `Drop`. The type never creates Rust references into the mapping; it only hands out its
+// address, and whoever reads or writes through that address is responsible for ordering its
+// accesses (the copy functions document this). All other state sits behind a `Mutex`.
+unsafe impl Send for HostRegion {}
+// SAFETY: see `Send`: shared access only reads the immutable `ptr`/`len` or locks `state`.
+unsafe impl Sync for HostRegion {}
+
+impl HostRegion {
+    /// Maps `len` bytes (> 0) of zeroed, non-resident, read-write memory.
+    pub fn new(len: usize) -> HostResult<Self> {
+        if len == 0 {
+            return Err(HostError::InvalidArgument(
+                "a host region needs at least one byte".into(),
+            ));
+        }
+        let map_len = len
+            .checked_next_multiple_of(page_size())
+            .filter(|&m| isize::try_from(m).is_ok())
+            .ok_or_else(|| HostError::InvalidArgument(format!("{len} bytes cannot be mapped")))?;
+        // SAFETY: a fresh private anonymous mapping: no address hint, no file, and the
+        // arguments are valid for any length; the result is checked against MAP_FAILED.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(HostError::Map(std::io::Error::last_os_error()));
+        }
+        let ptr = NonNull::new(raw.cast::<u8>())
+            .ok_or_else(|| HostError::Map(std::io::Error::other("mmap returned NULL")))?;
+        Ok(HostRegion {
+            ptr,
+            len,
+            map_len,
+            state: Mutex::new(State {
+                registration: None,
+                leases: 0,
+                closed: false,
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state stays consistent even if a holder panicked (every update is one field).
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Start of the mapping (page aligned).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Start of the mapping as an integer address.
+    pub fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    /// Bytes requested (the usable length).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a region holds at least one byte.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Bytes mapped: `len` rounded up to whole pages.
+    pub fn mapped_len(&self) -> usize {
+        self.map_len
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    pub fn is_registered(&self) -> bool {
+        self.lock().registration.is_some()
+    }
+
+    /// Bytes per registration piece while registered (the last piece may be shorter).
+    pub fn registration_piece_bytes(&self) -> Option<usize> {
+        self.lock().registration.as_ref().map(|r| r.piece_bytes)
+    }
+
+    /// Number of registered pieces (0 when not registered).
+    pub fn registered_pieces(&self) -> usize {
+        self.lock()
+            .registration
+            .as_ref()
+            .map_or(0, |r| r.pieces.len())
+    }
+
+    /// Outstanding leases (transfers in flight).
+    pub fn leases(&self) -> usize {
+        self.lock().leases
+    }
+
+    /// Registers the whole mapping in pieces (see [`registration_piece_bytes`]); `unit` is the
+    /// chunk size pieces must align to. On failure every piece registered so far is
+    /// unregistered, the registrar's error state is cleared, and the region stays as it was.
+    /// Returns the number of pieces.
+    pub fn register(
+        &self,
+        mut registrar: Box<dyn HostRegistrar>,
+        unit: usize,
+        max_piece: usize,
+    ) -> HostResult<usize> {
+        let mut st = self.lock();
+        if st.closed {
+            return Err(HostError::Closed);
+        }
+        if st.registration.is_some() {
+            return Err(HostError::InvalidArgument(
+                "the host region is already registered".into(),
+            ));
+        }
+        let piece = registration_piece_bytes(self.map_len, unit, page_size(), max_piece)?;
+        let mut pieces = Vec::with_capacity(self.map_len.div_ceil(piece));
+        let base = self.addr();
+        for offset in (0..self.map_len).step_by(piece) {
+            let len = piece.min(self.map_len - offset);
+            if let Err(code) = registrar.register(base + offset, len) {
+                registrar.clear_error();
+                Registration {
+                    registrar,
+                    pieces,
+                    piece_bytes: piece,
+                }
+                .undo();
+                return Err(HostError::Register { code, offset, len });
+            }
+            pieces.push((base + offset, len));
+        }
+        let count = pieces.len();
+        st.registration = Some(Registration {
+            registrar,
+            pieces,
+            piece_bytes: piece,
+        });
+        Ok(count)
+    }
+
+    /// Takes a lease that keeps `close()` from running while a transfer uses the region.
+    pub fn lease(self: &Arc<Self>) -> HostResult<Lease> {
+        let mut st = self.lock();
+        if st.closed {
+            return Err(HostError::Closed);
+        }
+        st.leases += 1;
+        Ok(Lease {
+            region: Arc::clone(self),
+        })
+    }
+
+    /// Unregisters the region and returns its physical pages to the system. Idempotent.
+    /// Refused (`Busy`) while leases are out. Returns how many unregister calls failed
+    /// (their errors were cleared; the caller may log them).
+    pub fn close(&self) -> HostResult<usize> {
+        let mut st = self.lock();
+        if st.closed {
+            return Ok(0);
+        }
+        if st.leases > 0 {
+            return Err(HostError::Busy { leases: st.leases });
+        }
+        let failures = st.registration.take().map_or(0, Registration::undo);
+        // SAFETY: the range is exactly our own private anonymous mapping. MADV_DONTNEED only
+        // drops its pages: later accesses through stale views see fresh zero pages, so no
+        // access can fault. No transfer is running (no leases).
+        let rc = unsafe { libc::madvise(self.as_ptr().cast(), self.map_len, libc::MADV_DONTNEED) };
+        debug_assert_eq!(rc, 0, "madvise(MADV_DONTNEED) on our own mapping failed");
+        st.closed = true;
+        Ok(failures)
+    }
+
+    /// Bytes of the mapping currently resident in RAM (via `mincore`).
+    pub fn resident_bytes(&self) -> std::io::Result<usize> {
+        let page = page_size();
+        // Query at most this many pages per call, to keep the vector small for huge regions.
+        const WINDOW_PAGES: usize = 1 << 18;
+        let mut vec = vec![0u8; WINDOW_PAGES.min(self.map_len / page)];
+        let mut resident = 0;
+        let mut offset = 0;
+        while offset < self.map_len {
+            let len = (self.map_len - offset).min(WINDOW_PAGES * page);
+            let pages = len / page;
+            // SAFETY: `offset..offset+len` lies inside our mapping, page aligned; `vec` holds
+            // at least `pages` bytes for the kernel to fill.
+            let rc = unsafe {
+                libc::mincore(
+                    self.as_ptr().add(offset).cast(),
+                    len,
+                    vec.as_mut_ptr().cast(),
+                )
+            };
+            if rc != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            resident += vec[..pages].iter().filter(|&&b| b & 1 != 0).count() * page;
+            offset += len;
+        }
+        Ok(resident)
+    }
+}
+
+impl Drop for HostRegion {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(reg) = st.registration.take() {
+            reg.undo();
+        }
+        // SAFETY: we own the mapping and this is its only unmap; no `Arc` (hence no lease,
+        // plan or copy) refers to it any more.
+        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.map_len) };
+        debug_assert_eq!(rc, 0, "munmap of our own mapping failed");
+    }
+}
+
+/// Proof that a transfer is using the region; `close()` is refused until it is dropped.
+pub struct Lease {
+    region: Arc<HostRegion>,
+}
+
+impl Lease {
+    pub fn region(&self) -> &Arc<HostRegion> {
+        &self.region
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut st = self.region.lock();
+        st.leases -= 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[derive(Default)]
+    struct Log {
+        registered: Mutex<Vec<(usize, usize)>>,
+        unregistered: Mutex<Vec<usize>>,
+        cleared: AtomicUsize,
+    }
+
+    struct Mock {
+        log: Arc<Log>,
+        fail_at_call: Option<usize>,
+        calls: usize,
+    }
+
+    impl HostRegistrar for Mock {
+        fn register(&mut self, addr: usize, len: usize) -> Result<(), i32> {
+            self.calls += 1;
+            if Some(self.calls) == self.fail_at_call {
+                return Err(2);
+            }
+            self.log.registered.lock().unwrap().push((addr, len));
+            Ok(())
+        }
+        fn unregister(&mut self, addr: usize) -> Result<(), i32> {
+            self.log.unregistered.lock().unwrap().push(addr);
+            Ok(())
+        }
+        fn clear_error(&mut self) {
+            self.log.cleared.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn mock(fail_at_call: Option<usize>) -> (Box<Mock>, Arc<Log>) {
+        let log = Arc::new(Log::default());
+        let m = Box::new(Mock {
+            log: Arc::clone(&log),
+            fail_at_call,
+            calls: 0,
+        });
+        (m, log)
+    }
+
+    #[test]
+    fn pieces_align_to_chunks_and_pages() {
+        let page = 4096;
+        assert_eq!(
+            registration_piece_bytes(100, 10, page, 1 << 20).unwrap(),
+            100
+        );
+        // Pieces must be multiples of both 3 KiB chunks and 4 KiB pages (12 KiB).
+        let p = registration_piece_bytes(1 << 30, 3 * 1024, page, 1 << 20).unwrap();
+        assert_eq!(p % (3 * 1024), 0);
+        assert_eq!(p % page, 0);
+        assert!(p <= 1 << 20 && p > (1 << 20) - 12 * 1024);
+        assert!(registration_piece_bytes(1 << 30, (1 << 20) + 1, page, 1 << 20).is_err());
+        assert!(registration_piece_bytes(1 << 30, 8, page, 100).is_err());
+    }
+
+    #[test]
+    fn region_is_lazy_and_exact() {
+        let r = HostRegion::new(10 * page_size() + 1).unwrap();
+        assert_eq!(r.len(), 10 * page_size() + 1);
+        assert_eq!(r.mapped_len(), 11 * page_size());
+        assert_eq!(r.as_ptr() as usize % page_size(), 0);
+        assert_eq!(r.resident_bytes().unwrap(), 0);
+        assert!(HostRegion::new(0).is_err());
+        assert!(HostRegion::new(usize::MAX).is_err());
+    }
+
+    #[test]
+    fn registration_rolls_back_and_clears_errors() {
+        let page = page_size();
+        let r = HostRegion::new(8 * page).unwrap();
+        let (m, log) = mock(Some(3));
+        let err = r.register(m, page, 2 * page).unwrap_err();
+        assert!(matches!(err, HostError::Register { code: 2, offset, .. } if offset == 4 * page));
+        assert_eq!(log.registered.lock().unwrap().len(), 2);
+        let mut undone = log.unregistered.lock().unwrap().clone();
+        undone.reverse();
+        let done: Vec<usize> = log.registered.lock().unwrap().iter().map(|p| p.0).collect();
+        assert_eq!(undone, done);
+        assert_eq!(log.cleared.load(Ordering::Relaxed), 1);
+        assert!(!r.is_registered());
+    }
+
+    #[test]
+    fn unregistered_exactly_once_on_close_then_drop() {
+        let page = page_size();
+        let r = Arc::new(HostRegion::new(5 * page).unwrap());
+        let (m, log) = mock(None);
+        assert_eq!(r.register(m, page, 2 * page).unwrap(), 3);
+        assert_eq!(r.registration_piece_bytes(), Some(2 * page));
+        let lease = r.lease().unwrap();
+        assert!(matches!(r.close(), Err(HostError::Busy { leases: 1 })));
+        drop(lease);
+        assert_eq!(r.close().unwrap(), 0);
+        assert_eq!(r.close().unwrap(), 0);
+        assert!(matches!(r.lease(), Err(HostError::Closed)));
+        drop(r);
+        assert_eq!(log.unregistered.lock().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn unregistered_on_drop() {
+        let page = page_size();
+        let r = HostRegion::new(3 * page).unwrap();
+        let (m, log) = mock(None);
+        r.register(m, page, 1 << 30).unwrap();
+        drop(r);
+        assert_eq!(log.unregistered.lock().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn close_releases_pages() {
+        let page = page_size();
+        let r = HostRegion::new(16 * page).unwrap();
+        // SAFETY: the first 4 pages are inside the mapping and nothing else accesses them.
+        unsafe { std::ptr::write_bytes(r.as_ptr(), 7, 4 * page) };
+        assert!(r.resident_bytes().unwrap() >= 4 * page);
+        r.close().unwrap();
+        assert_eq!(r.resident_bytes().unwrap(), 0);
+        // SAFETY: the mapping is still in place after close; the page reads back as zeros.
+        let first = unsafe { r.as_ptr().read() };
+        assert_eq!(first, 0);
+    }
+}

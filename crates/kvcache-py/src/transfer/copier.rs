@@ -1,0 +1,182 @@
+//! `_core.CpuCopier`: runs CPU plans on a worker thread, reported through `poll()`/`wait()`.
+//!
+//! The worker never drops the last reference to a plan: a plan may hold Python buffers, whose
+//! release needs the interpreter, and a worker attaching to it while the owner joins the
+//! worker under the GIL would deadlock. Finished plans go back to the caller through the done
+//! list and are dropped by `poll()` (or by `Drop` after the join), always on a Python thread.
+
+use std::collections::HashSet;
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use kvcache_core::host::copy_runs;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use super::plan::{Plan, PlanData};
+
+struct Job {
+    id: u64,
+    plan: Arc<PlanData>,
+}
+
+#[derive(Default)]
+struct State {
+    in_flight: HashSet<u64>,
+    done: Vec<(u64, bool, Arc<PlanData>)>,
+}
+
+#[derive(Default)]
+struct Shared {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn run_jobs(rx: std::sync::mpsc::Receiver<Job>, shared: Arc<Shared>) {
+    // Ends when the sender is dropped and every queued job has been run.
+    while let Ok(Job { id, plan }) = rx.recv() {
+        let ok = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: the plan was validated against the pool mapping and the layers'
+            // exported buffers, all kept alive by `plan` (which this thread holds). The
+            // engine's contract is that nobody touches a job's destination until it is
+            // reported finished.
+            unsafe { copy_runs(plan.runs()) }
+        }))
+        .is_ok();
+        drop(plan.take_lease());
+        let mut st = shared.lock();
+        st.in_flight.remove(&id);
+        st.done.push((id, ok, plan));
+        drop(st);
+        shared.cv.notify_all();
+    }
+}
+
+#[pyclass(module = "kvcache._core", name = "CpuCopier", frozen)]
+pub struct CpuCopier {
+    shared: Arc<Shared>,
+    tx: Mutex<Option<Sender<Job>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+#[pymethods]
+impl CpuCopier {
+    #[new]
+    fn new() -> PyResult<Self> {
+        let shared = Arc::new(Shared::default());
+        let (tx, rx) = channel();
+        let worker_shared = Arc::clone(&shared);
+        let worker = std::thread::Builder::new()
+            .name("kvcache-copy".into())
+            .spawn(move || run_jobs(rx, worker_shared))
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot start copy thread: {e}")))?;
+        Ok(CpuCopier {
+            shared,
+            tx: Mutex::new(Some(tx)),
+            worker: Mutex::new(Some(worker)),
+        })
+    }
+
+    /// Queues `plan` (a host-layer plan, not yet executed) as job `job_id` (unique among
+    /// unfinished jobs). Jobs run one after another in submission order.
+    fn submit(&self, job_id: u64, plan: &Bound<'_, Plan>) -> PyResult<()> {
+        let data = plan.get().data();
+        if !data.is_host() {
+            return Err(PyValueError::new_err(
+                "the CPU copier only runs plans over host-memory layers",
+            ));
+        }
+        if !data.has_lease() {
+            return Err(PyValueError::new_err("this plan was already executed"));
+        }
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = tx
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the copier is shut down"))?;
+        let mut st = self.shared.lock();
+        if !st.in_flight.insert(job_id) {
+            return Err(PyValueError::new_err(format!(
+                "job {job_id} is already in flight"
+            )));
+        }
+        if tx
+            .send(Job {
+                id: job_id,
+                plan: data,
+            })
+            .is_err()
+        {
+            st.in_flight.remove(&job_id);
+            return Err(PyRuntimeError::new_err("the copy thread has stopped"));
+        }
+        Ok(())
+    }
+
+    /// Finished jobs since the last call, as `(job_id, success)`, in completion order.
+    fn poll(&self) -> Vec<(u64, bool)> {
+        let done = std::mem::take(&mut self.shared.lock().done);
+        // The plans are dropped here, with the GIL held.
+        done.into_iter().map(|(id, ok, _plan)| (id, ok)).collect()
+    }
+
+    /// Blocks (GIL released) until none of `job_ids` (all jobs if None) is still running.
+    /// Results stay queued for `poll()`.
+    #[pyo3(signature = (job_ids=None))]
+    fn wait(&self, py: Python<'_>, job_ids: Option<Vec<u64>>) {
+        let shared = Arc::clone(&self.shared);
+        py.detach(move || {
+            let mut st = shared.lock();
+            loop {
+                let busy = match &job_ids {
+                    None => !st.in_flight.is_empty(),
+                    Some(ids) => ids.iter().any(|id| st.in_flight.contains(id)),
+                };
+                if !busy {
+                    break;
+                }
+                st = shared.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+        });
+    }
+
+    /// Number of jobs queued or running.
+    fn in_flight(&self) -> usize {
+        self.shared.lock().in_flight.len()
+    }
+
+    /// Finishes the queued jobs and stops the worker thread (GIL released); later `submit`
+    /// calls raise. Results stay available to `poll()`. Idempotent.
+    fn shutdown(&self, py: Python<'_>) {
+        drop(self.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
+        let handle = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle {
+            py.detach(move || {
+                let _ = h.join();
+            });
+        }
+    }
+}
+
+impl Drop for CpuCopier {
+    fn drop(&mut self) {
+        // Closing the channel lets the worker finish the queued jobs and exit; the worker
+        // never needs the GIL, so joining here (possibly under the GIL) cannot deadlock.
+        drop(self.tx.get_mut().unwrap_or_else(|e| e.into_inner()).take());
+        if let Some(h) = self
+            .worker
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            let _ = h.join();
+        }
+    }
+}

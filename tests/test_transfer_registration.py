@@ -1,0 +1,167 @@
+"""Pinning through a fake CUDA runtime: pieces, rollback, sticky-error clearing, exactly-once
+unregistration. The fake's functions are real C function pointers (ctypes callbacks), so the
+Rust code calls them exactly as it calls ``cudaHostRegister`` and friends."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import numpy as np
+import pytest
+
+from kvcache.transfer import HostChunkPool, TransferEngine, _cuda
+
+REGISTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
+UNREGISTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+GET_LAST_ERROR = ctypes.CFUNCTYPE(ctypes.c_int)
+
+
+class FakeRuntime:
+    """Records calls; fails the ``fail_on``-th registration with a sticky error, like CUDA."""
+
+    def __init__(self, *, fail_on: int | None = None) -> None:
+        self.fail_on = fail_on
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+        self.last_error = 0
+        self.calls = 0
+        self._register = REGISTER(self._do_register)
+        self._unregister = UNREGISTER(self._do_unregister)
+        self._get_last_error = GET_LAST_ERROR(self._do_get_last_error)
+        self.host_register = ctypes.cast(self._register, ctypes.c_void_p).value
+        self.host_unregister = ctypes.cast(self._unregister, ctypes.c_void_p).value
+        self.get_last_error = ctypes.cast(self._get_last_error, ctypes.c_void_p).value
+
+    def _do_register(self, ptr: int, size: int, flags: int) -> int:
+        self.calls += 1
+        if self.calls == self.fail_on:
+            self.last_error = 2  # cudaErrorMemoryAllocation
+            return 2
+        self.registered.append((ptr, size, flags))
+        return 0
+
+    def _do_unregister(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        return 0
+
+    def _do_get_last_error(self) -> int:
+        err, self.last_error = self.last_error, 0
+        return err
+
+    def clear_error(self) -> int:
+        return self._do_get_last_error()
+
+    def device_pointer(self, host_address: int) -> int | None:
+        return host_address
+
+
+def test_registers_in_chunk_aligned_pieces_and_unregisters_once_on_close() -> None:
+    rt = FakeRuntime()
+    pool = HostChunkPool(10, 12 * 1024, pin=False)
+    # Pieces must hold whole chunks and whole pages: 36 KiB fits under a 40 KiB limit.
+    assert _cuda.register_pool(pool, rt, required=True, max_piece_bytes=40 * 1024)
+    assert pool.pinned
+    assert pool.registration_pieces == 4
+    assert pool.device_can_use_host_pointer
+    starts = [p for p, _, _ in rt.registered]
+    sizes = [s for _, s, _ in rt.registered]
+    assert sizes == [36 * 1024] * 3 + [12 * 1024]
+    assert starts == [pool.address + i * 36 * 1024 for i in range(4)]
+    assert {f for _, _, f in rt.registered} == {_cuda.REGISTER_FLAGS}
+    pool.close()
+    assert rt.unregistered == starts[::-1]
+    assert not pool.pinned
+    pool.close()
+    del pool
+    gc.collect()
+    assert rt.unregistered == starts[::-1]
+
+
+def test_collecting_a_pinned_pool_unregisters_every_piece_once() -> None:
+    rt = FakeRuntime()
+    pool = HostChunkPool(8, 4096, pin=False)
+    assert _cuda.register_pool(pool, rt, required=False, max_piece_bytes=3 * 4096)
+    starts = [p for p, _, _ in rt.registered]
+    assert len(starts) == 3
+    del pool
+    gc.collect()
+    assert sorted(rt.unregistered) == sorted(starts)
+    assert len(rt.unregistered) == 3
+
+
+def test_failed_registration_rolls_back_clears_the_error_and_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rt = FakeRuntime(fail_on=3)
+    with HostChunkPool(8, 4096, pin=False) as pool, caplog.at_level("WARNING"):
+        assert not _cuda.register_pool(pool, rt, required=False, max_piece_bytes=2 * 4096)
+        assert not pool.pinned
+        assert pool.registration_pieces == 0
+        assert rt.unregistered == [p for p, _, _ in rt.registered][::-1]
+        assert len(rt.unregistered) == 2
+        assert rt.last_error == 0  # the sticky error was read and cleared
+        assert any("staying pageable" in r.getMessage() for r in caplog.records)
+        memoryview(pool)[:] = b"\x01" * pool.nbytes  # still usable, pageable
+    assert len(rt.unregistered) == 2  # nothing more on close
+
+
+def test_failed_registration_raises_when_pinning_is_required() -> None:
+    rt = FakeRuntime(fail_on=1)
+    with HostChunkPool(4, 4096, pin=False) as pool:
+        with pytest.raises(RuntimeError, match="code 2"):
+            _cuda.register_pool(pool, rt, required=True)
+        assert not pool.pinned
+        assert rt.last_error == 0
+        assert rt.unregistered == []
+
+
+def test_registration_is_refused_twice_and_after_close() -> None:
+    rt = FakeRuntime()
+    pool = HostChunkPool(4, 4096, pin=False)
+    assert _cuda.register_pool(pool, rt, required=True)
+    with pytest.raises(ValueError, match="already registered"):
+        _cuda.register_pool(pool, rt, required=True)
+    pool.close()
+    with pytest.raises(ValueError, match="closed"):
+        _cuda.register_pool(pool, rt, required=True)
+    assert len(rt.registered) == 1 == len(rt.unregistered)
+
+
+def test_copies_never_span_two_registrations() -> None:
+    import torch
+
+    rt = FakeRuntime()
+    page = 4096
+    layer = torch.randint(0, 256, (16, page), dtype=torch.uint8)
+    pool = HostChunkPool(10, page, pin=False)
+    assert _cuda.register_pool(pool, rt, required=True, max_piece_bytes=3 * page)
+    engine = TransferEngine([layer], pool)
+    plan = engine.plan(store=True, gpu_block_ids=range(2, 12), chunk_ids=range(10))
+    # One contiguous run on both sides, cut at every piece boundary (chunks 3, 6, 9).
+    assert len(plan) == 4
+    assert plan.num_pages == 10
+    del plan
+    engine.wait([engine.store(range(2, 12), range(10))])
+    assert engine.poll() == [(0, True)]
+    np.testing.assert_array_equal(pool.tensor().numpy(), layer[2:12].numpy())
+    engine.close()
+    pool.close()
+
+
+def test_real_runtime_without_a_gpu_fails_cleanly(caplog: pytest.LogCaptureFixture) -> None:
+    """The CUDA runtime torch ships, on a machine without a driver: registration fails with a
+    real error code, the pool stays pageable and usable."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present; the GPU check covers real registration")
+    paths = _cuda._loaded_cudart_paths()
+    if not paths:
+        pytest.skip("this torch build has no CUDA runtime loaded")
+    rt = _cuda.CudaRuntime.from_library(ctypes.CDLL(paths[0]))
+    with HostChunkPool(4, 4096, pin=False) as pool, caplog.at_level("WARNING"):
+        assert not _cuda.register_pool(pool, rt, required=False)
+        assert not pool.pinned
+        assert any("staying pageable" in r.getMessage() for r in caplog.records)
+        memoryview(pool)[0] = 3
