@@ -7,6 +7,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache.replay import (
     Backend,
@@ -226,3 +228,43 @@ def test_time_backend_pairs_real_and_null_runs() -> None:
     assert timing.lookups == wl.key_visits
     assert timing.inside_ns == timing.manager_ns - timing.null_ns
     assert run.hits == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(st.lists(st.integers(0, 12), max_size=6, unique=True), max_size=14),
+    lag=st.integers(0, 5),
+    fail_store_every=st.integers(0, 3),
+)
+def test_every_request_is_issued_and_finished_in_order(
+    requests: list[list[int]], lag: int, fail_store_every: int
+) -> None:
+    mgr = FakeManager()
+    wl = workload(*requests)
+    run = replay(
+        fake_backend(mgr),
+        wl,
+        policy="lru",
+        num_chunks=10,
+        lag=lag,
+        fail_store_every=fail_store_every,
+    )
+    n = len(requests)
+    ids = [f"r{i}" for i in range(n)]
+    assert [c[1] for c in mgr.calls if c[0] == "new"] == ids
+    assert [c[1] for c in mgr.calls if c[0] == "finished"] == ids
+    position = {c: i for i, c in enumerate(mgr.calls)}
+    for i in range(n):
+        finished = position[("finished", f"r{i}")]
+        assert finished > position[("new", f"r{i}")]
+        if i + lag < n:  # finished after request i + lag was issued ...
+            assert finished > position[("new", f"r{i + lag}")]
+        if i + lag + 1 < n:  # ... and before the next one
+            assert finished < position[("new", f"r{i + lag + 1}")]
+    # Loads complete exactly what was prepared; stores exactly what prepare_store accepted.
+    loads = [c[1:] for c in mgr.calls if c[0] == "load"]
+    assert loads == [c[1:] for c in mgr.calls if c[0] == "load_done"]
+    assert run.hits == sum(len(keys) for _, keys in loads)
+    assert run.stored == sum(len(c[2]) for c in mgr.calls if c[0] == "store_done")
+    assert run.hits + run.misses == run.lookups == sum(len(r) for r in requests)
+    assert run.failed_stores == sum(1 for c in mgr.calls if c[0] == "store_done" and not c[3])

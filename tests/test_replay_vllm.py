@@ -8,7 +8,8 @@ the right request and field.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
+import sys
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -300,3 +301,74 @@ def test_kvcache_backend_matches_vllm(
             fail_store_every=fail_store_every,
         )
         assert result.matched, result.divergence
+
+
+def test_kvcache_backend_interim_fallback_loads_policies_by_name(
+    monkeypatch: pytest.MonkeyPatch, vllm: Backend, wl: Workload
+) -> None:
+    """Without kvcache.OffloadingManager, vLLM's manager loads ``kvcache.vllm.<Name>CachePolicy``.
+
+    Stand-in policies (vLLM's own, re-exported under our module path) check the wiring: the
+    module path, the class names, and that decisions match vLLM's.
+    """
+    from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
+    from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+    import kvcache
+
+    if hasattr(kvcache, "OffloadingManager"):
+        pytest.skip("the Rust manager is built; the interim path is not taken")
+    module = ModuleType("kvcache.vllm")
+    module.LRUCachePolicy = LRUCachePolicy  # type: ignore[attr-defined]
+    module.ARCCachePolicy = ARCCachePolicy  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvcache.vllm", module)
+    backend = kvcache_backend()
+    assert backend.name == "kvcache-policies"
+    for policy in ("lru", "arc"):
+        result = compare_backends(
+            vllm, backend, wl, policy=policy, num_chunks=wl.unique_blocks // 10
+        )
+        assert result.matched, result.divergence
+
+
+def test_kvcache_backend_plug_in_point(
+    monkeypatch: pytest.MonkeyPatch, vllm: Backend, wl: Workload
+) -> None:
+    """Once ``kvcache`` exports OffloadingManager, LookupResult and ReqContext, they are used.
+
+    A stand-in with the Rust manager's constructor (keyword-only options) checks the wiring.
+    """
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    import kvcache
+
+    made: list[tuple[int, str, bool]] = []
+
+    def offloading_manager(
+        num_chunks: int,
+        cache_policy: str = "lru",
+        *,
+        enable_events: bool = False,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64000,
+    ) -> CPUOffloadingManager:
+        made.append((num_chunks, cache_policy, enable_events))
+        return CPUOffloadingManager(
+            num_chunks,
+            cache_policy=cache_policy,
+            enable_events=enable_events,
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+        )
+
+    if hasattr(kvcache, "OffloadingManager"):
+        pytest.skip("the Rust manager is built; test_kvcache_backend_matches_vllm covers it")
+    monkeypatch.setattr(kvcache, "OffloadingManager", offloading_manager, raising=False)
+    monkeypatch.setattr(kvcache, "LookupResult", LookupResult, raising=False)
+    monkeypatch.setattr(kvcache, "ReqContext", ReqContext, raising=False)
+    backend = kvcache_backend()
+    assert backend.name == "kvcache"
+    result = compare_backends(vllm, backend, wl, policy="arc", num_chunks=wl.unique_blocks // 10)
+    assert result.matched, result.divergence
+    assert made == [(wl.unique_blocks // 10, "arc", True)]

@@ -166,7 +166,7 @@ def time_backend(
         "fail_store_every": fail_store_every,
         "drain_events": drain_events,
     }
-    label = f"{backend.name} {policy} {num_chunks}"
+    label = f"{backend.name} {policy} {num_chunks} chunks"
     first: ReplayRun | None = None
     null: Backend | None = None
     manager_times: list[int] = []
@@ -337,7 +337,7 @@ def compare_backends(
     logs = []
     for backend in (expected, actual):
         progress = (
-            progress_for(f"{backend.name} {policy} {num_chunks} (recording)")
+            progress_for(f"{backend.name} {policy} {num_chunks} chunks, recording")
             if progress_for
             else None
         )
