@@ -241,6 +241,14 @@ def test_null_baseline_follows_the_real_run(vllm: Backend, wl: Workload) -> None
     assert timing.ns_per_visit == (timing.manager_ns - timing.null_ns) / wl.key_visits
 
 
+def test_events_do_not_change_decisions(vllm: Backend, wl: Workload) -> None:
+    quiet = replay(vllm, wl, policy="lru", num_chunks=wl.unique_blocks // 10)
+    run, _ = time_backend(
+        vllm, wl, policy="lru", num_chunks=wl.unique_blocks // 10, drain_events=True
+    )
+    assert run.counters() == quiet.counters()
+
+
 def test_grid_with_reference(vllm: Backend, wl: Workload) -> None:
     rows = run_grid(
         wl,

@@ -265,8 +265,11 @@ def replay(
                 complete_store(done_store, done_ctx, success=done_ok)
             on_request_finished(done_ctx)
         if take:
-            events = tuple(map(_event_record, take_events()))
-            if decisions is not None:
+            if decisions is None:
+                for _event in take_events():  # consumed, as the scheduler does, not kept
+                    pass
+            else:
+                events = tuple(map(_event_record, take_events()))
                 decisions.append(_decision(idx, n_hit, stop, out, events))
         if idx == next_tick:
             progress(idx, total)  # type: ignore[misc]
@@ -280,8 +283,11 @@ def replay(
             complete_store(done_store, done_ctx, success=done_ok)
         on_request_finished(done_ctx)
     if take:
-        events = tuple(map(_event_record, take_events()))
-        if decisions is not None:
+        if decisions is None:
+            for _event in take_events():
+                pass
+        else:
+            events = tuple(map(_event_record, take_events()))
             decisions.append(Decision(total, 0, None, "drain", (), (), (), events))
     elapsed = time.perf_counter_ns() - start
     if progress is not None:
