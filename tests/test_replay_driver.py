@@ -19,6 +19,7 @@ from kvcache.replay import (
     null_backend,
     replay,
     time_backend,
+    time_backends,
 )
 from kvcache.replay.driver import NOT_CALLED
 
@@ -268,3 +269,20 @@ def test_every_request_is_issued_and_finished_in_order(
     assert run.stored == sum(len(c[2]) for c in mgr.calls if c[0] == "store_done")
     assert run.hits + run.misses == run.lookups == sum(len(r) for r in requests)
     assert run.failed_stores == sum(1 for c in mgr.calls if c[0] == "store_done" and not c[3])
+
+
+def test_time_backends_interleaves_repeats() -> None:
+    wl = workload([1, 2], [1, 2, 3])
+    order: list[str] = []
+
+    def backend(name: str) -> Backend:
+        def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> FakeManager:
+            order.append(name)
+            return FakeManager()
+
+        return Backend(name=name, make=make, hit="HIT", req_context=FakeContext)
+
+    results = time_backends([backend("a"), backend("b")], wl, policy="lru", num_chunks=10, repeat=2)
+    assert order == ["a", "b", "a", "b"]
+    assert [run.backend for run, _ in results] == ["a", "b"]
+    assert all(timing.repeat == 2 for _, timing in results)

@@ -35,6 +35,7 @@ from kvcache.replay.runner import (
     parse_policies,
     run_grid,
     time_backend,
+    time_backends,
 )
 from kvcache.replay.trace import DEFAULT_TRACE_BLOCK_TOKENS, load_mooncake_trace
 from kvcache.replay.workload import SyntheticChat, Workload, make_key, synthetic_chat
@@ -70,5 +71,6 @@ __all__ = [
     "run_grid",
     "synthetic_chat",
     "time_backend",
+    "time_backends",
     "vllm_backend",
 ]

@@ -41,6 +41,7 @@ __all__ = [
     "parse_policies",
     "run_grid",
     "time_backend",
+    "time_backends",
 ]
 
 #: ``progress_for(label)`` returns a ``progress(done, total)`` callback, or None for no progress.
@@ -151,8 +152,37 @@ def time_backend(
     repeat: int = 1,
     progress_for: ProgressFactory | None = None,
 ) -> tuple[ReplayRun, Timing]:
-    """Replay ``repeat`` times against ``backend`` and against its null twin, interleaved.
+    """Replay ``repeat`` times against ``backend`` and against its null twin, interleaved."""
+    [result] = time_backends(
+        [backend],
+        workload,
+        policy=policy,
+        num_chunks=num_chunks,
+        lag=lag,
+        fail_store_every=fail_store_every,
+        drain_events=drain_events,
+        repeat=repeat,
+        progress_for=progress_for,
+    )
+    return result
 
+
+def time_backends(
+    backends: Sequence[Backend],
+    workload: Workload,
+    *,
+    policy: str,
+    num_chunks: int,
+    lag: int = 8,
+    fail_store_every: int = 0,
+    drain_events: bool = False,
+    repeat: int = 1,
+    progress_for: ProgressFactory | None = None,
+) -> list[tuple[ReplayRun, Timing]]:
+    """Time several backends on one configuration, each paired with its null twin.
+
+    Each repeat runs every backend and then its null replay before the next repeat starts, so a
+    slow drift of the machine's speed hits all of them alike rather than whichever ran last.
     Every repeat must reproduce the first run's counters (a manager that decides differently on
     the same input is a bug worth stopping for), and so must the null replay (or it did not
     follow the same path and the subtraction would be meaningless).
@@ -166,38 +196,44 @@ def time_backend(
         "fail_store_every": fail_store_every,
         "drain_events": drain_events,
     }
-    label = f"{backend.name} {policy} {num_chunks} chunks"
-    first: ReplayRun | None = None
-    null: Backend | None = None
-    manager_times: list[int] = []
-    null_times: list[int] = []
+    firsts: list[ReplayRun | None] = [None] * len(backends)
+    nulls: list[Backend | None] = [None] * len(backends)
+    manager_times: list[list[int]] = [[] for _ in backends]
+    null_times: list[list[int]] = [[] for _ in backends]
     for _ in range(repeat):
-        progress = progress_for(label) if progress_for else None
-        with _steady_gc():
-            run = replay(backend, workload, progress=progress, **options)
-        manager_times.append(run.elapsed_ns)
-        if first is None:
-            first = run
-            null = null_backend(backend, workload, run.script)
-        elif run.counters() != first.counters():
-            raise ReplayError(
-                f"{backend.name} {policy} capacity {num_chunks}: a repeat decided differently "
-                f"({run.counters()} vs {first.counters()})"
-            )
-        assert null is not None
-        with _steady_gc():
-            null_run = replay(null, workload, **options)
-        if null_run.counters() != first.counters():
-            raise AssertionError("the null manager did not reproduce the recorded run")
-        null_times.append(null_run.elapsed_ns)
-    assert first is not None
-    timing = Timing(
-        manager_ns=min(manager_times),
-        null_ns=min(null_times),
-        lookups=workload.key_visits,
-        repeat=repeat,
-    )
-    return first, timing
+        for i, backend in enumerate(backends):
+            label = f"{backend.name} {policy} {num_chunks} chunks"
+            progress = progress_for(label) if progress_for else None
+            with _steady_gc():
+                run = replay(backend, workload, progress=progress, **options)
+            manager_times[i].append(run.elapsed_ns)
+            first = firsts[i]
+            if first is None:
+                first = firsts[i] = run
+                nulls[i] = null_backend(backend, workload, run.script)
+            elif run.counters() != first.counters():
+                raise ReplayError(
+                    f"{backend.name} {policy} capacity {num_chunks}: a repeat decided "
+                    f"differently ({run.counters()} vs {first.counters()})"
+                )
+            null = nulls[i]
+            assert null is not None
+            with _steady_gc():
+                null_run = replay(null, workload, **options)
+            if null_run.counters() != first.counters():
+                raise AssertionError("the null manager did not reproduce the recorded run")
+            null_times[i].append(null_run.elapsed_ns)
+    results = []
+    for first, m_times, n_times in zip(firsts, manager_times, null_times, strict=True):
+        assert first is not None
+        timing = Timing(
+            manager_ns=min(m_times),
+            null_ns=min(n_times),
+            lookups=workload.key_visits,
+            repeat=repeat,
+        )
+        results.append((first, timing))
+    return results
 
 
 @dataclass(slots=True, kw_only=True)
@@ -270,6 +306,7 @@ def run_grid(
 ) -> list[Row]:
     """Time ``backend`` for every policy x capacity; with ``reference``, time and compare it too.
 
+    ``backend`` and ``reference`` are timed interleaved (see :func:`time_backends`).
     The comparison uses separate, untimed replays that record decision logs (events on), so the
     timed replays carry no recording cost.
     """
@@ -281,8 +318,8 @@ def run_grid(
     }
     for policy in policies:
         for spec, num_chunks in resolved:
-            run, timing = time_backend(
-                backend,
+            timed = time_backends(
+                [backend] if reference is None else [backend, reference],
                 workload,
                 policy=policy,
                 num_chunks=num_chunks,
@@ -291,6 +328,7 @@ def run_grid(
                 progress_for=progress_for,
                 **common,
             )
+            run, timing = timed[0]
             row = Row(
                 workload=workload.name,
                 capacity_spec=spec.text,
@@ -299,16 +337,7 @@ def run_grid(
                 lag=lag,
             )
             if reference is not None:
-                _, row.reference = time_backend(
-                    reference,
-                    workload,
-                    policy=policy,
-                    num_chunks=num_chunks,
-                    drain_events=drain_events,
-                    repeat=repeat,
-                    progress_for=progress_for,
-                    **common,
-                )
+                row.reference = timed[1][1]
                 row.comparison = compare_backends(
                     reference,
                     backend,
