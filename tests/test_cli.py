@@ -113,6 +113,16 @@ def test_bad_options_are_one_line(argv: list[str], capsys: pytest.CaptureFixture
     assert_one_line_error(*run(argv, capsys))
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["replay", "--help"]])
+def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(argv, capsys)
+    assert rc == 0
+    assert "usage: kvcache" in out
+    if "replay" in argv:
+        assert "--capacity LIST" in out
+        assert "10%,25%,50%,100%" in out
+
+
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run([], capsys)
     assert rc == 2

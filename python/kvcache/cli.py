@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--capacity",
         default=DEFAULT_CAPACITIES,
         metavar="LIST",
+        # argparse %-formats help strings: a literal percent sign must be doubled.
         help="comma-separated capacities: chunk counts or percentages of the workload's unique "
-        f"blocks (default {DEFAULT_CAPACITIES})",
+        f"blocks (default {DEFAULT_CAPACITIES.replace('%', '%%')})",
     )
     ex.add_argument(
         "--backend",
