@@ -1,0 +1,24 @@
+"""Errors the replay tool reports to its user as one line, not as a traceback.
+
+Everything that is the user's fault (a missing or malformed trace, an unknown policy, a bad
+capacity, a backend that is not installed) raises a subclass of :class:`ReplayError`; the CLI
+prints ``str(error)`` and exits non-zero. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ReplayError(Exception):
+    """A user-facing error: the message is complete on one line."""
+
+
+class TraceError(ReplayError):
+    """The trace file is missing, unreadable or malformed (the message names the line)."""
+
+
+class ConfigError(ReplayError):
+    """An option has a value the replay cannot use (policy, capacity, lag, ...)."""
+
+
+class BackendUnavailable(ReplayError):
+    """The requested manager implementation cannot be imported in this environment."""

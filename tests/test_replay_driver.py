@@ -1,0 +1,288 @@
+"""Replay semantics, checked call by call against a recording fake manager (no vLLM needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.replay import (
+    Backend,
+    ConfigError,
+    NullManager,
+    Workload,
+    make_key,
+    null_backend,
+    replay,
+    time_backend,
+    time_backends,
+)
+from kvcache.replay.driver import NOT_CALLED
+
+
+def key(i: int) -> bytes:
+    return make_key(i.to_bytes(32, "big"))
+
+
+class FakeContext:
+    def __init__(self, req_id: str) -> None:
+        self.req_id = req_id
+        self.positions: dict[bytes, int] = {}
+
+    def set_offload_key_position(self, key: bytes, end_token: int) -> None:
+        self.positions[key] = end_token
+
+    def get_offload_key_position(self, key: bytes) -> int | None:
+        return self.positions.get(key)
+
+
+@dataclass
+class FakeManager:
+    """Unbounded cache: a key is HIT once its store completed, HIT_PENDING while in flight.
+
+    ``fail_prepare`` makes ``prepare_store`` of those request ids return None.
+    """
+
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+    ready: set[bytes] = field(default_factory=set)
+    in_flight: set[bytes] = field(default_factory=set)
+    fail_prepare: set[str] = field(default_factory=set)
+    next_chunk: int = 0
+
+    def on_new_request(self, ctx: FakeContext) -> None:
+        self.calls.append(("new", ctx.req_id))
+
+    def lookup(self, k: bytes, ctx: FakeContext) -> str:
+        self.calls.append(("lookup", ctx.req_id, k, ctx.get_offload_key_position(k)))
+        if k in self.ready:
+            return "HIT"
+        return "HIT_PENDING" if k in self.in_flight else "MISS"
+
+    def prepare_load(self, keys: Any, ctx: FakeContext) -> None:
+        self.calls.append(("load", ctx.req_id, tuple(keys)))
+
+    def complete_load(self, keys: Any, ctx: FakeContext) -> None:
+        self.calls.append(("load_done", ctx.req_id, tuple(keys)))
+
+    def prepare_store(self, keys: Any, ctx: FakeContext) -> Any:
+        self.calls.append(("store", ctx.req_id, tuple(keys)))
+        if ctx.req_id in self.fail_prepare:
+            return None
+        to_store = [k for k in keys if k not in self.ready and k not in self.in_flight]
+        self.in_flight.update(to_store)
+        ids = list(range(self.next_chunk, self.next_chunk + len(to_store)))
+        self.next_chunk += len(to_store)
+        return SimpleNamespace(
+            keys_to_store=to_store, evicted_keys=[], store_spec=SimpleNamespace(block_ids=ids)
+        )
+
+    def complete_store(self, keys: Any, ctx: FakeContext, success: bool = True) -> None:
+        self.calls.append(("store_done", ctx.req_id, tuple(keys), success))
+        self.in_flight.difference_update(keys)
+        if success:
+            self.ready.update(keys)
+
+    def on_request_finished(self, ctx: FakeContext) -> None:
+        self.calls.append(("finished", ctx.req_id))
+
+    def take_events(self) -> list[Any]:
+        return []
+
+
+def fake_backend(manager: FakeManager) -> Backend:
+    return Backend(
+        name="fake",
+        make=lambda num_chunks, policy, *, enable_events=False: manager,
+        hit="HIT",
+        req_context=FakeContext,
+    )
+
+
+def workload(*requests: list[int], block_tokens: int = 4) -> Workload:
+    return Workload.from_requests(
+        "t", [[key(i) for i in r] for r in requests], block_tokens=block_tokens
+    )
+
+
+def test_call_sequence_with_lag_1() -> None:
+    mgr = FakeManager()
+    wl = workload([1, 2], [1, 2, 3], [1, 2, 3, 4])
+    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=1)
+    k1, k2, k3, k4 = key(1), key(2), key(3), key(4)
+    assert mgr.calls == [
+        ("new", "r0"),
+        ("lookup", "r0", k1, 4),  # stops at the first non-hit
+        ("store", "r0", (k1, k2)),
+        ("new", "r1"),
+        ("lookup", "r1", k1, 4),  # r0's store has not completed yet
+        ("store", "r1", (k1, k2, k3)),
+        # one later request issued: r0 completes
+        ("store_done", "r0", (k1, k2), True),
+        ("finished", "r0"),
+        ("new", "r2"),
+        ("lookup", "r2", k1, 4),
+        ("lookup", "r2", k2, 8),
+        ("lookup", "r2", k3, 12),
+        ("load", "r2", (k1, k2)),
+        ("store", "r2", (k3, k4)),
+        ("store_done", "r1", (k3,), True),
+        ("finished", "r1"),
+        # the final drain
+        ("load_done", "r2", (k1, k2)),
+        ("store_done", "r2", (k4,), True),
+        ("finished", "r2"),
+    ]
+    assert run.lookups == 9  # every key of every request, looked up or not
+    assert run.hits == 2
+    assert run.misses == 7
+    assert run.stored == 4
+    assert run.stops == {"HIT_PENDING": 2, "MISS": 1}
+    assert run.store_jobs == 3
+
+
+def test_lag_0_completes_immediately_and_full_hits_skip_prepare_store() -> None:
+    mgr = FakeManager()
+    wl = workload([1, 2], [1, 2])
+    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=0)
+    assert [c[0] for c in mgr.calls] == [
+        "new", "lookup", "store", "store_done", "finished",
+        "new", "lookup", "lookup", "load", "load_done", "finished",
+    ]  # fmt: skip
+    assert run.hits == 2
+    assert run.script[1] == (2, None, NOT_CALLED)
+
+
+def test_default_lag_is_8() -> None:
+    mgr = FakeManager()
+    wl = workload(*([i] for i in range(12)))
+    replay(fake_backend(mgr), wl, policy="lru", num_chunks=100)
+    order = [c[1] for c in mgr.calls if c[0] in ("new", "finished")]
+    assert order.index("r0") < order.index("r8")
+    # r0 finishes right after r8 is issued, before r9 is.
+    finished_r0 = mgr.calls.index(("finished", "r0"))
+    assert mgr.calls.index(("new", "r8")) < finished_r0 < mgr.calls.index(("new", "r9"))
+
+
+def test_failed_prepare_and_failed_stores() -> None:
+    mgr = FakeManager(fail_prepare={"r1"})
+    wl = workload([1], [2], [3], [4], [5], [6])
+    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=0, fail_store_every=2)
+    assert run.failed_prepares == 1
+    successes = [c[3] for c in mgr.calls if c[0] == "store_done"]
+    # r1's prepare failed (no store job); the jobs are r0 r2 r3 r4 r5; every 2nd fails.
+    assert successes == [True, False, True, False, True]
+    assert (run.store_jobs, run.failed_stores, run.failed_store_keys) == (5, 2, 2)
+    assert run.script[1][2] is None
+
+
+def test_empty_request_counts_nothing() -> None:
+    mgr = FakeManager()
+    run = replay(fake_backend(mgr), workload([], [1]), policy="lru", num_chunks=10, lag=0)
+    assert run.lookups == 1
+    assert ("new", "r0") in mgr.calls
+    assert ("finished", "r0") in mgr.calls
+    assert not any(c[0] == "store" and c[1] == "r0" for c in mgr.calls)
+
+
+def test_bad_options_are_config_errors() -> None:
+    backend = fake_backend(FakeManager())
+    wl = workload([1])
+    with pytest.raises(ConfigError, match="lag"):
+        replay(backend, wl, policy="lru", num_chunks=1, lag=-1)
+    with pytest.raises(ConfigError, match="fail-store-every"):
+        replay(backend, wl, policy="lru", num_chunks=1, fail_store_every=-1)
+    with pytest.raises(ConfigError, match="capacity"):
+        replay(backend, wl, policy="lru", num_chunks=0)
+
+
+def test_null_manager_reproduces_the_recorded_answers() -> None:
+    wl = workload([1, 2], [1, 2, 3], [1, 2, 3, 4], [5], [1, 2, 3, 4, 5])
+    mgr = FakeManager(fail_prepare={"r3"})
+    real = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=1)
+    null = null_backend(fake_backend(FakeManager()), wl, real.script)
+    again = replay(null, wl, policy="lru", num_chunks=10, lag=1)
+    assert again.counters() == real.counters()
+    assert again.script == real.script
+    # It really is stateless: lookups are plain dict probes of the recorded answers.
+    manager = null.make(10, "lru")
+    assert isinstance(manager, NullManager)
+    manager.on_new_request(FakeContext("r0"))
+    assert manager.lookup(key(1), None) == "MISS"
+
+
+def test_time_backend_pairs_real_and_null_runs() -> None:
+    wl = workload([1, 2], [1, 2, 3], [1, 2, 3, 4])
+    managers: list[FakeManager] = []
+
+    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> FakeManager:
+        managers.append(FakeManager())
+        return managers[-1]
+
+    backend = Backend(name="fake", make=make, hit="HIT", req_context=FakeContext)
+    run, timing = time_backend(backend, wl, policy="lru", num_chunks=10, lag=1, repeat=3)
+    assert len(managers) == 3  # one fresh manager per repeat; null runs use their own
+    assert timing.repeat == 3
+    assert timing.lookups == wl.key_visits
+    assert timing.inside_ns == timing.manager_ns - timing.null_ns
+    assert run.hits == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(st.lists(st.integers(0, 12), max_size=6, unique=True), max_size=14),
+    lag=st.integers(0, 5),
+    fail_store_every=st.integers(0, 3),
+)
+def test_every_request_is_issued_and_finished_in_order(
+    requests: list[list[int]], lag: int, fail_store_every: int
+) -> None:
+    mgr = FakeManager()
+    wl = workload(*requests)
+    run = replay(
+        fake_backend(mgr),
+        wl,
+        policy="lru",
+        num_chunks=10,
+        lag=lag,
+        fail_store_every=fail_store_every,
+    )
+    n = len(requests)
+    ids = [f"r{i}" for i in range(n)]
+    assert [c[1] for c in mgr.calls if c[0] == "new"] == ids
+    assert [c[1] for c in mgr.calls if c[0] == "finished"] == ids
+    position = {c: i for i, c in enumerate(mgr.calls)}
+    for i in range(n):
+        finished = position[("finished", f"r{i}")]
+        assert finished > position[("new", f"r{i}")]
+        if i + lag < n:  # finished after request i + lag was issued ...
+            assert finished > position[("new", f"r{i + lag}")]
+        if i + lag + 1 < n:  # ... and before the next one
+            assert finished < position[("new", f"r{i + lag + 1}")]
+    # Loads complete exactly what was prepared; stores exactly what prepare_store accepted.
+    loads = [c[1:] for c in mgr.calls if c[0] == "load"]
+    assert loads == [c[1:] for c in mgr.calls if c[0] == "load_done"]
+    assert run.hits == sum(len(keys) for _, keys in loads)
+    assert run.stored == sum(len(c[2]) for c in mgr.calls if c[0] == "store_done")
+    assert run.hits + run.misses == run.lookups == sum(len(r) for r in requests)
+    assert run.failed_stores == sum(1 for c in mgr.calls if c[0] == "store_done" and not c[3])
+
+
+def test_time_backends_interleaves_repeats() -> None:
+    wl = workload([1, 2], [1, 2, 3])
+    order: list[str] = []
+
+    def backend(name: str) -> Backend:
+        def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> FakeManager:
+            order.append(name)
+            return FakeManager()
+
+        return Backend(name=name, make=make, hit="HIT", req_context=FakeContext)
+
+    results = time_backends([backend("a"), backend("b")], wl, policy="lru", num_chunks=10, repeat=2)
+    assert order == ["a", "b", "a", "b"]
+    assert [run.backend for run, _ in results] == ["a", "b"]
+    assert all(timing.repeat == 2 for _, timing in results)
