@@ -55,6 +55,8 @@ pub struct LruEntry<C> {
     links: Links,
     rank: u64,
     pos: i64,
+    /// The request group (members and anchors), else `NIL`.
+    group: u32,
     flags: u8,
     /// `None` only for anchors.
     chunk: Option<C>,
@@ -92,13 +94,23 @@ struct Run {
     last: u32,
 }
 
-/// The keys ranked by one request, contiguous on the list right after `anchor`.
+/// Insertions land at either end of a group in prefix-order traffic (O(1)); one that lands
+/// farther than this from both ends builds the group's position index (O(log k) from then on).
+const WALK_LIMIT: usize = 8;
+
+/// The keys ranked by one request, contiguous on the list right after `anchor`, ordered by
+/// position descending (ties: key bytes ascending).
 struct Group {
     anchor: u32,
-    /// Position → run; the list holds runs in descending position order.
-    runs: BTreeMap<i64, Run>,
+    rank: u64,
+    /// First and last member (`NIL` when empty).
+    first: u32,
+    last: u32,
+    len: u32,
     /// False once the request state is gone: no key can join any more.
     alive: bool,
+    /// Position → run of members, built only once an insertion lands mid-group.
+    index: Option<BTreeMap<i64, Run>>,
 }
 
 /// One resident key as reported by [`LruPolicy::entries`].
@@ -115,7 +127,9 @@ pub struct LruPolicy<C> {
     slab: Slab<LruEntry<C>>,
     index: KeyIndex,
     order: List,
-    groups: HashMap<u64, Group, foldhash::fast::FixedState>,
+    groups: Slab<Group>,
+    group_of_rank: HashMap<u64, u32, foldhash::fast::FixedState>,
+    walk_limit: usize,
     next_rank: u64,
     generation: u64,
     hasher: KeyHasher,
@@ -130,7 +144,9 @@ impl<C> LruPolicy<C> {
             slab: Slab::default(),
             index: KeyIndex::default(),
             order: List::default(),
-            groups: HashMap::default(),
+            groups: Slab::default(),
+            group_of_rank: HashMap::default(),
+            walk_limit: WALK_LIMIT,
             next_rank: 0,
             generation: 0,
             hasher: KeyHasher::global(),
@@ -212,7 +228,7 @@ impl<C> LruPolicy<C> {
     /// `_get_request_rank` does, so rank numbers match vLLM's.
     pub fn request_rank(&mut self, current: Option<RequestRank>) -> RequestRank {
         if let Some(rr) = current {
-            if rr.generation == self.generation && self.groups.contains_key(&rr.rank) {
+            if self.group_id(rr).is_some() {
                 return rr;
             }
         }
@@ -224,42 +240,51 @@ impl<C> LruPolicy<C> {
             links: Links::default(),
             rank,
             pos: 0,
+            group: NIL,
             flags: ANCHOR,
             chunk: None,
         });
         self.order.push_back(&mut self.slab, anchor);
-        self.groups.insert(
+        let gid = self.groups.insert(Group {
+            anchor,
             rank,
-            Group {
-                anchor,
-                runs: BTreeMap::new(),
-                alive: true,
-            },
-        );
+            first: NIL,
+            last: NIL,
+            len: 0,
+            alive: true,
+            index: None,
+        });
+        self.slab.get_mut(anchor).group = gid;
+        self.group_of_rank.insert(rank, gid);
         RequestRank {
             generation: self.generation,
             rank,
         }
     }
 
+    /// The group of a live request rank.
+    fn group_id(&self, rr: RequestRank) -> Option<u32> {
+        if rr.generation != self.generation {
+            return None;
+        }
+        self.group_of_rank.get(&rr.rank).copied()
+    }
+
     /// The request that owned `rr` is gone: no key can join its group any more, so its anchor
     /// can go once the group is empty.
     pub fn release_request_rank(&mut self, rr: RequestRank) {
-        if rr.generation != self.generation {
-            return;
-        }
-        let Some(group) = self.groups.get_mut(&rr.rank) else {
-            return;
-        };
+        let Some(gid) = self.group_id(rr) else { return };
+        let group = self.groups.get_mut(gid);
         group.alive = false;
-        if group.runs.is_empty() {
+        if group.len == 0 {
             self.bump();
-            self.drop_group(rr.rank);
+            self.drop_group(gid);
         }
     }
 
-    fn drop_group(&mut self, rank: u64) {
-        let group = self.groups.remove(&rank).expect("group exists");
+    fn drop_group(&mut self, gid: u32) {
+        let group = self.groups.remove(gid);
+        self.group_of_rank.remove(&group.rank);
         self.order.unlink(&mut self.slab, group.anchor);
         self.slab.remove(group.anchor);
     }
@@ -268,26 +293,38 @@ impl<C> LruPolicy<C> {
     fn detach(&mut self, idx: u32) {
         let e = self.slab.get(idx);
         if e.has(IN_GROUP) {
-            let (rank, pos) = (e.rank, e.pos);
+            let (gid, pos) = (e.group, e.pos);
             let Links { prev, next } = e.links;
-            let group = self
-                .groups
-                .get_mut(&rank)
-                .expect("grouped entry has a group");
-            let run = group.runs.get_mut(&pos).expect("grouped entry has a run");
-            match (run.first == idx, run.last == idx) {
-                (true, true) => {
-                    group.runs.remove(&pos);
+            let group = self.groups.get_mut(gid);
+            if let Some(index) = &mut group.index {
+                let run = index.get_mut(&pos).expect("indexed member has a run");
+                match (run.first == idx, run.last == idx) {
+                    (true, true) => {
+                        index.remove(&pos);
+                    }
+                    (true, false) => run.first = next,
+                    (false, true) => run.last = prev,
+                    (false, false) => {}
                 }
-                (true, false) => run.first = next,
-                (false, true) => run.last = prev,
+            }
+            match (group.first == idx, group.last == idx) {
+                (true, true) => (group.first, group.last) = (NIL, NIL),
+                (true, false) => group.first = next,
+                (false, true) => group.last = prev,
                 (false, false) => {}
             }
-            let drop_group = group.runs.is_empty() && !group.alive;
-            self.slab.get_mut(idx).flags &= !IN_GROUP;
+            group.len -= 1;
+            let emptied = group.len == 0;
+            if emptied {
+                group.index = None;
+            }
+            let drop_group = emptied && !group.alive;
+            let e = self.slab.get_mut(idx);
+            e.flags &= !IN_GROUP;
+            e.group = NIL;
             self.order.unlink(&mut self.slab, idx);
             if drop_group {
-                self.drop_group(rank);
+                self.drop_group(gid);
             }
         } else {
             self.order.unlink(&mut self.slab, idx);
@@ -303,50 +340,141 @@ impl<C> LruPolicy<C> {
         self.order.push_back(&mut self.slab, idx);
     }
 
-    /// Puts `idx` (detached) into group `rank` at `pos`, keeping the group sorted by
-    /// (position descending, key ascending).
-    fn attach_to_group(&mut self, idx: u32, rank: u64, pos: i64) {
+    /// Whether member-to-be `idx` sorts before group member `other` (position descending, key
+    /// bytes ascending).
+    #[inline]
+    fn sorts_before(&self, idx: u32, other: u32) -> bool {
+        let (a, b) = (self.slab.get(idx), self.slab.get(other));
+        a.pos > b.pos || (a.pos == b.pos && a.key() < b.key())
+    }
+
+    /// Puts `idx` (detached) into group `gid` at `pos`, keeping the group sorted.
+    fn attach_to_group(&mut self, idx: u32, gid: u32, pos: i64) {
+        let group = self.groups.get(gid);
+        let (anchor, first, last, len, rank) =
+            (group.anchor, group.first, group.last, group.len, group.rank);
         {
             let e = self.slab.get_mut(idx);
             e.rank = rank;
             e.pos = pos;
+            e.group = gid;
             e.flags |= IN_GROUP;
         }
-        let group = self.groups.get(&rank).expect("request rank has a group");
-        if let Some(run) = group.runs.get(&pos).copied() {
+        if self.groups.get(gid).index.is_some() {
+            self.attach_indexed(idx, gid, pos);
+        } else if len == 0 {
+            self.order.insert_after(&mut self.slab, anchor, idx);
+        } else if self.sorts_before(idx, first) {
+            self.order.insert_before(&mut self.slab, first, idx);
+        } else if !self.sorts_before(idx, last) {
+            self.order.insert_after(&mut self.slab, last, idx);
+        } else if !self.attach_near_ends(idx, first, last) {
+            self.build_index(gid);
+            self.attach_indexed(idx, gid, pos);
+        }
+        let prev = self.slab.get(idx).links.prev;
+        let group = self.groups.get_mut(gid);
+        if len == 0 {
+            (group.first, group.last) = (idx, idx);
+        } else {
+            if prev == anchor {
+                group.first = idx;
+            }
+            if prev == last {
+                group.last = idx;
+            }
+        }
+        group.len += 1;
+    }
+
+    /// Tries to place `idx` (strictly between `first` and `last`) within `walk_limit` steps of
+    /// either end.
+    fn attach_near_ends(&mut self, idx: u32, first: u32, last: u32) -> bool {
+        let mut cur = self.slab.get(first).links.next;
+        for _ in 0..self.walk_limit {
+            if self.sorts_before(idx, cur) {
+                self.order.insert_before(&mut self.slab, cur, idx);
+                return true;
+            }
+            if cur == last {
+                break;
+            }
+            cur = self.slab.get(cur).links.next;
+        }
+        let mut cur = self.slab.get(last).links.prev;
+        for _ in 0..self.walk_limit {
+            if !self.sorts_before(idx, cur) {
+                self.order.insert_after(&mut self.slab, cur, idx);
+                return true;
+            }
+            if cur == first {
+                break;
+            }
+            cur = self.slab.get(cur).links.prev;
+        }
+        false
+    }
+
+    /// Indexes the group's members by position (one pass over the group).
+    fn build_index(&mut self, gid: u32) {
+        let group = self.groups.get(gid);
+        let (mut cur, last) = (group.first, group.last);
+        let mut index: BTreeMap<i64, Run> = BTreeMap::new();
+        loop {
+            let pos = self.slab.get(cur).pos;
+            index
+                .entry(pos)
+                .and_modify(|r| r.last = cur)
+                .or_insert(Run {
+                    first: cur,
+                    last: cur,
+                });
+            if cur == last {
+                break;
+            }
+            cur = self.slab.get(cur).links.next;
+        }
+        self.groups.get_mut(gid).index = Some(index);
+    }
+
+    /// Inserts `idx` into an indexed group.
+    fn attach_indexed(&mut self, idx: u32, gid: u32, pos: i64) {
+        let group = self.groups.get(gid);
+        let index = group.index.as_ref().expect("the group is indexed");
+        if let Some(run) = index.get(&pos).copied() {
             // Same position (keys of several KV-cache groups): order by key bytes.
             let mut cur = run.first;
             loop {
                 if self.slab.get(cur).key() > self.slab.get(idx).key() {
                     self.order.insert_before(&mut self.slab, cur, idx);
                     if cur == run.first {
-                        self.group_run(rank, pos).first = idx;
+                        self.run_mut(gid, pos).first = idx;
                     }
                     return;
                 }
                 if cur == run.last {
                     self.order.insert_after(&mut self.slab, cur, idx);
-                    self.group_run(rank, pos).last = idx;
+                    self.run_mut(gid, pos).last = idx;
                     return;
                 }
                 cur = self.slab.get(cur).links.next;
             }
         }
-        let before = group.runs.range(..pos).next_back().map(|(_, r)| r.first);
-        let after = group.runs.range(pos..).next().map(|(_, r)| r.last);
+        let before = index.range(..pos).next_back().map(|(_, r)| r.first);
+        let after = index.range(pos..).next().map(|(_, r)| r.last);
+        let anchor = group.anchor;
         match (before, after) {
             (Some(successor), _) => self.order.insert_before(&mut self.slab, successor, idx),
             (None, Some(predecessor)) => self.order.insert_after(&mut self.slab, predecessor, idx),
-            (None, None) => {
-                let anchor = group.anchor;
-                self.order.insert_after(&mut self.slab, anchor, idx);
-            }
+            (None, None) => self.order.insert_after(&mut self.slab, anchor, idx),
         }
-        let group = self
+        let index = self
             .groups
-            .get_mut(&rank)
-            .expect("request rank has a group");
-        group.runs.insert(
+            .get_mut(gid)
+            .index
+            .as_mut()
+            .expect("the group is indexed");
+        index.insert(
             pos,
             Run {
                 first: idx,
@@ -355,19 +483,26 @@ impl<C> LruPolicy<C> {
         );
     }
 
-    fn group_run(&mut self, rank: u64, pos: i64) -> &mut Run {
-        let group = self.groups.get_mut(&rank).expect("group exists");
-        group.runs.get_mut(&pos).expect("run exists")
+    fn run_mut(&mut self, gid: u32, pos: i64) -> &mut Run {
+        let index = self
+            .groups
+            .get_mut(gid)
+            .index
+            .as_mut()
+            .expect("the group is indexed");
+        index.get_mut(&pos).expect("run exists")
     }
 
-    fn check_request_rank(&self, rr: RequestRank) -> CoreResult<()> {
-        if rr.generation == self.generation && self.groups.contains_key(&rr.rank) {
-            Ok(())
-        } else {
-            Err(CoreError::InvalidArgument(
-                "request rank is stale (released or cleared)".into(),
-            ))
-        }
+    /// The steps an insertion may walk before indexing its group (tests force the index).
+    #[cfg(any(test, fuzzing, feature = "validate"))]
+    pub fn set_walk_limit(&mut self, steps: usize) {
+        self.walk_limit = steps;
+    }
+
+    fn check_request_rank(&self, rr: RequestRank) -> CoreResult<u32> {
+        self.group_id(rr).ok_or_else(|| {
+            CoreError::InvalidArgument("request rank is stale (released or cleared)".into())
+        })
     }
 
     /// Adds a new chunk. `evictable` is whether its `ref_cnt` is 0 now.
@@ -381,22 +516,24 @@ impl<C> LruPolicy<C> {
         if self.index.find(&self.slab, key).is_some() {
             return Err(CoreError::DuplicateKey(KeyBuf::new(key.bytes)));
         }
-        if let InsertRank::Request(rr, _) = rank {
-            self.check_request_rank(rr)?;
-        }
+        let group = match rank {
+            InsertRank::Request(rr, pos) => Some((self.check_request_rank(rr)?, pos)),
+            InsertRank::Fresh => None,
+        };
         self.bump();
         let idx = self.slab.insert(LruEntry {
             key: KeyBuf::new(key.bytes),
             links: Links::default(),
             rank: 0,
             pos: 0,
+            group: NIL,
             flags: if evictable { EVICTABLE } else { 0 },
             chunk: Some(chunk),
         });
         self.index.insert(&self.slab, &self.hasher, key, idx);
-        match rank {
-            InsertRank::Fresh => self.attach_fresh(idx),
-            InsertRank::Request(rr, pos) => self.attach_to_group(idx, rr.rank, pos),
+        match group {
+            None => self.attach_fresh(idx),
+            Some((gid, pos)) => self.attach_to_group(idx, gid, pos),
         }
         Ok(())
     }
@@ -439,7 +576,7 @@ impl<C> LruPolicy<C> {
         rr: RequestRank,
         keys: &[(Key<'_>, Option<i64>)],
     ) -> CoreResult<()> {
-        self.check_request_rank(rr)?;
+        let gid = self.check_request_rank(rr)?;
         self.bump();
         for &(key, pos) in keys {
             let Some(pos) = pos else { continue };
@@ -452,7 +589,7 @@ impl<C> LruPolicy<C> {
                 continue;
             }
             self.detach(idx);
-            self.attach_to_group(idx, rr.rank, pos);
+            self.attach_to_group(idx, gid, pos);
         }
         Ok(())
     }
@@ -561,6 +698,7 @@ impl<C> LruPolicy<C> {
         self.index.clear();
         self.order.clear();
         self.groups.clear();
+        self.group_of_rank.clear();
         self.next_rank = 0;
         self.generation += 1;
     }
@@ -568,10 +706,15 @@ impl<C> LruPolicy<C> {
     /// Heap bytes held by the policy's own structures (slab, table, groups, spilled keys).
     pub fn heap_bytes(&self) -> usize {
         let spilled: usize = self.slab.iter().map(|(_, e)| e.key.heap_bytes()).sum();
-        let runs: usize = self.groups.values().map(|g| g.runs.len() * 48).sum();
+        let runs: usize = self
+            .groups
+            .iter()
+            .map(|(_, g)| g.index.as_ref().map_or(0, |i| i.len() * 48))
+            .sum();
         self.slab.allocation_size()
             + self.index.allocation_size()
             + self.groups.allocation_size()
+            + self.group_of_rank.allocation_size()
             + runs
             + spilled
     }
@@ -617,9 +760,9 @@ impl<C> LruPolicy<C> {
             }
             if e.has(ANCHOR) {
                 anchors += 1;
-                let group = self.groups.get(&e.rank).ok_or("anchor without a group")?;
-                if group.anchor != i {
-                    return Err("group points at another anchor".into());
+                let group = self.groups.get(e.group);
+                if group.anchor != i || group.rank != e.rank {
+                    return Err("anchor and group disagree".into());
                 }
                 if e.chunk.is_some() || e.has(EVICTABLE) || e.has(IN_GROUP) {
                     return Err("anchor with entry state".into());
@@ -634,52 +777,65 @@ impl<C> LruPolicy<C> {
             }
             if e.has(IN_GROUP) {
                 grouped += 1;
-                let group = self
-                    .groups
-                    .get(&e.rank)
-                    .ok_or("grouped entry without a group")?;
-                if !group.runs.contains_key(&e.pos) {
-                    return Err("grouped entry without a run".into());
+                if self.groups.get(e.group).rank != e.rank {
+                    return Err("grouped entry with a foreign rank".into());
                 }
-            } else if self.groups.contains_key(&e.rank) {
-                return Err("fresh entry shares a request rank".into());
+            } else if e.group != NIL || self.group_of_rank.contains_key(&e.rank) {
+                return Err("fresh entry tied to a request group".into());
             }
         }
-        if anchors != self.groups.len() {
+        if anchors != self.groups.len() || self.group_of_rank.len() != self.groups.len() {
             return Err(format!(
                 "{anchors} anchors for {} groups",
                 self.groups.len()
             ));
         }
-        let mut run_members = 0usize;
-        for (&rank, group) in &self.groups {
-            if !group.alive && group.runs.is_empty() {
-                return Err(format!("dead empty group {rank} kept"));
+        let mut members = 0usize;
+        for (gid, group) in self.groups.iter() {
+            if self.group_of_rank.get(&group.rank) != Some(&gid) {
+                return Err(format!("group {gid} is not registered under its rank"));
             }
-            // Members follow the anchor, runs in descending position order, each contiguous.
+            if !group.alive && group.len == 0 {
+                return Err(format!("dead empty group {gid} kept"));
+            }
+            // Members follow the anchor, contiguously, and first/last/len describe them.
+            let mut seen = Vec::new();
             let mut cur = self.slab.get(group.anchor).links.next;
-            for (&pos, run) in group.runs.iter().rev() {
-                if cur != run.first {
-                    return Err(format!(
-                        "group {rank}: run {pos} does not start where expected"
-                    ));
-                }
-                loop {
-                    let e = self.slab.get(cur);
-                    if !e.has(IN_GROUP) || e.rank != rank || e.pos != pos {
-                        return Err(format!("group {rank}: run {pos} holds a foreign node"));
-                    }
-                    run_members += 1;
-                    if cur == run.last {
-                        break;
-                    }
-                    cur = e.links.next;
-                }
+            while cur != NIL && self.slab.get(cur).has(IN_GROUP) && self.slab.get(cur).group == gid
+            {
+                seen.push(cur);
                 cur = self.slab.get(cur).links.next;
             }
+            if seen.len() != group.len as usize
+                || seen.first().copied().unwrap_or(NIL) != group.first
+                || seen.last().copied().unwrap_or(NIL) != group.last
+            {
+                return Err(format!(
+                    "group {gid}: first/last/len do not match its members"
+                ));
+            }
+            members += seen.len();
+            if let Some(index) = &group.index {
+                let mut runs: Vec<(i64, u32, u32)> = Vec::new();
+                for &m in &seen {
+                    let pos = self.slab.get(m).pos;
+                    match runs.last_mut() {
+                        Some(r) if r.0 == pos => r.2 = m,
+                        _ => runs.push((pos, m, m)),
+                    }
+                }
+                let indexed: Vec<(i64, u32, u32)> = index
+                    .iter()
+                    .rev()
+                    .map(|(&p, r)| (p, r.first, r.last))
+                    .collect();
+                if runs != indexed {
+                    return Err(format!("group {gid}: position index out of date"));
+                }
+            }
         }
-        if run_members != grouped {
-            return Err(format!("{grouped} grouped entries, {run_members} in runs"));
+        if members != grouped {
+            return Err(format!("{grouped} grouped entries, {members} in groups"));
         }
         if self.index.len() + anchors != self.slab.len() {
             return Err("index and slab disagree".into());

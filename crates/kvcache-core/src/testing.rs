@@ -146,8 +146,14 @@ fn bytes(k: u8) -> [u8; 1] {
 }
 
 impl Harness {
+    /// An LRU harness; small capacities also shrink the group walk so that position indexes
+    /// get built and exercised.
     pub fn lru(capacity: usize) -> Self {
-        Self::new(Policy::Lru(LruPolicy::new(capacity)))
+        let mut policy = LruPolicy::new(capacity);
+        if capacity < 4 {
+            policy.set_walk_limit(capacity.saturating_sub(1));
+        }
+        Self::new(Policy::Lru(policy))
     }
 
     pub fn arc(capacity: usize) -> Self {
