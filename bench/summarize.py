@@ -25,8 +25,10 @@ def main(path: str) -> None:
         speedup = f"{ref / ours:.1f}x" if ref and ours else "-"
         print(f"| {kind.upper()} | {op} | {ref:,.0f} | {ours:,.0f} | {speedup} |")
     machine = data.get("machine_info", {})
-    print(f"\n_{machine.get('cpu', {}).get('brand_raw', '?')}, "
-          f"Python {machine.get('python_version', '?')}, median of rounds._")
+    print(
+        f"\n_{machine.get('cpu', {}).get('brand_raw', '?')}, "
+        f"Python {machine.get('python_version', '?')}, median of rounds._"
+    )
 
 
 if __name__ == "__main__":

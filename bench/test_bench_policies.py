@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import kvcache
-import kvcache.vllm  # noqa: F401  (registers our classes with vLLM's CachePolicy ABC)
+import kvcache.vllm
 
 ENTRIES = 100_000
 BATCH = 256
@@ -58,16 +58,18 @@ IMPLS = ["vllm", "kvcache"]
 KINDS = ["lru", "arc"]
 
 
-@pytest.fixture(scope="module", params=[(i, k) for k in KINDS for i in IMPLS],
-                ids=lambda p: f"{p[1]}-{p[0]}")
+@pytest.fixture(
+    scope="module", params=[(i, k) for k in KINDS for i in IMPLS], ids=lambda p: f"{p[1]}-{p[0]}"
+)
 def setup(request: pytest.FixtureRequest) -> tuple[str, str, Any, Any, Any]:
     impl, kind = request.param
     policy, ctx, chunk_cls = make_policy(impl, kind)
     return impl, kind, policy, ctx, chunk_cls
 
 
-def run(benchmark: Any, setup: tuple, op: str, per_call_keys: int,
-        fn: Callable[[], object]) -> None:
+def run(
+    benchmark: Any, setup: tuple, op: str, per_call_keys: int, fn: Callable[[], object]
+) -> None:
     impl, kind, *_ = setup
     benchmark.group = f"{kind} {op}"
     benchmark.extra_info.update(impl=impl, kind=kind, op=op, keys_per_call=per_call_keys)
@@ -92,8 +94,13 @@ def test_touch(benchmark: Any, setup: tuple) -> None:
     rng = random.Random(1)
     batches = [[key(rng.randrange(ENTRIES)) for _ in range(BATCH)] for _ in range(64)]
     it = iter(range(10**9))
-    run(benchmark, setup, f"touch({BATCH})", BATCH,
-        lambda: policy.touch(batches[next(it) % 64], ctx))
+    run(
+        benchmark,
+        setup,
+        f"touch({BATCH})",
+        BATCH,
+        lambda: policy.touch(batches[next(it) % 64], ctx),
+    )
 
 
 def test_on_request_finished(benchmark: Any, setup: tuple) -> None:
@@ -111,8 +118,13 @@ def test_on_request_finished(benchmark: Any, setup: tuple) -> None:
         reused = set(keys[: BATCH // 2])
         requests.append(((tuple(keys),), set(keys) - reused, reused, ctx))
     it = iter(range(10**9))
-    run(benchmark, setup, f"on_request_finished({BATCH})", BATCH,
-        lambda: policy.on_request_finished(*requests[next(it) % 64]))
+    run(
+        benchmark,
+        setup,
+        f"on_request_finished({BATCH})",
+        BATCH,
+        lambda: policy.on_request_finished(*requests[next(it) % 64]),
+    )
 
 
 def test_evict_and_reinsert(benchmark: Any, setup: tuple) -> None:
@@ -121,7 +133,8 @@ def test_evict_and_reinsert(benchmark: Any, setup: tuple) -> None:
 
     def evict_reinsert() -> None:
         evicted = policy.evict(EVICT, set())
-        assert evicted is not None and len(evicted) == EVICT
+        assert evicted is not None
+        assert len(evicted) == EVICT
         for _ in range(EVICT):
             store(policy, key(next(counter)), chunk_cls(0), ctx)
 

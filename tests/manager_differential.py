@@ -71,7 +71,9 @@ class ManagerPair:
         ]
 
     def both(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        return getattr(self.ref, method)(*args, **kwargs), getattr(self.ours, method)(*args, **kwargs)
+        return getattr(self.ref, method)(*args, **kwargs), getattr(self.ours, method)(
+            *args, **kwargs
+        )
 
     # --- operations -----------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ def multi_turn_workload(
     requests = []
     while live:
         i = rng.randrange(len(live))
-        history, turns = live[i]
+        history, _turns = live[i]
         history.extend(fresh(rng.randint(1, 4)))  # the user's new turn
         requests.append(list(history))
         history.extend(fresh(rng.randint(0, 2)))  # the model's answer, part of the next prompt
@@ -140,8 +140,13 @@ def drive(
                 log.append(("store", i, None))
                 continue
             log.append(
-                ("store", i, tuple(out.keys_to_store), _spec_ids(out.store_spec),
-                 tuple(out.evicted_keys))
+                (
+                    "store",
+                    i,
+                    tuple(out.keys_to_store),
+                    _spec_ids(out.store_spec),
+                    tuple(out.evicted_keys),
+                )
             )
             stored.extend(out.keys_to_store)
         pending.append((ctx, loaded, stored))

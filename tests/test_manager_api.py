@@ -33,7 +33,8 @@ def test_store_load_evict_round_trip(policy: str) -> None:
     m.on_new_request(ctx)
     assert m.lookup(KEYS[0], ctx) is kvcache.LookupResult.MISS
     out = m.prepare_store(KEYS[:3], ctx)
-    assert out.keys_to_store == KEYS[:3] and out.evicted_keys == []
+    assert out.keys_to_store == KEYS[:3]
+    assert out.evicted_keys == []
     assert out.store_spec.block_ids.dtype == np.int32
     assert out.store_spec.block_ids.tolist() == [0, 1, 2]
     assert m.lookup(KEYS[0], ctx) is kvcache.LookupResult.HIT_PENDING
@@ -41,14 +42,16 @@ def test_store_load_evict_round_trip(policy: str) -> None:
     assert m.lookup(KEYS[0], ctx) is kvcache.LookupResult.HIT
     assert m.prepare_load(KEYS[:1], ctx).block_ids.tolist() == [0]
     out = m.prepare_store(KEYS[3:6], ctx)  # 1 free chunk: evicts 2 idle ones, never KEYS[0]
-    assert len(out.evicted_keys) == 2 and KEYS[0] not in out.evicted_keys
+    assert len(out.evicted_keys) == 2
+    assert KEYS[0] not in out.evicted_keys
     m.complete_load(KEYS[:1], ctx)
     m.on_request_finished(ctx)
     events = m.take_events()
     assert [(e.removed, len(e.keys)) for e in events] == [(False, 3), (True, 2)]
     assert m.take_events() == []
     stats = m.get_stats()
-    assert stats.allocation_sizes == [3, 3] and stats.stores_skipped is None
+    assert stats.allocation_sizes == [3, 3]
+    assert stats.stores_skipped is None
     m.validate()
 
 

@@ -53,16 +53,22 @@ def test_seeded_random_operations_match_vllm(policy: str, threshold: int) -> Non
         assert counts.get(op, 0) > 0, f"no {op} operations were generated"
 
 
-def run(policy: str, ours: bool, num_chunks: int, options: DriverOptions, *, threshold: int,
-        seed: int) -> list[tuple]:
+def run(
+    policy: str, ours: bool, num_chunks: int, options: DriverOptions, *, threshold: int, seed: int
+) -> list[tuple]:
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as Ref
 
     from kvcache.vllm import CPUOffloadingManager as Ours
 
     cls = Ours if ours else Ref
-    manager = cls(num_chunks=num_chunks, cache_policy=policy, enable_events=True,
-                  store_threshold=threshold, max_tracker_size=64)
+    manager = cls(
+        num_chunks=num_chunks,
+        cache_policy=policy,
+        enable_events=True,
+        store_threshold=threshold,
+        max_tracker_size=64,
+    )
     requests = multi_turn_workload(seed, conversations=60)
     return drive(manager, LookupResult.HIT, lambda rid: ReqContext(req_id=rid), requests, options)
 

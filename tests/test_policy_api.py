@@ -60,7 +60,8 @@ def test_chunk_status_is_writable_through_numpy_and_ctypes() -> None:
     assert chunk.ref_cnt == 2
     mirror = CtypesChunk.from_buffer(chunk)
     mirror.ref_cnt = 0
-    assert chunk.ref_cnt == 0 and mirror.chunk_id == 5
+    assert chunk.ref_cnt == 0
+    assert mirror.chunk_id == 5
     del mirror, record
     gc.collect()
 
@@ -88,19 +89,22 @@ def test_get_and_evict_return_the_inserted_objects_of_either_chunk_type(cls: typ
     assert policy.get(make_key(1)) is ours
     assert policy.get(make_key(2)) is foreign
     assert policy.get(make_key(3)) is None
-    assert len(policy) == 2 and make_key(2) in policy
+    assert len(policy) == 2
+    assert make_key(2) in policy
     # vLLM's manager pins by writing ref_cnt in place; the policy must see it.
     foreign.ref_cnt = 1
     if cls is kvcache.LRUCachePolicy:
         policy.mark_non_evictable(make_key(2))
     evicted = policy.evict(1, set())
-    assert evicted == [(make_key(1), ours)] and evicted[0][1] is ours
+    assert evicted == [(make_key(1), ours)]
+    assert evicted[0][1] is ours
     assert policy.evict(1, set()) is None
     foreign.ref_cnt = 0
     if cls is kvcache.LRUCachePolicy:
         policy.mark_evictable(make_key(2))
     [(key, chunk)] = policy.evict(1, set())
-    assert key == make_key(2) and chunk is foreign
+    assert key == make_key(2)
+    assert chunk is foreign
     assert policy.cache_capacity == 4
 
 
@@ -253,7 +257,9 @@ BAD_CALLS = [
 
 
 @pytest.mark.parametrize("cls", POLICIES)
-@pytest.mark.parametrize(("name", "call", "error", "builtin"), BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
+@pytest.mark.parametrize(
+    ("name", "call", "error", "builtin"), BAD_CALLS, ids=[b[0] for b in BAD_CALLS]
+)
 def test_bad_input_raises_typed_errors_and_changes_nothing(
     cls: type, name: str, call, error: type, builtin: type
 ) -> None:
@@ -261,7 +267,8 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(
     before = snapshot(policy)
     with pytest.raises(error) as info:
         call(policy, ctx)
-    assert isinstance(info.value, builtin) and isinstance(info.value, kvcache.KvCacheError)
+    assert isinstance(info.value, builtin)
+    assert isinstance(info.value, kvcache.KvCacheError)
     assert snapshot(policy) == before
 
 
@@ -276,7 +283,7 @@ def test_lru_mark_non_evictable_requires_an_evictable_key() -> None:
 
 
 def test_lru_bad_positions_and_contexts_fail_before_any_change() -> None:
-    policy, ctx = populated(kvcache.LRUCachePolicy)
+    policy, _ctx = populated(kvcache.LRUCachePolicy)
     before = snapshot(policy)
 
     class BadPositions:

@@ -49,8 +49,21 @@ def test_seeded_random_operations_match_vllm(kind: str, chunk_mode: str) -> None
             pair.check()
             done += 1
     # The run must have exercised every kind of operation, evictions that succeed and fail.
-    for op in ("store", "complete", "fail", "pin", "unpin", "touch", "miss", "access",
-               "finish", "evict", "get", "clear", "end_request"):
+    for op in (
+        "store",
+        "complete",
+        "fail",
+        "pin",
+        "unpin",
+        "touch",
+        "miss",
+        "access",
+        "finish",
+        "evict",
+        "get",
+        "clear",
+        "end_request",
+    ):
         assert counts.get(op, 0) > 0, f"no {op} operations were generated"
 
 

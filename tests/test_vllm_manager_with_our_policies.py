@@ -17,8 +17,9 @@ pytestmark = pytest.mark.oracle
 OUR_CLASS = {"lru": "LRUCachePolicy", "arc": "ARCCachePolicy"}
 
 
-def run(policy: str, ours: bool, num_chunks: int, options: DriverOptions, *, threshold: int,
-        seed: int) -> list[tuple]:
+def run(
+    policy: str, ours: bool, num_chunks: int, options: DriverOptions, *, threshold: int, seed: int
+) -> list[tuple]:
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 

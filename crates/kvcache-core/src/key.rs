@@ -92,7 +92,7 @@ impl KeyHasher {
             use std::hash::{BuildHasher, Hasher};
             // RandomState draws from the OS once per process.
             let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u64(0x6b76_6361_6368_65);
+            h.write_u64(0x006b_7663_6163_6865);
             h.finish()
         });
         KeyHasher(foldhash::fast::FixedState::with_seed(seed))

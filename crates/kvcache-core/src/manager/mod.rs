@@ -29,6 +29,9 @@ use table::ChunkTable;
 pub use table::{ChunkId, ChunkRecord, FREE, PENDING};
 use tracker::AccessTracker;
 
+/// A request's key at finish: bytes, token position, access flags.
+type SeenEntry<'a> = (&'a [u8], Option<i64>, u8);
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LookupResult {
     Miss,
@@ -500,7 +503,7 @@ impl<P: ManagerPolicy> Manager<P> {
             return Ok(());
         }
         // Key groups by group index, each in first-seen order.
-        let mut groups: BTreeMap<u32, Vec<(&[u8], Option<i64>, u8)>> = BTreeMap::new();
+        let mut groups: BTreeMap<u32, Vec<SeenEntry<'_>>> = BTreeMap::new();
         for k in req.keys_in_order() {
             let pos = position(k.key.as_slice())?;
             groups
@@ -508,7 +511,7 @@ impl<P: ManagerPolicy> Manager<P> {
                 .or_default()
                 .push((k.key.as_slice(), pos, k.flags));
         }
-        let mut ordered: Vec<(&[u8], Option<i64>, u8)> = Vec::with_capacity(req.num_keys());
+        let mut ordered: Vec<SeenEntry<'_>> = Vec::with_capacity(req.num_keys());
         for (_, mut keys) in groups {
             if keys.iter().all(|k| k.1.is_some()) {
                 keys.sort_by_key(|k| k.1);
