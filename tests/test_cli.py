@@ -137,15 +137,6 @@ def test_plot_without_matplotlib(
     assert_one_line_error(*result, "matplotlib")
 
 
-def test_kvcache_backend_unavailable_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    if hasattr(__import__("kvcache"), "OffloadingManager"):
-        pytest.skip("the kvcache backend is built")
-    rc, out, err = run(["replay", "--requests", "5", "--quiet"], capsys)
-    if rc == 0:
-        pytest.skip("the interim kvcache backend (kvcache.vllm policies) is built")
-    assert_one_line_error(rc, out, err, "kvcache backend unavailable")
-
-
 def test_module_entry_point_error_has_no_traceback(tmp_path: Path) -> None:
     env = {
         **os.environ,

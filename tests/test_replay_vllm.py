@@ -8,15 +8,13 @@ the right request and field.
 from __future__ import annotations
 
 import dataclasses
-import sys
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from kvcache.replay import (
     Backend,
-    BackendUnavailable,
     SyntheticChat,
     Workload,
     compare_backends,
@@ -24,6 +22,7 @@ from kvcache.replay import (
     parse_capacities,
     replay,
     run_grid,
+    rust_policies_backend,
     synthetic_chat,
     time_backend,
     vllm_backend,
@@ -277,28 +276,12 @@ def test_grid_with_reference(vllm: Backend, wl: Workload) -> None:
 # --- the kvcache backend ---------------------------------------------------------------------
 
 
-def _kvcache_or_none() -> Backend | None:
-    try:
-        return kvcache_backend()
-    except BackendUnavailable:
-        return None
-
-
-def test_kvcache_backend_unavailable_is_a_clean_error() -> None:
-    if _kvcache_or_none() is not None:
-        pytest.skip("the kvcache backend is built; see test_kvcache_backend_matches_vllm")
-    with pytest.raises(BackendUnavailable, match="--backend vllm"):
-        kvcache_backend()
-
-
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 @pytest.mark.parametrize("fail_store_every", [0, 3])
 def test_kvcache_backend_matches_vllm(
     vllm: Backend, wl: Workload, policy: str, fail_store_every: int
 ) -> None:
-    ours = _kvcache_or_none()
-    if ours is None:
-        pytest.skip("the kvcache backend is not built in this tree")
+    ours = kvcache_backend()
     for num_chunks in capacities(wl):
         result = compare_backends(
             vllm,
@@ -311,72 +294,10 @@ def test_kvcache_backend_matches_vllm(
         assert result.matched, result.divergence
 
 
-def test_kvcache_backend_interim_fallback_loads_policies_by_name(
-    monkeypatch: pytest.MonkeyPatch, vllm: Backend, wl: Workload
-) -> None:
-    """Without kvcache.OffloadingManager, vLLM's manager loads ``kvcache.vllm.<Name>CachePolicy``.
-
-    Stand-in policies (vLLM's own, re-exported under our module path) check the wiring: the
-    module path, the class names, and that decisions match vLLM's.
-    """
-    from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
-    from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
-
-    import kvcache
-
-    if hasattr(kvcache, "OffloadingManager"):
-        pytest.skip("the Rust manager is built; the interim path is not taken")
-    module = ModuleType("kvcache.vllm")
-    module.LRUCachePolicy = LRUCachePolicy  # type: ignore[attr-defined]
-    module.ARCCachePolicy = ARCCachePolicy  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "kvcache.vllm", module)
-    backend = kvcache_backend()
-    assert backend.name == "kvcache-policies"
-    for policy in ("lru", "arc"):
-        result = compare_backends(
-            vllm, backend, wl, policy=policy, num_chunks=wl.unique_blocks // 10
-        )
-        assert result.matched, result.divergence
-
-
-def test_kvcache_backend_plug_in_point(
-    monkeypatch: pytest.MonkeyPatch, vllm: Backend, wl: Workload
-) -> None:
-    """Once ``kvcache`` exports OffloadingManager, LookupResult and ReqContext, they are used.
-
-    A stand-in with the Rust manager's constructor (keyword-only options) checks the wiring.
-    """
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
-    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-
-    import kvcache
-
-    made: list[tuple[int, str, bool]] = []
-
-    def offloading_manager(
-        num_chunks: int,
-        cache_policy: str = "lru",
-        *,
-        enable_events: bool = False,
-        store_threshold: int = 1,
-        max_tracker_size: int = 64000,
-    ) -> CPUOffloadingManager:
-        made.append((num_chunks, cache_policy, enable_events))
-        return CPUOffloadingManager(
-            num_chunks,
-            cache_policy=cache_policy,
-            enable_events=enable_events,
-            store_threshold=store_threshold,
-            max_tracker_size=max_tracker_size,
-        )
-
-    if hasattr(kvcache, "OffloadingManager"):
-        pytest.skip("the Rust manager is built; test_kvcache_backend_matches_vllm covers it")
-    monkeypatch.setattr(kvcache, "OffloadingManager", offloading_manager, raising=False)
-    monkeypatch.setattr(kvcache, "LookupResult", LookupResult, raising=False)
-    monkeypatch.setattr(kvcache, "ReqContext", ReqContext, raising=False)
-    backend = kvcache_backend()
-    assert backend.name == "kvcache"
-    result = compare_backends(vllm, backend, wl, policy="arc", num_chunks=wl.unique_blocks // 10)
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_rust_policies_backend_matches_vllm(policy: str, vllm: Backend, wl: Workload) -> None:
+    """vLLM's manager loading our Rust policies by name decides exactly as with its own."""
+    backend = rust_policies_backend()
+    assert backend.name == "vllm-rust-policies"
+    result = compare_backends(vllm, backend, wl, policy=policy, num_chunks=wl.unique_blocks // 10)
     assert result.matched, result.divergence
-    assert made == [(wl.unique_blocks // 10, "arc", True)]

@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         default="kvcache",
         choices=BACKENDS,
-        help="manager to measure (default kvcache: the Rust manager)",
+        help="manager to measure (default kvcache: the Rust manager; vllm-rust-policies: "
+        "vLLM's manager with our Rust policies loaded by name)",
     )
     ex.add_argument(
         "--compare-vllm",

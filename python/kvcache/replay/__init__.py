@@ -21,6 +21,7 @@ from kvcache.replay.backends import (
     get_backend,
     kvcache_backend,
     null_backend,
+    rust_policies_backend,
     vllm_backend,
 )
 from kvcache.replay.compare import Comparison, compare_decisions
@@ -69,6 +70,7 @@ __all__ = [
     "parse_policies",
     "replay",
     "run_grid",
+    "rust_policies_backend",
     "synthetic_chat",
     "time_backend",
     "time_backends",

@@ -15,9 +15,9 @@ Backends:
     vLLM 0.33.0's ``CPUOffloadingManager`` with its built-in policy; the reference. vLLM is
     imported only here, lazily (it costs ~10 s and drags in torch).
 ``kvcache``
-    Our Rust ``kvcache.OffloadingManager`` when it is built. Until then, vLLM's manager loading
-    our Rust policies by name from ``kvcache.vllm`` (named ``kvcache-policies`` in results, so
-    nobody mistakes it for the Rust manager). Neither built: :class:`BackendUnavailable`.
+    Our Rust ``kvcache.OffloadingManager``.
+``vllm-rust-policies``
+    vLLM's manager loading our Rust policies by name (configuration only, no kvcache manager).
 ``null``
     :class:`NullManager`: answers every call the way a recorded run of a real backend did and
     keeps no state. Replaying against it costs the driver's own work only, which the timing
@@ -46,6 +46,7 @@ __all__ = [
     "get_backend",
     "kvcache_backend",
     "null_backend",
+    "rust_policies_backend",
     "vllm_backend",
 ]
 
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 #: Policies every backend understands, by vLLM's registered names.
 POLICIES: tuple[str, ...] = ("lru", "arc")
 #: Backends selectable by name (``null`` is built from a recorded run, not by name).
-BACKENDS: tuple[str, ...] = ("kvcache", "vllm")
+BACKENDS: tuple[str, ...] = ("kvcache", "vllm", "vllm-rust-policies")
 
 #: Class names of our Rust policies in ``kvcache.vllm`` (the interim ``kvcache`` backend).
 _KVCACHE_POLICY_CLASSES = {"lru": "LRUCachePolicy", "arc": "ARCCachePolicy"}
@@ -103,43 +104,32 @@ def vllm_backend() -> Backend:
 
 
 def kvcache_backend() -> Backend:
-    """Our manager: the Rust ``kvcache.OffloadingManager`` if built, else the interim fallback.
-
-    The Rust manager is picked up as soon as ``kvcache`` exports ``OffloadingManager``,
-    ``LookupResult`` and ``ReqContext``: this branch is the merge-time plug-in point.
-    """
+    """Our Rust ``kvcache.OffloadingManager`` (with kvcache's ``ReqContext`` and result types)."""
     try:
         kvcache = importlib.import_module("kvcache")
     except ImportError as exc:
-        raise BackendUnavailable(f"the kvcache package does not import ({exc})") from None
-
-    manager_cls = getattr(kvcache, "OffloadingManager", None)
-    if manager_cls is not None:
-
-        def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> Any:
-            _check_policy(policy)
-            return manager_cls(num_chunks, cache_policy=policy, enable_events=enable_events)
-
-        return Backend(
-            name="kvcache",
-            make=make,
-            hit=kvcache.LookupResult.HIT,
-            req_context=kvcache.ReqContext,
-        )
-
-    # Interim: vLLM's Python manager around our Rust policies, loaded out-of-tree by name.
-    try:
-        policies = importlib.import_module("kvcache.vllm")
-    except ImportError:
-        policies = None
-    if policies is None or not all(hasattr(policies, c) for c in _KVCACHE_POLICY_CLASSES.values()):
         raise BackendUnavailable(
-            "kvcache backend unavailable: neither kvcache.OffloadingManager nor the "
-            "kvcache.vllm policies are built (run `make build`), or use --backend vllm"
+            f"the kvcache package does not import ({exc}); run `make build`"
+        ) from None
+
+    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> Any:
+        _check_policy(policy)
+        return kvcache.OffloadingManager(
+            num_chunks, cache_policy=policy, enable_events=enable_events
         )
+
+    return Backend(
+        name="kvcache", make=make, hit=kvcache.LookupResult.HIT, req_context=kvcache.ReqContext
+    )
+
+
+def rust_policies_backend() -> Backend:
+    """vLLM's Python manager loading our Rust policies by name (``kvcache.vllm``): what an
+    operator gets from configuration alone, without kvcache's manager."""
+    importlib.import_module("kvcache.vllm")
     manager_cls, req_context_cls, lookup_result = _import_vllm_manager()
 
-    def make_interim(num_chunks: int, policy: str, *, enable_events: bool = False) -> Any:
+    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> Any:
         _check_policy(policy)
         return manager_cls(
             num_chunks,
@@ -148,21 +138,19 @@ def kvcache_backend() -> Backend:
             enable_events=enable_events,
         )
 
-    logger.info("kvcache.OffloadingManager not built: using vLLM's manager with Rust policies")
     return Backend(
-        name="kvcache-policies",
-        make=make_interim,
-        hit=lookup_result.HIT,
-        req_context=req_context_cls,
+        name="vllm-rust-policies", make=make, hit=lookup_result.HIT, req_context=req_context_cls
     )
 
 
 def get_backend(name: str) -> Backend:
-    """Resolve a backend by name (``kvcache`` or ``vllm``)."""
+    """Resolve a backend by name (``kvcache``, ``vllm`` or ``vllm-rust-policies``)."""
     if name == "vllm":
         return vllm_backend()
     if name == "kvcache":
         return kvcache_backend()
+    if name == "vllm-rust-policies":
+        return rust_policies_backend()
     raise ConfigError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
 
 
