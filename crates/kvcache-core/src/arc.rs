@@ -304,6 +304,40 @@ impl<C> ArcPolicy<C> {
         self.index.find_many(&self.slab, keys)
     }
 
+    /// The handle of a key's entry (resident or ghost): valid until that entry is removed.
+    #[inline]
+    pub fn find(&self, key: Key<'_>) -> Option<u32> {
+        self.index.find(&self.slab, key)
+    }
+
+    /// The chunk of an entry (None for a ghost).
+    #[inline]
+    pub fn chunk_at(&self, handle: u32) -> Option<&C> {
+        self.slab.get(handle).chunk.as_ref()
+    }
+
+    /// Removes a resident entry by handle (no ghost is left).
+    pub fn remove_at(&mut self, handle: u32) -> C {
+        self.bump();
+        let list = self.slab.get(handle).list;
+        debug_assert!(list.is_resident());
+        self.delete(handle, list)
+            .chunk
+            .expect("handles name resident entries")
+    }
+
+    /// Entries an eviction must skip, by handle.
+    pub fn protect_handles(&self, handles: impl IntoIterator<Item = u32>) -> Protected {
+        let handles = handles.into_iter();
+        let mut protected = Protected::with_capacity(handles.size_hint().0);
+        for h in handles {
+            if h != NIL {
+                protected.insert(h);
+            }
+        }
+        protected
+    }
+
     /// Whether a resolved handle names a resident entry.
     pub fn is_resident(&self, idx: u32) -> bool {
         idx != NIL && self.slab.get(idx).list.is_resident()

@@ -54,6 +54,12 @@ impl KeyIndex {
             .insert_unique(key.hash.0, idx, |&i| hasher.hash(slab.get(i).key()).0);
     }
 
+    /// Makes room for `additional` more keys without rehashing on the way.
+    pub fn reserve<T: Keyed>(&mut self, slab: &Slab<T>, hasher: &KeyHasher, additional: usize) {
+        self.table
+            .reserve(additional, |&i| hasher.hash(slab.get(i).key()).0);
+    }
+
     /// Removes the entry for `key` and returns its slab index.
     pub fn remove<T: Keyed>(&mut self, slab: &Slab<T>, key: Key<'_>) -> Option<u32> {
         match self

@@ -576,22 +576,11 @@ impl<C> LruPolicy<C> {
         rr: RequestRank,
         keys: &[(Key<'_>, Option<i64>)],
     ) -> CoreResult<()> {
-        let gid = self.check_request_rank(rr)?;
-        self.bump();
-        for &(key, pos) in keys {
-            let Some(pos) = pos else { continue };
-            let Some(idx) = self.index.find(&self.slab, key) else {
-                continue;
-            };
-            let e = self.slab.get(idx);
-            // vLLM: skip when (cur_rank, -cur_pos) >= (rank, -pos).
-            if e.rank > rr.rank || (e.rank == rr.rank && e.pos <= pos) {
-                continue;
-            }
-            self.detach(idx);
-            self.attach_to_group(idx, gid, pos);
-        }
-        Ok(())
+        let entries: Vec<(u32, Option<i64>)> = keys
+            .iter()
+            .map(|&(key, pos)| (self.index.find(&self.slab, key).unwrap_or(NIL), pos))
+            .collect();
+        self.on_request_access_at(rr, &entries)
     }
 
     pub fn mark_evictable(&mut self, key: Key<'_>) -> CoreResult<()> {
@@ -615,6 +604,78 @@ impl<C> LruPolicy<C> {
         self.bump();
         self.slab.get_mut(idx).flags &= !EVICTABLE;
         Ok(())
+    }
+
+    /// The handle of a resident key's entry: valid until that entry is removed.
+    #[inline]
+    pub fn find(&self, key: Key<'_>) -> Option<u32> {
+        self.index.find(&self.slab, key)
+    }
+
+    /// The chunk of a resident entry.
+    #[inline]
+    pub fn chunk_at(&self, handle: u32) -> &C {
+        self.slab
+            .get(handle)
+            .chunk
+            .as_ref()
+            .expect("handles name resident entries")
+    }
+
+    /// Sets or clears the evictable mark of a resident entry; returns the previous mark.
+    pub fn set_evictable_at(&mut self, handle: u32, evictable: bool) -> bool {
+        self.bump();
+        let e = self.slab.get_mut(handle);
+        let was = e.has(EVICTABLE);
+        if evictable {
+            e.flags |= EVICTABLE;
+        } else {
+            e.flags &= !EVICTABLE;
+        }
+        was
+    }
+
+    /// Removes a resident entry by handle.
+    pub fn remove_at(&mut self, handle: u32) -> C {
+        self.bump();
+        self.delete(handle)
+            .chunk
+            .expect("handles name resident entries")
+    }
+
+    /// [`on_request_access`](Self::on_request_access) for resolved entries (`NIL`: absent).
+    pub fn on_request_access_at(
+        &mut self,
+        rr: RequestRank,
+        entries: &[(u32, Option<i64>)],
+    ) -> CoreResult<()> {
+        let gid = self.check_request_rank(rr)?;
+        self.bump();
+        for &(idx, pos) in entries {
+            let (Some(pos), false) = (pos, idx == NIL) else {
+                continue;
+            };
+            let e = self.slab.get(idx);
+            // vLLM: skip when (cur_rank, -cur_pos) >= (rank, -pos).
+            if e.rank > rr.rank || (e.rank == rr.rank && e.pos <= pos) {
+                continue;
+            }
+            self.detach(idx);
+            self.attach_to_group(idx, gid, pos);
+        }
+        Ok(())
+    }
+
+    /// Entries an eviction must skip, by handle.
+    pub fn protect_handles(&self, handles: impl IntoIterator<Item = u32>) -> Protected {
+        let handles = handles.into_iter();
+        let mut protected = Protected::with_capacity(handles.size_hint().0);
+        for h in handles {
+            if h != NIL {
+                protected.insert(h);
+            }
+        }
+        protected
     }
 
     /// Resolves keys to the entries an eviction must skip (non-resident keys are ignored).

@@ -66,6 +66,11 @@ impl<T> Slab<T> {
         self.slots.capacity() * std::mem::size_of::<Slot<T>>()
     }
 
+    /// Makes room for `additional` more entries.
+    pub fn reserve(&mut self, additional: usize) {
+        self.slots.reserve(additional);
+    }
+
     /// Stores `value` and returns its index. Panics only past `u32::MAX - 1` entries.
     pub fn insert(&mut self, value: T) -> u32 {
         self.len += 1;

@@ -29,8 +29,8 @@ use table::ChunkTable;
 pub use table::{ChunkId, ChunkRecord, FREE, PENDING};
 use tracker::AccessTracker;
 
-/// A request's key at finish: bytes, token position, access flags.
-type SeenEntry<'a> = (&'a [u8], Option<i64>, u8);
+/// A request's key at finish: the key, its token position, its access flags.
+type SeenEntry<'a> = (Key<'a>, Option<i64>, u8);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LookupResult {
@@ -108,6 +108,16 @@ pub struct Manager<P: ManagerPolicy> {
     stores_skipped: u64,
     allocation_sizes: Vec<usize>,
     requests: RequestRegistry<P::RequestState>,
+    scratch: Scratch,
+}
+
+/// Buffers reused across calls, so the hot paths do not allocate.
+#[derive(Default)]
+struct Scratch {
+    /// Offer indices by key hash, to find a key named twice in one offer.
+    offer: hashbrown::HashTable<u32>,
+    /// Loads still to complete per chunk, while `complete_load` checks its input.
+    loads: hashbrown::HashMap<ChunkId, i32, foldhash::fast::FixedState>,
 }
 
 impl<P: ManagerPolicy> Manager<P> {
@@ -124,6 +134,7 @@ impl<P: ManagerPolicy> Manager<P> {
             stores_skipped: 0,
             allocation_sizes: Vec::new(),
             requests: RequestRegistry::new(),
+            scratch: Scratch::default(),
             config,
         }
     }
@@ -187,18 +198,28 @@ impl<P: ManagerPolicy> Manager<P> {
         }
     }
 
-    fn check_unique(keys: &[Key<'_>], what: &str) -> CoreResult<()> {
-        if keys.len() > 1 {
-            let mut seen = hashbrown::HashSet::with_capacity_and_hasher(
-                keys.len(),
-                foldhash::fast::FixedState::default(),
+    fn check_unique(&mut self, keys: &[Key<'_>], what: &str) -> CoreResult<()> {
+        if keys.len() < 2 {
+            return Ok(());
+        }
+        let table = &mut self.scratch.offer;
+        table.clear();
+        table.reserve(keys.len(), |&j| keys[j as usize].hash.0);
+        for (i, key) in keys.iter().enumerate() {
+            let entry = table.entry(
+                key.hash.0,
+                |&j| keys[j as usize].bytes == key.bytes,
+                |&j| keys[j as usize].hash.0,
             );
-            for k in keys {
-                if !seen.insert(k.bytes) {
+            match entry {
+                hashbrown::hash_table::Entry::Occupied(_) => {
                     return Err(CoreError::InvalidArgument(format!(
                         "{what} names key {:?} twice",
-                        KeyBuf::new(k.bytes)
+                        KeyBuf::new(key.bytes)
                     )));
+                }
+                hashbrown::hash_table::Entry::Vacant(slot) => {
+                    slot.insert(i as u32);
                 }
             }
         }
@@ -225,18 +246,22 @@ impl<P: ManagerPolicy> Manager<P> {
 
     /// vLLM's `_record_request_cache_access`: new keys join the request's key groups and are
     /// shown to the policy; `reused` marks reads of chunks the request did not store itself.
+    /// Each key comes with its policy handle (`NIL`: not resident) and token position.
     fn record_access(
         &mut self,
         token: RequestToken,
-        keys: &[(Key<'_>, Option<i64>)],
+        keys: &[(Key<'_>, u32, Option<i64>)],
         reused: &[Key<'_>],
     ) {
         let req = self.requests.get_mut(token).expect("checked by the caller");
+        if req.num_keys() == 0 {
+            req.reserve(&self.hasher, keys.len());
+        }
         let mut new_keys = Vec::new();
-        for &(key, pos) in keys {
+        for &(key, handle, pos) in keys {
             if req.find(key).is_none() {
                 req.observe(&self.hasher, key);
-                new_keys.push((key, pos));
+                new_keys.push((handle, pos));
             }
         }
         if !new_keys.is_empty() {
@@ -259,36 +284,38 @@ impl<P: ManagerPolicy> Manager<P> {
         positions: &[Option<i64>],
     ) -> CoreResult<Vec<ChunkId>> {
         debug_assert_eq!(keys.len(), positions.len());
+        let mut handles = Vec::with_capacity(keys.len());
         let mut chunks = Vec::with_capacity(keys.len());
         for &key in keys {
-            let chunk = self
+            let handle = self
                 .policy
-                .get(key)
+                .find(key)
                 .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
+            let chunk = self.policy.chunk_at(handle);
             if self.table.record(chunk).ref_cnt() < 0 {
                 return Err(CoreError::InvalidState(format!(
                     "chunk of {:?} is not ready for reading",
                     KeyBuf::new(key.bytes)
                 )));
             }
+            handles.push(handle);
             chunks.push(chunk);
         }
         self.check_not_finished(token, keys.iter().copied())?;
-        for (&key, &chunk) in keys.iter().zip(&chunks) {
+        for (&handle, &chunk) in handles.iter().zip(&chunks) {
             let record = self.table.record(chunk);
             let cnt = record.ref_cnt();
             if cnt == 0 {
-                self.policy
-                    .mark_non_evictable(key)
-                    .expect("idle ready chunks are evictable");
+                self.policy.mark_non_evictable_at(handle);
                 self.num_evictable -= 1;
             }
             record.set_ref_cnt(cnt + 1);
         }
-        let recorded: Vec<(Key<'_>, Option<i64>)> = keys
+        let recorded: Vec<(Key<'_>, u32, Option<i64>)> = keys
             .iter()
-            .copied()
-            .zip(positions.iter().copied())
+            .zip(&handles)
+            .zip(positions)
+            .map(|((&k, &h), &p)| (k, h, p))
             .collect();
         self.record_access(token, &recorded, keys);
         Ok(chunks)
@@ -300,14 +327,15 @@ impl<P: ManagerPolicy> Manager<P> {
 
     /// Unpins chunks after their loads finished.
     pub fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
-        let mut chunks = Vec::with_capacity(keys.len());
-        let mut pending: hashbrown::HashMap<ChunkId, i32, foldhash::fast::FixedState> =
-            Default::default();
+        let mut entries = Vec::with_capacity(keys.len());
+        let pending = &mut self.scratch.loads;
+        pending.clear();
         for &key in keys {
-            let chunk = self
+            let handle = self
                 .policy
-                .get(key)
+                .find(key)
                 .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
+            let chunk = self.policy.chunk_at(handle);
             let left = pending
                 .entry(chunk)
                 .or_insert_with(|| self.table.record(chunk).ref_cnt());
@@ -318,17 +346,15 @@ impl<P: ManagerPolicy> Manager<P> {
                 )));
             }
             *left -= 1;
-            chunks.push(chunk);
+            entries.push((handle, chunk));
         }
-        for (&key, chunk) in keys.iter().zip(chunks) {
+        for (handle, chunk) in entries {
             let record = self.table.record(chunk);
             let cnt = record.ref_cnt() - 1;
             record.set_ref_cnt(cnt);
             if cnt == 0 {
                 self.num_evictable += 1;
-                self.policy
-                    .mark_evictable(key)
-                    .expect("the key is resident");
+                self.policy.mark_evictable_at(handle);
             }
         }
         Ok(())
@@ -343,14 +369,19 @@ impl<P: ManagerPolicy> Manager<P> {
         positions: &[Option<i64>],
     ) -> CoreResult<Option<StoreOutput>> {
         debug_assert_eq!(keys.len(), positions.len());
-        Self::check_unique(keys, "prepare_store")?;
+        self.check_unique(keys, "prepare_store")?;
         // Partition the offer: store candidates (not resident) and ready resident chunks.
         let mut candidates = Vec::new();
         let mut ready_existing = Vec::new();
+        let mut handles = Vec::with_capacity(keys.len());
         for (i, &key) in keys.iter().enumerate() {
-            match self.policy.get(key) {
+            let handle = self.policy.find(key);
+            handles.push(handle.unwrap_or(crate::slab::NIL));
+            match handle {
                 None => candidates.push(i),
-                Some(c) if self.table.record(c).ref_cnt() >= 0 => ready_existing.push(i),
+                Some(h) if self.table.record(self.policy.chunk_at(h)).ref_cnt() >= 0 => {
+                    ready_existing.push(i)
+                }
                 Some(_) => {}
             }
         }
@@ -396,9 +427,9 @@ impl<P: ManagerPolicy> Manager<P> {
             // ARC learns from B1/B2 before insert() drops the ghost; once per request.
             self.policy.on_store_miss(&new_misses, &self.table);
         }
-        let recorded: Vec<(Key<'_>, Option<i64>)> = (0..keys.len())
+        let recorded: Vec<(Key<'_>, u32, Option<i64>)> = (0..keys.len())
             .filter(|&i| recorded_mask[i])
-            .map(|i| (keys[i], positions[i]))
+            .map(|i| (keys[i], handles[i], positions[i]))
             .collect();
         let reused: Vec<Key<'_>> = ready_existing.iter().map(|&i| keys[i]).collect();
         self.record_access(token, &recorded, &reused);
@@ -419,7 +450,7 @@ impl<P: ManagerPolicy> Manager<P> {
                 return Ok(None);
             }
             // A chunk this offer names must stay cached: protect the whole offer.
-            let Some(victims) = self.policy.evict(needed, keys, &self.table) else {
+            let Some(victims) = self.policy.evict(needed, &handles, &self.table) else {
                 return Ok(None);
             };
             self.num_evictable -= victims.len();
@@ -461,9 +492,10 @@ impl<P: ManagerPolicy> Manager<P> {
     pub fn complete_store(&mut self, keys: &[Key<'_>], success: bool) {
         let mut done = Vec::new();
         for &key in keys {
-            let Some(chunk) = self.policy.get(key) else {
+            let Some(handle) = self.policy.find(key) else {
                 continue;
             };
+            let chunk = self.policy.chunk_at(handle);
             if self.table.record(chunk).ref_cnt() >= 0 {
                 continue;
             }
@@ -471,14 +503,14 @@ impl<P: ManagerPolicy> Manager<P> {
             if success {
                 self.table.record(chunk).set_ref_cnt(0);
                 self.num_evictable += 1;
-                self.policy
-                    .mark_evictable(key)
-                    .expect("the key is resident");
+                self.policy.mark_evictable_at(handle);
             } else {
-                self.policy.remove(key).expect("the key is resident");
+                self.policy.remove_at(handle);
                 self.table.free(chunk);
             }
-            done.push(KeyBuf::new(key.bytes));
+            if self.events.is_some() {
+                done.push(KeyBuf::new(key.bytes));
+            }
         }
         if let (Some(events), false) = (&mut self.events, done.is_empty()) {
             events.push(Event {
@@ -506,10 +538,11 @@ impl<P: ManagerPolicy> Manager<P> {
         let mut groups: BTreeMap<u32, Vec<SeenEntry<'_>>> = BTreeMap::new();
         for k in req.keys_in_order() {
             let pos = position(k.key.as_slice())?;
-            groups
-                .entry(k.group)
-                .or_default()
-                .push((k.key.as_slice(), pos, k.flags));
+            let key = Key {
+                bytes: k.key.as_slice(),
+                hash: k.hash,
+            };
+            groups.entry(k.group).or_default().push((key, pos, k.flags));
         }
         let mut ordered: Vec<SeenEntry<'_>> = Vec::with_capacity(req.num_keys());
         for (_, mut keys) in groups {
@@ -524,7 +557,7 @@ impl<P: ManagerPolicy> Manager<P> {
         }
         let accesses: Vec<(Key<'_>, Access)> = ordered
             .iter()
-            .map(|&(bytes, _, flags)| {
+            .map(|&(key, _, flags)| {
                 let access = if flags & REUSED != 0 {
                     Access::Reused
                 } else if flags & INSERTED != 0 {
@@ -532,7 +565,7 @@ impl<P: ManagerPolicy> Manager<P> {
                 } else {
                     Access::Other
                 };
-                (Key::new(&self.hasher, bytes), access)
+                (key, access)
             })
             .collect();
         self.policy.on_request_finished(&accesses, &self.table);

@@ -14,7 +14,13 @@ pub trait ManagerPolicy {
 
     fn new(capacity: usize) -> Self;
     fn name(&self) -> &'static str;
-    fn get(&self, key: Key<'_>) -> Option<ChunkId>;
+    /// The handle of a resident key (valid until that entry is removed).
+    fn find(&self, key: Key<'_>) -> Option<u32>;
+    fn chunk_at(&self, handle: u32) -> ChunkId;
+    #[inline]
+    fn get(&self, key: Key<'_>) -> Option<ChunkId> {
+        self.find(key).map(|h| self.chunk_at(h))
+    }
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
         self.len() == 0
@@ -27,24 +33,22 @@ pub trait ManagerPolicy {
         chunk: ChunkId,
         position: Option<i64>,
     ) -> CoreResult<()>;
-    fn remove(&mut self, key: Key<'_>) -> CoreResult<ChunkId>;
+    fn remove_at(&mut self, handle: u32) -> ChunkId;
     fn touch(&mut self, keys: &[Key<'_>], table: &ChunkTable);
+    /// Store misses: keys about to be stored, so never resident.
     fn on_store_miss(&mut self, keys: &[Key<'_>], table: &ChunkTable);
-    fn on_request_access(
-        &mut self,
-        state: &mut Self::RequestState,
-        keys: &[(Key<'_>, Option<i64>)],
-    );
+    /// Keys a request observes for the first time, resolved (`NIL`: not resident).
+    fn on_request_access(&mut self, state: &mut Self::RequestState, entries: &[(u32, Option<i64>)]);
     /// One finished request's keys in prefix order, each with how the request used it.
     fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)], table: &ChunkTable);
     fn evict(
         &mut self,
         n: usize,
-        protected: &[Key<'_>],
+        protected: &[u32],
         table: &ChunkTable,
     ) -> Option<Vec<(KeyBuf, ChunkId)>>;
-    fn mark_evictable(&mut self, key: Key<'_>) -> CoreResult<()>;
-    fn mark_non_evictable(&mut self, key: Key<'_>) -> CoreResult<()>;
+    fn mark_evictable_at(&mut self, handle: u32);
+    fn mark_non_evictable_at(&mut self, handle: u32);
     fn release_request(&mut self, state: Self::RequestState);
     fn clear(&mut self);
     fn heap_bytes(&self) -> usize;
@@ -64,8 +68,13 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
     }
 
     #[inline]
-    fn get(&self, key: Key<'_>) -> Option<ChunkId> {
-        LruPolicy::get(self, key).copied()
+    fn find(&self, key: Key<'_>) -> Option<u32> {
+        LruPolicy::find(self, key)
+    }
+
+    #[inline]
+    fn chunk_at(&self, handle: u32) -> ChunkId {
+        *LruPolicy::chunk_at(self, handle)
     }
 
     fn len(&self) -> usize {
@@ -91,27 +100,28 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
         LruPolicy::insert(self, key, chunk, rank, false)
     }
 
-    fn remove(&mut self, key: Key<'_>) -> CoreResult<ChunkId> {
-        LruPolicy::remove(self, key)
+    fn remove_at(&mut self, handle: u32) -> ChunkId {
+        LruPolicy::remove_at(self, handle)
     }
 
     fn touch(&mut self, keys: &[Key<'_>], _table: &ChunkTable) {
         LruPolicy::touch(self, keys)
     }
 
-    fn on_store_miss(&mut self, keys: &[Key<'_>], _table: &ChunkTable) {
-        // vLLM's default on_store_miss is a touch.
-        LruPolicy::touch(self, keys)
+    fn on_store_miss(&mut self, _keys: &[Key<'_>], _table: &ChunkTable) {
+        // vLLM's default on_store_miss touches the keys; store misses are not resident and a
+        // touch only re-ranks resident keys, so it changes nothing.
     }
 
     fn on_request_access(
         &mut self,
         state: &mut Self::RequestState,
-        keys: &[(Key<'_>, Option<i64>)],
+        entries: &[(u32, Option<i64>)],
     ) {
         let rank = self.request_rank(*state);
         *state = Some(rank);
-        LruPolicy::on_request_access(self, rank, keys).expect("a fresh request rank is valid");
+        LruPolicy::on_request_access_at(self, rank, entries)
+            .expect("a fresh request rank is valid");
     }
 
     fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)], _table: &ChunkTable) {
@@ -122,20 +132,21 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
     fn evict(
         &mut self,
         n: usize,
-        protected: &[Key<'_>],
+        protected: &[u32],
         table: &ChunkTable,
     ) -> Option<Vec<(KeyBuf, ChunkId)>> {
-        let guard = self.protect(protected.iter().copied());
+        let guard = self.protect_handles(protected.iter().copied());
         let evicted = LruPolicy::evict(self, n, &guard, table)?;
         Some(evicted.into_iter().map(|e| (e.key, e.chunk)).collect())
     }
 
-    fn mark_evictable(&mut self, key: Key<'_>) -> CoreResult<()> {
-        LruPolicy::mark_evictable(self, key)
+    fn mark_evictable_at(&mut self, handle: u32) {
+        self.set_evictable_at(handle, true);
     }
 
-    fn mark_non_evictable(&mut self, key: Key<'_>) -> CoreResult<()> {
-        LruPolicy::mark_non_evictable(self, key)
+    fn mark_non_evictable_at(&mut self, handle: u32) {
+        let was = self.set_evictable_at(handle, false);
+        debug_assert!(was, "idle ready chunks are evictable");
     }
 
     fn release_request(&mut self, state: Self::RequestState) {
@@ -170,8 +181,13 @@ impl ManagerPolicy for ArcPolicy<ChunkId> {
     }
 
     #[inline]
-    fn get(&self, key: Key<'_>) -> Option<ChunkId> {
-        ArcPolicy::get(self, key).copied()
+    fn find(&self, key: Key<'_>) -> Option<u32> {
+        ArcPolicy::find(self, key).filter(|&h| self.is_resident(h))
+    }
+
+    #[inline]
+    fn chunk_at(&self, handle: u32) -> ChunkId {
+        *ArcPolicy::chunk_at(self, handle).expect("handles name resident entries")
     }
 
     fn len(&self) -> usize {
@@ -188,8 +204,8 @@ impl ManagerPolicy for ArcPolicy<ChunkId> {
         ArcPolicy::insert(self, key, chunk)
     }
 
-    fn remove(&mut self, key: Key<'_>) -> CoreResult<ChunkId> {
-        ArcPolicy::remove(self, key)
+    fn remove_at(&mut self, handle: u32) -> ChunkId {
+        ArcPolicy::remove_at(self, handle)
     }
 
     fn touch(&mut self, keys: &[Key<'_>], table: &ChunkTable) {
@@ -200,7 +216,7 @@ impl ManagerPolicy for ArcPolicy<ChunkId> {
         ArcPolicy::on_store_miss(self, keys)
     }
 
-    fn on_request_access(&mut self, _: &mut (), _: &[(Key<'_>, Option<i64>)]) {}
+    fn on_request_access(&mut self, _: &mut (), _: &[(u32, Option<i64>)]) {}
 
     fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)], _table: &ChunkTable) {
         let ks: Vec<Key<'_>> = keys.iter().map(|(k, _)| *k).collect();
@@ -216,22 +232,18 @@ impl ManagerPolicy for ArcPolicy<ChunkId> {
     fn evict(
         &mut self,
         n: usize,
-        protected: &[Key<'_>],
+        protected: &[u32],
         table: &ChunkTable,
     ) -> Option<Vec<(KeyBuf, ChunkId)>> {
-        let guard = self.protect(protected.iter().copied());
+        let guard = self.protect_handles(protected.iter().copied());
         let evicted = ArcPolicy::evict(self, n, &guard, table)?;
         Some(evicted.into_iter().map(|e| (e.key, e.chunk)).collect())
     }
 
-    fn mark_evictable(&mut self, _key: Key<'_>) -> CoreResult<()> {
-        // ARC reads ref_cnt itself; vLLM's ARC ignores these notifications.
-        Ok(())
-    }
+    // ARC reads ref_cnt itself; vLLM's ARC ignores these notifications.
+    fn mark_evictable_at(&mut self, _handle: u32) {}
 
-    fn mark_non_evictable(&mut self, _key: Key<'_>) -> CoreResult<()> {
-        Ok(())
-    }
+    fn mark_non_evictable_at(&mut self, _handle: u32) {}
 
     fn release_request(&mut self, _: ()) {}
 

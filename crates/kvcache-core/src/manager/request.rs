@@ -9,7 +9,7 @@
 use hashbrown::HashMap;
 
 use crate::index::{KeyIndex, Keyed};
-use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::key::{Key, KeyBuf, KeyHash, KeyHasher};
 use crate::slab::Slab;
 
 /// Names one request's state for one cache generation.
@@ -25,6 +25,8 @@ pub(crate) const STORE_MISS: u8 = 4;
 
 pub(crate) struct SeenKey {
     pub key: KeyBuf,
+    /// Kept so that finishing the request hashes no key again.
+    pub hash: KeyHash,
     pub group: u32,
     pub flags: u8,
 }
@@ -63,6 +65,7 @@ impl<S> RequestAccess<S> {
     pub(crate) fn observe(&mut self, hasher: &KeyHasher, key: Key<'_>) -> u32 {
         let idx = self.seen.insert(SeenKey {
             key: KeyBuf::new(key.bytes),
+            hash: key.hash,
             group: group_index(key.bytes),
             flags: 0,
         });
@@ -85,6 +88,12 @@ impl<S> RequestAccess<S> {
 
     pub fn num_keys(&self) -> usize {
         self.seen.len()
+    }
+
+    /// Makes room for `n` more keys at once (a request's first offer is usually its prefix).
+    pub(crate) fn reserve(&mut self, hasher: &KeyHasher, n: usize) {
+        self.seen.reserve(n);
+        self.index.reserve(&self.seen, hasher, n);
     }
 
     fn heap_bytes(&self) -> usize {
