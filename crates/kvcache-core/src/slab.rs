@@ -35,9 +35,16 @@ enum Slot<T> {
     Vacant { next_free: u32 },
 }
 
-/// A vector of entries addressed by `u32`, with a free list of vacated slots.
+/// Slots per page (a power of two). Pages never move, so growing the slab never copies
+/// entries, and at most one page is allocated but unused.
+const PAGE_BITS: u32 = 10;
+const PAGE: usize = 1 << PAGE_BITS;
+
+/// Entries addressed by `u32`, stored in fixed-size pages, with a free list of vacated slots.
 pub struct Slab<T> {
-    slots: Vec<Slot<T>>,
+    pages: Vec<Vec<Slot<T>>>,
+    /// Slots ever used (occupied or vacant): the next fresh index.
+    used: u32,
     free_head: u32,
     len: usize,
 }
@@ -45,7 +52,8 @@ pub struct Slab<T> {
 impl<T> Default for Slab<T> {
     fn default() -> Self {
         Slab {
-            slots: Vec::new(),
+            pages: Vec::new(),
+            used: 0,
             free_head: NIL,
             len: 0,
         }
@@ -61,14 +69,33 @@ impl<T> Slab<T> {
         self.len == 0
     }
 
-    /// Bytes allocated for slots (occupied or vacant).
+    /// Bytes allocated for slots (occupied or vacant) and the page table.
     pub fn allocation_size(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<Slot<T>>()
+        let slots: usize = self.pages.iter().map(Vec::capacity).sum();
+        slots * std::mem::size_of::<Slot<T>>()
+            + self.pages.capacity() * std::mem::size_of::<Vec<Slot<T>>>()
     }
 
-    /// Makes room for `additional` more entries.
+    /// Makes room for `additional` more entries in the page being filled (small slabs grow
+    /// their first page like a vector; later pages are allocated whole).
     pub fn reserve(&mut self, additional: usize) {
-        self.slots.reserve(additional);
+        match self.pages.last_mut() {
+            Some(page) if page.len() < PAGE => {
+                let room = PAGE - page.len();
+                page.reserve_exact(additional.min(room));
+            }
+            _ => self.pages.push(Vec::with_capacity(additional.min(PAGE))),
+        }
+    }
+
+    #[inline]
+    fn slot(&self, idx: u32) -> &Slot<T> {
+        &self.pages[(idx >> PAGE_BITS) as usize][idx as usize & (PAGE - 1)]
+    }
+
+    #[inline]
+    fn slot_mut(&mut self, idx: u32) -> &mut Slot<T> {
+        &mut self.pages[(idx >> PAGE_BITS) as usize][idx as usize & (PAGE - 1)]
     }
 
     /// Stores `value` and returns its index. Panics only past `u32::MAX - 1` entries.
@@ -76,27 +103,37 @@ impl<T> Slab<T> {
         self.len += 1;
         if self.free_head != NIL {
             let idx = self.free_head;
-            let slot = &mut self.slots[idx as usize];
+            let slot = self.slot_mut(idx);
             let Slot::Vacant { next_free } = *slot else {
                 unreachable!("free list points at an occupied slot")
             };
-            self.free_head = next_free;
             *slot = Slot::Occupied(value);
-            idx
-        } else {
-            let idx = u32::try_from(self.slots.len()).ok().filter(|&i| i != NIL);
-            let idx = idx.expect("slab holds at most u32::MAX - 1 entries");
-            self.slots.push(Slot::Occupied(value));
-            idx
+            self.free_head = next_free;
+            return idx;
         }
+        assert!(self.used < NIL, "slab holds at most u32::MAX - 1 entries");
+        let idx = self.used;
+        match self.pages.last_mut() {
+            Some(page) if page.len() < PAGE => page.push(Slot::Occupied(value)),
+            _ => {
+                // The first page grows like a vector (small slabs stay small); later pages
+                // are allocated whole.
+                let mut page = Vec::with_capacity(if self.pages.is_empty() { 4 } else { PAGE });
+                page.push(Slot::Occupied(value));
+                self.pages.push(page);
+            }
+        }
+        self.used += 1;
+        idx
     }
 
     pub fn remove(&mut self, idx: u32) -> T {
-        let slot = &mut self.slots[idx as usize];
+        let free_head = self.free_head;
+        let slot = self.slot_mut(idx);
         let old = std::mem::replace(
             slot,
             Slot::Vacant {
-                next_free: self.free_head,
+                next_free: free_head,
             },
         );
         let Slot::Occupied(value) = old else {
@@ -109,7 +146,7 @@ impl<T> Slab<T> {
 
     #[inline]
     pub fn get(&self, idx: u32) -> &T {
-        match &self.slots[idx as usize] {
+        match self.slot(idx) {
             Slot::Occupied(v) => v,
             Slot::Vacant { .. } => unreachable!("reading a vacant slab slot"),
         }
@@ -117,7 +154,7 @@ impl<T> Slab<T> {
 
     #[inline]
     pub fn get_mut(&mut self, idx: u32) -> &mut T {
-        match &mut self.slots[idx as usize] {
+        match self.slot_mut(idx) {
             Slot::Occupied(v) => v,
             Slot::Vacant { .. } => unreachable!("writing a vacant slab slot"),
         }
@@ -125,17 +162,19 @@ impl<T> Slab<T> {
 
     /// Drops every entry and releases the memory.
     pub fn clear(&mut self) {
-        self.slots = Vec::new();
-        self.free_head = NIL;
-        self.len = 0;
+        *self = Slab::default();
     }
 
     /// Occupied entries with their indices, in index order.
     pub fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
-        self.slots.iter().enumerate().filter_map(|(i, s)| match s {
-            Slot::Occupied(v) => Some((i as u32, v)),
-            Slot::Vacant { .. } => None,
-        })
+        self.pages
+            .iter()
+            .flatten()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Slot::Occupied(v) => Some((i as u32, v)),
+                Slot::Vacant { .. } => None,
+            })
     }
 }
 
