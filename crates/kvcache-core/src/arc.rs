@@ -280,10 +280,12 @@ impl<C> ArcPolicy<C> {
     /// T1 at MRU, T2 entries move to MRU, ghosts adapt the target.
     pub fn touch(&mut self, keys: &[Key<'_>], counts: &impl RefCounts<C>) {
         self.bump();
-        for &key in keys.iter().rev() {
-            let Some(idx) = self.index.find(&self.slab, key) else {
+        let entries = self.index.find_many(&self.slab, keys);
+        self.prefetch_moves(&entries, counts);
+        for idx in entries.into_iter().rev() {
+            if idx == NIL {
                 continue;
-            };
+            }
             let entry = self.slab.get(idx);
             match entry.list {
                 ListId::T1 => {
@@ -294,6 +296,21 @@ impl<C> ArcPolicy<C> {
                 ListId::B1 | ListId::B2 => {
                     self.adapt_to_ghost_hit(idx);
                 }
+            }
+        }
+    }
+
+    /// Prefetches what moving these entries will touch: their chunks' counts and their list
+    /// neighbours.
+    fn prefetch_moves(&self, entries: &[u32], counts: &impl RefCounts<C>) {
+        for &idx in entries {
+            if idx != NIL {
+                let e = self.slab.get(idx);
+                if let Some(chunk) = &e.chunk {
+                    counts.prefetch(chunk);
+                }
+                self.slab.prefetch(e.links.prev);
+                self.slab.prefetch(e.links.next);
             }
         }
     }
@@ -348,6 +365,13 @@ impl<C> ArcPolicy<C> {
     /// head.
     pub fn on_request_finished(&mut self, keys: &[(u32, Access)]) {
         self.bump();
+        for &(idx, access) in keys {
+            if idx != NIL && access != Access::Other {
+                let e = self.slab.get(idx);
+                self.slab.prefetch(e.links.prev);
+                self.slab.prefetch(e.links.next);
+            }
+        }
         for &(idx, access) in keys.iter().rev() {
             if access == Access::Other || idx == NIL {
                 continue;

@@ -15,11 +15,21 @@ pub trait RefCounts<C> {
     fn is_ready(&self, chunk: &C) -> bool {
         self.ref_cnt(chunk) >= 0
     }
+
+    /// Hints that `chunk`'s count will be read soon (see [`crate::slab::prefetch`]).
+    #[inline]
+    fn prefetch(&self, chunk: &C) {
+        let _ = chunk;
+    }
 }
 
 /// A chunk handle that knows its own count.
 pub trait HasRefCnt {
     fn ref_cnt(&self) -> i32;
+
+    /// Hints that the count will be read soon.
+    #[inline]
+    fn prefetch(&self) {}
 }
 
 /// [`RefCounts`] for handles that carry their count ([`HasRefCnt`]).
@@ -30,6 +40,11 @@ impl<C: HasRefCnt> RefCounts<C> for SelfCounted {
     #[inline]
     fn ref_cnt(&self, chunk: &C) -> i32 {
         chunk.ref_cnt()
+    }
+
+    #[inline]
+    fn prefetch(&self, chunk: &C) {
+        chunk.prefetch()
     }
 }
 

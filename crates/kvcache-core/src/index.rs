@@ -3,7 +3,7 @@
 
 use hashbrown::HashTable;
 
-use crate::key::{Key, KeyHasher};
+use crate::key::{key_eq, Key, KeyHasher};
 use crate::slab::Slab;
 
 /// A slab entry that carries its key.
@@ -33,17 +33,37 @@ impl KeyIndex {
     #[inline]
     pub fn find<T: Keyed>(&self, slab: &Slab<T>, key: Key<'_>) -> Option<u32> {
         self.table
-            .find(key.hash.0, |&i| slab.get(i).key() == key.bytes)
+            .find(key.hash.0, |&i| key_eq(slab.get(i).key(), key.bytes))
             .copied()
     }
 
     /// Looks up a batch of keys before any of them is acted on ([`NIL`](crate::slab::NIL) for
     /// absent ones). The lookups do not depend on each other, so the CPU overlaps their cache
     /// misses instead of paying them one after another.
+    ///
+    /// Three passes: take each key's first candidate slot by hash alone (the table's 7-bit tags
+    /// make a wrong candidate rare) without touching any entry; prefetch all candidate entries;
+    /// then confirm each candidate's key, falling back to a full lookup when it differs.
     pub fn find_many<T: Keyed>(&self, slab: &Slab<T>, keys: &[Key<'_>]) -> Vec<u32> {
-        keys.iter()
-            .map(|&k| self.find(slab, k).unwrap_or(crate::slab::NIL))
-            .collect()
+        let mut found: Vec<u32> = keys
+            .iter()
+            .map(|k| {
+                self.table
+                    .find(k.hash.0, |_| true)
+                    .copied()
+                    .unwrap_or(crate::slab::NIL)
+            })
+            .collect();
+        for &idx in &found {
+            slab.prefetch(idx);
+        }
+        for (idx, key) in found.iter_mut().zip(keys) {
+            if *idx != crate::slab::NIL && key_eq(slab.get(*idx).key(), key.bytes) {
+                continue;
+            }
+            *idx = self.find(slab, *key).unwrap_or(crate::slab::NIL);
+        }
+        found
     }
 
     /// Adds `idx` under `key`; the caller guarantees the key is absent.
@@ -64,7 +84,7 @@ impl KeyIndex {
     pub fn remove<T: Keyed>(&mut self, slab: &Slab<T>, key: Key<'_>) -> Option<u32> {
         match self
             .table
-            .find_entry(key.hash.0, |&i| slab.get(i).key() == key.bytes)
+            .find_entry(key.hash.0, |&i| key_eq(slab.get(i).key(), key.bytes))
         {
             Ok(entry) => Some(entry.remove().0),
             Err(_) => None,

@@ -561,7 +561,15 @@ impl<C> LruPolicy<C> {
     /// head-to-tail order).
     pub fn touch(&mut self, keys: &[Key<'_>]) {
         self.bump();
-        for idx in self.index.find_many(&self.slab, keys).into_iter().rev() {
+        let entries = self.index.find_many(&self.slab, keys);
+        for &idx in &entries {
+            if idx != NIL {
+                let e = self.slab.get(idx);
+                self.slab.prefetch(e.links.prev);
+                self.slab.prefetch(e.links.next);
+            }
+        }
+        for idx in entries.into_iter().rev() {
             if idx != NIL {
                 self.detach(idx);
                 self.attach_fresh(idx);

@@ -197,6 +197,16 @@ impl HasRefCnt for PyChunk {
             PyChunk::Foreign(f) => unsafe { f.ref_cnt.as_ptr().read_unaligned() },
         }
     }
+
+    #[inline]
+    fn prefetch(&self) {
+        match self {
+            PyChunk::Native(c) => kvcache_core::slab::prefetch(c.get()),
+            // SAFETY: as above, the exported memory is alive; the reference is only used as an
+            // address to prefetch.
+            PyChunk::Foreign(f) => kvcache_core::slab::prefetch(unsafe { f.ref_cnt.as_ref() }),
+        }
+    }
 }
 
 impl PyChunk {

@@ -144,6 +144,11 @@ impl RefCounts<ChunkId> for ChunkTable {
     fn ref_cnt(&self, chunk: &ChunkId) -> i32 {
         self.record(*chunk).ref_cnt()
     }
+
+    #[inline]
+    fn prefetch(&self, chunk: &ChunkId) {
+        crate::slab::prefetch(self.record(*chunk));
+    }
 }
 
 #[cfg(test)]
