@@ -47,14 +47,16 @@ fn filled_lru() -> LruPolicy<TestChunk> {
     let mut p = LruPolicy::new(ENTRIES as usize);
     for i in 0..ENTRIES {
         let k = key(i);
-        p.insert(p.key(&k), TestChunk::new(i, 0), InsertRank::Fresh, true).unwrap();
+        p.insert(p.key(&k), TestChunk::new(i, 0), InsertRank::Fresh, true)
+            .unwrap();
     }
     p
 }
 
 fn policies(c: &mut Criterion) {
-    let batches: Vec<Vec<Vec<u8>>> =
-        (0..64).map(|s| picks(BATCH, s + 1).into_iter().map(key).collect()).collect();
+    let batches: Vec<Vec<Vec<u8>>> = (0..64)
+        .map(|s| picks(BATCH, s + 1).into_iter().map(key).collect())
+        .collect();
     let mut group = c.benchmark_group("policy");
     group.throughput(Throughput::Elements(BATCH as u64));
 
@@ -102,7 +104,8 @@ fn policies(c: &mut Criterion) {
             for e in out {
                 next += 1;
                 let k = key(next);
-                lru.insert(lru.key(&k), e.chunk, InsertRank::Fresh, true).unwrap();
+                lru.insert(lru.key(&k), e.chunk, InsertRank::Fresh, true)
+                    .unwrap();
             }
         })
     });
@@ -115,10 +118,10 @@ fn manager(c: &mut Criterion) {
         let t = m.request(None);
         let ks: Vec<_> = keys.iter().map(|k| m.key(k)).collect();
         let pos: Vec<_> = (0..ks.len() as i64).map(|j| Some(16 * (j + 1))).collect();
-        black_box(m.prepare_store(t, &ks, &pos).unwrap());
+        black_box(m.prepare_store(t, &ks, &pos, &mut Vec::new()).unwrap());
         m.complete_store(&ks, true);
         black_box(m.take_events());
-        m.finish_request(t, |_| Ok::<_, ()>(Some(16))).unwrap();
+        m.finish_request(t, |_, _| Ok::<_, ()>(Some(16))).unwrap();
         m.release_request(t);
     }
     let config = ManagerConfig {
@@ -129,8 +132,9 @@ fn manager(c: &mut Criterion) {
     };
     let mut group = c.benchmark_group("manager");
     group.throughput(Throughput::Elements(64));
-    let requests: Vec<Vec<Vec<u8>>> =
-        (0..4_000u64).map(|r| (0..64).map(|j| key(r * 64 + j)).collect()).collect();
+    let requests: Vec<Vec<Vec<u8>>> = (0..4_000u64)
+        .map(|r| (0..64).map(|j| key(r * 64 + j)).collect())
+        .collect();
     let mut lru: Manager<LruPolicy<u32>> = Manager::new(config);
     let mut arc: Manager<ArcPolicy<u32>> = Manager::new(config);
     let mut r = 0usize;

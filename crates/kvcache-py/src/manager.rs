@@ -50,6 +50,9 @@ pub struct PyManager {
     types: ResultTypes,
     owner: Owner,
     contexts: ContextTypeCache,
+    /// Per live request (by token id): the key objects it observed, in the order the core
+    /// recorded them, so finishing reads their positions without building new bytes objects.
+    observed: hashbrown::HashMap<u64, Vec<Py<PyBytes>>, foldhash::fast::RandomState>,
 }
 
 fn policy_kind(cache_policy: &str, module_path: Option<&str>) -> Option<&'static str> {
@@ -66,7 +69,21 @@ fn policy_kind(cache_policy: &str, module_path: Option<&str>) -> Option<&'static
 impl PyManager {
     fn bury_dead(&mut self) {
         for token in self.owner.graveyard.take() {
+            self.observed.remove(&token.id);
             with_manager!(&mut self.inner, m => m.release_request(token.into()));
+        }
+    }
+
+    /// Remembers the key objects a call showed the request for the first time.
+    fn remember(
+        &mut self,
+        token: kvcache_core::RequestToken,
+        keys: &[Bound<'_, PyBytes>],
+        observed: &[usize],
+    ) {
+        if !observed.is_empty() {
+            let seen = self.observed.entry(token.id).or_default();
+            seen.extend(observed.iter().map(|&i| keys[i].clone().unbind()));
         }
     }
 
@@ -175,6 +192,7 @@ impl PyManager {
             types: ResultTypes::from_class(cls)?,
             owner: Owner::default(),
             contexts: ContextTypeCache::default(),
+            observed: Default::default(),
         })
     }
 
@@ -247,8 +265,10 @@ impl PyManager {
         let positions = self.positions(ctx, &keys)?;
         let token = self.request(ctx)?;
         let ks = self.keys(&keys);
-        let ids =
-            with_manager!(&mut self.inner, m => m.prepare_load(token, &ks, &positions)).py_err()?;
+        let mut observed = Vec::new();
+        let ids = with_manager!(&mut self.inner, m => m.prepare_load(token, &ks, &positions, &mut observed))
+            .py_err()?;
+        self.remember(token, &keys, &observed);
         self.types.spec(py, &ids)
     }
 
@@ -292,8 +312,10 @@ impl PyManager {
         let positions = self.positions(ctx, &keys)?;
         let token = self.request(ctx)?;
         let ks = self.keys(&keys);
-        let out = with_manager!(&mut self.inner, m => m.prepare_store(token, &ks, &positions))
+        let mut observed = Vec::new();
+        let out = with_manager!(&mut self.inner, m => m.prepare_store(token, &ks, &positions, &mut observed))
             .py_err()?;
+        self.remember(token, &keys, &observed);
         let Some(out) = out else { return Ok(None) };
         let stored = PyList::new(py, out.stored.iter().map(|&i| &keys[i]))?;
         let spec = self.types.spec(py, &out.chunk_ids)?;
@@ -341,9 +363,20 @@ impl PyManager {
             return Ok(());
         };
         let positions = Positions::new(Some(&req_context), &mut self.contexts)?;
+        let seen = self
+            .observed
+            .get(&token.id)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
         with_manager!(&mut self.inner, m => {
-            m.finish_request(token.into(), |key| positions.get(&PyBytes::new(py, key)))
-        })
+            m.finish_request(token.into(), |i, key| match seen.get(i) {
+                Some(object) => positions.get(object.bind(py)),
+                None => positions.get(&PyBytes::new(py, key)),
+            })
+        })?;
+        // A finished request observes no new key: its key objects are no longer needed.
+        self.observed.remove(&token.id);
+        Ok(())
     }
 
     /// Events (stored / removed keys) since the last call.
@@ -360,6 +393,7 @@ impl PyManager {
     fn reset_cache(&mut self) {
         with_manager!(&mut self.inner, m => m.reset());
         self.owner.graveyard.take();
+        self.observed.clear();
     }
 
     /// `(usage, write_usage, read_usage, allocation_sizes, stores_skipped)` since the last

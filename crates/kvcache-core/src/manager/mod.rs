@@ -250,18 +250,20 @@ impl<P: ManagerPolicy> Manager<P> {
     fn record_access(
         &mut self,
         token: RequestToken,
-        keys: &[(Key<'_>, u32, Option<i64>)],
+        keys: &[(usize, Key<'_>, u32, Option<i64>)],
         reused: &[Key<'_>],
+        observed: &mut Vec<usize>,
     ) {
         let req = self.requests.get_mut(token).expect("checked by the caller");
         if req.num_keys() == 0 {
             req.reserve(&self.hasher, keys.len());
         }
         let mut new_keys = Vec::new();
-        for &(key, handle, pos) in keys {
+        for &(offer_index, key, handle, pos) in keys {
             if req.find(key).is_none() {
                 req.observe(&self.hasher, key);
                 new_keys.push((handle, pos));
+                observed.push(offer_index);
             }
         }
         if !new_keys.is_empty() {
@@ -276,12 +278,15 @@ impl<P: ManagerPolicy> Manager<P> {
         }
     }
 
-    /// Pins ready chunks for reading; returns their chunk ids.
+    /// Pins ready chunks for reading; returns their chunk ids. `observed` receives the offer
+    /// indices of keys the request sees for the first time, in the order it records them (the
+    /// order of the indices [`finish_request`](Self::finish_request) passes back).
     pub fn prepare_load(
         &mut self,
         token: RequestToken,
         keys: &[Key<'_>],
         positions: &[Option<i64>],
+        observed: &mut Vec<usize>,
     ) -> CoreResult<Vec<ChunkId>> {
         debug_assert_eq!(keys.len(), positions.len());
         let mut handles = Vec::with_capacity(keys.len());
@@ -311,13 +316,14 @@ impl<P: ManagerPolicy> Manager<P> {
             }
             record.set_ref_cnt(cnt + 1);
         }
-        let recorded: Vec<(Key<'_>, u32, Option<i64>)> = keys
+        let recorded: Vec<(usize, Key<'_>, u32, Option<i64>)> = keys
             .iter()
             .zip(&handles)
             .zip(positions)
-            .map(|((&k, &h), &p)| (k, h, p))
+            .enumerate()
+            .map(|(i, ((&k, &h), &p))| (i, k, h, p))
             .collect();
-        self.record_access(token, &recorded, keys);
+        self.record_access(token, &recorded, keys, observed);
         Ok(chunks)
     }
 
@@ -361,12 +367,14 @@ impl<P: ManagerPolicy> Manager<P> {
     }
 
     /// Decides which offered keys to store, evicting to make room; `None` when it cannot.
-    /// `positions[i]` is the token position of `keys[i]` in the request.
+    /// `positions[i]` is the token position of `keys[i]` in the request; `observed` as for
+    /// [`prepare_load`](Self::prepare_load).
     pub fn prepare_store(
         &mut self,
         token: RequestToken,
         keys: &[Key<'_>],
         positions: &[Option<i64>],
+        observed: &mut Vec<usize>,
     ) -> CoreResult<Option<StoreOutput>> {
         debug_assert_eq!(keys.len(), positions.len());
         self.check_unique(keys, "prepare_store")?;
@@ -427,12 +435,12 @@ impl<P: ManagerPolicy> Manager<P> {
             // ARC learns from B1/B2 before insert() drops the ghost; once per request.
             self.policy.on_store_miss(&new_misses, &self.table);
         }
-        let recorded: Vec<(Key<'_>, u32, Option<i64>)> = (0..keys.len())
+        let recorded: Vec<(usize, Key<'_>, u32, Option<i64>)> = (0..keys.len())
             .filter(|&i| recorded_mask[i])
-            .map(|i| (keys[i], handles[i], positions[i]))
+            .map(|i| (i, keys[i], handles[i], positions[i]))
             .collect();
         let reused: Vec<Key<'_>> = ready_existing.iter().map(|&i| keys[i]).collect();
-        self.record_access(token, &recorded, &reused);
+        self.record_access(token, &recorded, &reused, observed);
         let req = self.requests.get_mut(token).expect("checked above");
         for key in &new_misses {
             let idx = req.find(*key).expect("store misses are recorded");
@@ -521,12 +529,13 @@ impl<P: ManagerPolicy> Manager<P> {
         }
     }
 
-    /// Applies the finished request's accesses to the policy, once. `position` gives a key's
-    /// token position; it is called for every key before anything changes.
+    /// Applies the finished request's accesses to the policy, once. `position(i, key)` gives the
+    /// token position of the request's `i`-th observed key; it is called for every key before
+    /// anything changes.
     pub fn finish_request<E>(
         &mut self,
         token: RequestToken,
-        mut position: impl FnMut(&[u8]) -> Result<Option<i64>, E>,
+        mut position: impl FnMut(usize, &[u8]) -> Result<Option<i64>, E>,
     ) -> Result<(), E> {
         let Some(req) = self.requests.get(token) else {
             return Ok(());
@@ -536,8 +545,8 @@ impl<P: ManagerPolicy> Manager<P> {
         }
         // Key groups by group index, each in first-seen order.
         let mut groups: BTreeMap<u32, Vec<SeenEntry<'_>>> = BTreeMap::new();
-        for k in req.keys_in_order() {
-            let pos = position(k.key.as_slice())?;
+        for (i, k) in req.keys_in_order().enumerate() {
+            let pos = position(i, k.key.as_slice())?;
             let key = Key {
                 bytes: k.key.as_slice(),
                 hash: k.hash,
