@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install build build-dev test test-rust test-py bench bench-rust bench-py replay lint fmt wheel clean
+.PHONY: install build build-dev test test-rust test-py bench bench-rust bench-py replay lint fmt wheel clean miri fuzz memory
 
 install: $(VENV)/.installed
 
@@ -45,6 +45,20 @@ bench-py: build
 	@mkdir -p .benchmarks
 	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-enable --benchmark-only --benchmark-columns=min,median,rounds --benchmark-json=.benchmarks/policies.json
 	$(PY) bench/summarize.py .benchmarks/policies.json
+
+# Memory per resident chunk, ours vs vLLM's (fresh process per row).
+memory: build
+	$(PY) bench/memory_per_chunk.py
+
+# The core's policy and manager tests under Miri (needs the nightly toolchain with miri; the
+# host-memory module and the long property tests are left out: mmap is FFI, proptest is slow).
+miri:
+	cargo +nightly miri test -p kvcache-core --lib -- slab:: key:: arc::tests lru::tests manager::
+
+# Fuzz both policies (needs cargo-fuzz and nightly); FUZZ_SECONDS bounds the run.
+FUZZ_SECONDS ?= 300
+fuzz:
+	cd fuzz && cargo +nightly fuzz run policies -- -max_total_time=$(FUZZ_SECONDS)
 
 # The main job: replay the built-in synthetic multi-turn workload through LRU and ARC.
 replay: build
