@@ -19,7 +19,8 @@ _T = TypeVar("_T")
 class ReqContext:
     """Per-request context: a request id, typed scratch state, and token positions of keys."""
 
-    __slots__ = ("_offload_key_positions", "_state", "kv_transfer_params", "req_id")
+    # __weakref__: kvcache's policies and managers remember the last context weakly.
+    __slots__ = ("__weakref__", "_offload_key_positions", "_state", "kv_transfer_params", "req_id")
 
     def __init__(self, req_id: str = "", kv_transfer_params: dict[str, Any] | None = None) -> None:
         self.req_id = req_id

@@ -94,7 +94,7 @@ impl<C> ArcPolicy<C> {
             capacity,
             target_t1_size: 0.0,
             slab: Slab::default(),
-            index: KeyIndex::default(),
+            index: KeyIndex::with_capacity(capacity),
             lists: [List::default(); 4],
             hasher: KeyHasher::global(),
             epoch: 0,
@@ -496,7 +496,7 @@ impl<C> ArcPolicy<C> {
     pub fn clear(&mut self) {
         self.bump();
         self.slab.clear();
-        self.index.clear();
+        self.index = KeyIndex::with_capacity(self.capacity);
         self.lists = [List::default(); 4];
         self.target_t1_size = 0.0;
     }

@@ -17,7 +17,18 @@ pub struct KeyIndex {
     table: HashTable<u32>,
 }
 
+/// The most keys an index reserves room for up front (4 Mi keys: a 20 MiB table).
+const MAX_PRESIZE: usize = 1 << 22;
+
 impl KeyIndex {
+    /// An index with room for `expected` keys (capped at [`MAX_PRESIZE`]), so a cache filling up
+    /// to its capacity never stops to rehash.
+    pub fn with_capacity(expected: usize) -> Self {
+        KeyIndex {
+            table: HashTable::with_capacity(expected.min(MAX_PRESIZE)),
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.table.len()
     }

@@ -142,7 +142,7 @@ impl<C> LruPolicy<C> {
         LruPolicy {
             capacity,
             slab: Slab::default(),
-            index: KeyIndex::default(),
+            index: KeyIndex::with_capacity(capacity),
             order: List::default(),
             groups: Slab::default(),
             group_of_rank: HashMap::default(),
@@ -260,6 +260,11 @@ impl<C> LruPolicy<C> {
             generation: self.generation,
             rank,
         }
+    }
+
+    /// Whether `rr` is still the rank of a live request (not released, not cleared).
+    pub fn is_live_request_rank(&self, rr: RequestRank) -> bool {
+        self.group_id(rr).is_some()
     }
 
     /// The group of a live request rank.
@@ -764,7 +769,7 @@ impl<C> LruPolicy<C> {
     pub fn clear(&mut self) {
         self.bump();
         self.slab.clear();
-        self.index.clear();
+        self.index = KeyIndex::with_capacity(self.capacity);
         self.order.clear();
         self.groups.clear();
         self.group_of_rank.clear();

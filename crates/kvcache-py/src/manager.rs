@@ -115,6 +115,11 @@ impl PyManager {
     /// The manager's request state for `ctx` (created on first sight, as vLLM does).
     fn request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<kvcache_core::RequestToken> {
         self.bury_dead();
+        if let Some(token) = self.owner.cached(ctx) {
+            if with_manager!(&self.inner, m => m.is_live_request(token.into())) {
+                return Ok(token.into());
+            }
+        }
         let inner = &mut self.inner;
         let token = self.owner.token(
             ctx,

@@ -75,11 +75,17 @@ fn bury_dead(lru: &mut LruPolicy<PyChunk>, owner: &Owner) {
 /// Every Python call happens before the policy changes.
 fn request_rank(
     lru: &mut LruPolicy<PyChunk>,
-    owner: &Owner,
+    owner: &mut Owner,
     ctx: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<RequestRank> {
     let ctx = require_context(ctx)?;
     bury_dead(lru, owner);
+    if let Some(token) = owner
+        .cached(ctx)
+        .filter(|&t| lru.is_live_request_rank(t.into()))
+    {
+        return Ok(token.into());
+    }
     let token = owner.token(ctx, |current| {
         lru.request_rank(current.map(Into::into)).into()
     })?;
@@ -147,7 +153,7 @@ impl BaseCachePolicy {
                 let rank = match positions.get(&key)? {
                     None => InsertRank::Fresh,
                     Some(pos) => InsertRank::Request(
-                        request_rank(p, &self.owner, req_context.as_ref())?,
+                        request_rank(p, &mut self.owner, req_context.as_ref())?,
                         pos,
                     ),
                 };
@@ -224,7 +230,7 @@ impl BaseCachePolicy {
                 observed.push((k, positions.get(key)?));
             }
         }
-        let rank = request_rank(p, &self.owner, ctx)?;
+        let rank = request_rank(p, &mut self.owner, ctx)?;
         p.on_request_access(rank, &observed).py_err()
     }
 

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::types::PyWeakrefReference;
 
 use crate::exceptions::{exceptions, new_err};
 
@@ -134,6 +135,10 @@ impl Drop for RequestState {
 pub struct Owner {
     pub uid: u64,
     pub graveyard: Arc<Graveyard>,
+    /// The last context seen (weakly, so its lifetime is unchanged) and this owner's token in
+    /// it: a scheduler makes several calls in a row for one request, and this saves each a
+    /// `get_state` call. Contexts that cannot be weakly referenced are not cached.
+    last: Option<(Py<PyWeakrefReference>, Token)>,
 }
 
 impl Default for Owner {
@@ -143,6 +148,7 @@ impl Default for Owner {
         Owner {
             uid: NEXT.fetch_add(1, Ordering::Relaxed),
             graveyard: Arc::default(),
+            last: None,
         }
     }
 }
@@ -183,7 +189,7 @@ impl Owner {
     /// allocating one if the stored token is missing or stale). Every Python call happens
     /// before `validate` runs, so an error leaves the owner unchanged.
     pub fn token(
-        &self,
+        &mut self,
         ctx: &Bound<'_, PyAny>,
         validate: impl FnOnce(Option<Token>) -> Token,
     ) -> PyResult<Token> {
@@ -210,12 +216,26 @@ impl Owner {
         if current != Some(token) {
             state.get().set(self.uid, token, &self.graveyard);
         }
+        self.last = PyWeakrefReference::new(ctx)
+            .ok()
+            .map(|weak| (weak.unbind(), token));
         Ok(token)
+    }
+
+    /// The token cached for `ctx` if it is the last context seen (callers check it is still
+    /// live before using it instead of [`token`](Self::token)).
+    pub fn cached(&self, ctx: &Bound<'_, PyAny>) -> Option<Token> {
+        let (weak, token) = self.last.as_ref()?;
+        let last = weak.bind(ctx.py()).upgrade()?;
+        last.is(ctx).then_some(*token)
     }
 
     /// The owner's token on `ctx` if it has one (no state is created).
     pub fn existing_token(&self, ctx: &Bound<'_, PyAny>) -> PyResult<Option<Token>> {
         let py = ctx.py();
+        if let Some(token) = self.cached(ctx) {
+            return Ok(Some(token));
+        }
         let get_state = ctx
             .getattr(intern!(py, "get_state"))
             .map_err(|_| context_error(ctx, "no get_state"))?;

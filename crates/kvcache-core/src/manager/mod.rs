@@ -22,6 +22,7 @@ use std::collections::BTreeMap;
 use crate::arc::Access;
 use crate::error::{CoreError, CoreResult};
 use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::slab::NIL;
 pub use policy::ManagerPolicy;
 pub use request::{group_index, RequestToken};
 use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
@@ -191,6 +192,11 @@ impl<P: ManagerPolicy> Manager<P> {
         self.requests.get_or_create(current)
     }
 
+    /// Whether `token` still names a request state (not released, not reset).
+    pub fn is_live_request(&self, token: RequestToken) -> bool {
+        self.requests.get(token).is_some()
+    }
+
     /// The request's context is gone: drop its state (and the policy's).
     pub fn release_request(&mut self, token: RequestToken) {
         if let Some(access) = self.requests.release(token) {
@@ -245,13 +251,17 @@ impl<P: ManagerPolicy> Manager<P> {
     }
 
     /// vLLM's `_record_request_cache_access`: new keys join the request's key groups and are
-    /// shown to the policy; `reused` marks reads of chunks the request did not store itself.
-    /// Each key comes with its policy handle (`NIL`: not resident) and token position.
+    /// shown to the policy; `reused` keys (by position in `keys`) are reads of chunks the
+    /// request did not store itself. Each key comes with its offer index, its policy handle
+    /// (`NIL`: not resident) and token position; `entries[i]` is the request's entry for
+    /// `keys[i]` if already resolved (`NIL` otherwise) and is filled in. `observed` receives
+    /// the offer indices of newly observed keys.
     fn record_access(
         &mut self,
         token: RequestToken,
         keys: &[(usize, Key<'_>, u32, Option<i64>)],
-        reused: &[Key<'_>],
+        entries: &mut [u32],
+        reused: impl Iterator<Item = usize>,
         observed: &mut Vec<usize>,
     ) {
         let req = self.requests.get_mut(token).expect("checked by the caller");
@@ -259,9 +269,12 @@ impl<P: ManagerPolicy> Manager<P> {
             req.reserve(&self.hasher, keys.len());
         }
         let mut new_keys = Vec::new();
-        for &(offer_index, key, handle, pos) in keys {
-            if req.find(key).is_none() {
-                req.observe(&self.hasher, key);
+        for (&(offer_index, key, handle, pos), entry) in keys.iter().zip(entries.iter_mut()) {
+            if *entry == NIL {
+                *entry = req.find(key).unwrap_or(NIL);
+            }
+            if *entry == NIL {
+                *entry = req.observe(&self.hasher, key);
                 new_keys.push((handle, pos));
                 observed.push(offer_index);
             }
@@ -270,8 +283,8 @@ impl<P: ManagerPolicy> Manager<P> {
             self.policy
                 .on_request_access(&mut req.policy_state, &new_keys);
         }
-        for &key in reused {
-            let idx = req.find(key).expect("reused keys are recorded");
+        for i in reused {
+            let idx = entries[i];
             if req.flags(idx) & INSERTED == 0 {
                 req.set(idx, REUSED);
             }
@@ -323,7 +336,8 @@ impl<P: ManagerPolicy> Manager<P> {
             .enumerate()
             .map(|(i, ((&k, &h), &p))| (i, k, h, p))
             .collect();
-        self.record_access(token, &recorded, keys, observed);
+        let mut entries = vec![NIL; recorded.len()];
+        self.record_access(token, &recorded, &mut entries, 0..keys.len(), observed);
         Ok(chunks)
     }
 
@@ -395,56 +409,60 @@ impl<P: ManagerPolicy> Manager<P> {
         }
         // After this offer is recorded, a tracked candidate counts one more; an untracked one
         // at most 1, below any threshold >= 2.
+        let num_candidates = candidates.len();
         let to_store: Vec<usize> = match &self.tracker {
-            None => candidates.clone(),
+            None => candidates,
             Some(t) => candidates
-                .iter()
-                .copied()
+                .into_iter()
                 .filter(|&i| {
                     let c = t.count(keys[i]);
                     c > 0 && i64::from(c) + 1 >= self.config.store_threshold
                 })
                 .collect(),
         };
-        let mut recorded_mask = vec![false; keys.len()];
-        for &i in to_store.iter().chain(&ready_existing) {
-            recorded_mask[i] = true;
-        }
-        self.check_not_finished(
-            token,
-            (0..keys.len())
-                .filter(|&i| recorded_mask[i])
-                .map(|i| keys[i]),
-        )?;
+        // Recorded keys, in offer order: the ones to store and the ready resident ones.
+        let mut order: Vec<usize> = to_store.iter().chain(&ready_existing).copied().collect();
+        order.sort_unstable();
+        let recorded: Vec<(usize, Key<'_>, u32, Option<i64>)> = order
+            .into_iter()
+            .map(|i| (i, keys[i], handles[i], positions[i]))
+            .collect();
+        self.check_not_finished(token, recorded.iter().map(|r| r.1))?;
 
         // Nothing can fail from here on.
         if let Some(tracker) = &mut self.tracker {
             tracker.record(keys);
-            self.stores_skipped += (candidates.len() - to_store.len()) as u64;
+            self.stores_skipped += (num_candidates - to_store.len()) as u64;
         }
+        // The request's entries for the recorded keys (NIL: not seen yet).
         let req = self.requests.get(token).expect("checked above");
-        let new_misses: Vec<Key<'_>> = to_store
+        let mut entries: Vec<u32> = recorded
             .iter()
-            .map(|&i| keys[i])
-            .filter(|&k| {
-                req.find(k)
-                    .is_none_or(|idx| req.flags(idx) & STORE_MISS == 0)
-            })
+            .map(|r| req.find(r.1).unwrap_or(NIL))
+            .collect();
+        let is_store = |r: &(usize, Key<'_>, u32, Option<i64>)| r.2 == NIL;
+        let new_misses: Vec<Key<'_>> = recorded
+            .iter()
+            .zip(&entries)
+            .filter(|(r, &e)| is_store(r) && (e == NIL || req.flags(e) & STORE_MISS == 0))
+            .map(|(r, _)| r.1)
             .collect();
         if !new_misses.is_empty() {
             // ARC learns from B1/B2 before insert() drops the ghost; once per request.
             self.policy.on_store_miss(&new_misses, &self.table);
         }
-        let recorded: Vec<(usize, Key<'_>, u32, Option<i64>)> = (0..keys.len())
-            .filter(|&i| recorded_mask[i])
-            .map(|i| (i, keys[i], handles[i], positions[i]))
-            .collect();
-        let reused: Vec<Key<'_>> = ready_existing.iter().map(|&i| keys[i]).collect();
-        self.record_access(token, &recorded, &reused, observed);
+        let reused = recorded
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !is_store(r))
+            .map(|(j, _)| j);
+        let reused: Vec<usize> = reused.collect();
+        self.record_access(token, &recorded, &mut entries, reused.into_iter(), observed);
         let req = self.requests.get_mut(token).expect("checked above");
-        for key in &new_misses {
-            let idx = req.find(*key).expect("store misses are recorded");
-            req.set(idx, STORE_MISS);
+        for (r, &e) in recorded.iter().zip(&entries) {
+            if is_store(r) {
+                req.set(e, STORE_MISS);
+            }
         }
 
         if to_store.is_empty() {
@@ -484,9 +502,10 @@ impl<P: ManagerPolicy> Manager<P> {
                 .expect("store candidates are not resident");
         }
         self.num_write_pending += to_store.len();
-        for &i in &to_store {
-            let idx = req.find(keys[i]).expect("stored keys are recorded");
-            req.set(idx, INSERTED);
+        for (r, &e) in recorded.iter().zip(&entries) {
+            if is_store(r) {
+                req.set(e, INSERTED);
+            }
         }
         Ok(Some(StoreOutput {
             stored: to_store,
