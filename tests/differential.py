@@ -22,6 +22,23 @@ from tests.conftest import make_key
 
 CHUNK_MODES = ("shared", "native")
 CONTEXT_KINDS = ("vllm", "kvcache", "duck")
+# Random operations and their weights, shaped like a manager's traffic.
+OPS = {
+    "new_request": 6,
+    "end_request": 4,
+    "store": 14,
+    "complete": 10,
+    "fail": 2,
+    "pin": 6,
+    "unpin": 6,
+    "touch": 5,
+    "miss": 4,
+    "access": 8,
+    "finish": 6,
+    "evict": 10,
+    "get": 4,
+    "clear": 0.2,
+}
 
 
 class DuckContext:
@@ -70,6 +87,8 @@ class Differential:
     requests: list[Request] = field(default_factory=list)
     next_chunk_id: int = 0
     ops: int = 0
+    # Evictions that found their victims, and ones that returned None.
+    evictions: dict[str, int] = field(default_factory=lambda: {"ok": 0, "none": 0})
 
     def __post_init__(self) -> None:
         from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy as RefArc
@@ -215,7 +234,9 @@ class Differential:
         ours = self.ours.evict(n, set(protected))
         if ref is None:
             assert ours is None, f"evict({n}) succeeded where vLLM's failed: {ours}"
+            self.evictions["none"] += 1
             return None
+        self.evictions["ok"] += n > 0
         assert ours is not None, f"evict({n}) failed where vLLM's evicted {ref}"
         ref_keys = [k for k, _ in ref]
         assert [k for k, _ in ours] == ref_keys, "different victims or order"
@@ -252,25 +273,7 @@ class Differential:
 
     def random_step(self, rng: random.Random) -> str:
         """Applies one random operation, weighted like a manager's traffic; returns its name."""
-        op = rng.choices(
-            [
-                "new_request",
-                "end_request",
-                "store",
-                "complete",
-                "fail",
-                "pin",
-                "unpin",
-                "touch",
-                "miss",
-                "access",
-                "finish",
-                "evict",
-                "get",
-                "clear",
-            ],
-            weights=[6, 4, 14, 10, 2, 6, 6, 5, 4, 8, 6, 10, 4, 0.2],
-        )[0]
+        op = rng.choices(list(OPS), weights=list(OPS.values()))[0]
         ctx = rng.choice(self.requests).ctx if self.requests else None
         if op == "new_request" or (ctx is None and op in ("access", "finish")):
             blocks = rng.sample(range(self.num_blocks), rng.randint(1, min(6, self.num_blocks)))

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tests.conftest import require_oracle
-from tests.differential import CHUNK_MODES, CONTEXT_KINDS, Differential
+from tests.differential import CHUNK_MODES, CONTEXT_KINDS, OPS, Differential
 
 pytestmark = pytest.mark.oracle
 
@@ -33,6 +33,7 @@ def test_seeded_random_operations_match_vllm(kind: str, chunk_mode: str) -> None
     rng = random.Random(f"{kind}-{chunk_mode}")
     done = 0
     counts: dict[str, int] = {}
+    evictions = {"ok": 0, "none": 0}
     while done < RANDOM_OPS:
         # Fresh pairs now and then: small and large capacities, all context kinds.
         pair = Differential(
@@ -48,23 +49,13 @@ def test_seeded_random_operations_match_vllm(kind: str, chunk_mode: str) -> None
             counts[op] = counts.get(op, 0) + 1
             pair.check()
             done += 1
+        for outcome, n in pair.evictions.items():
+            evictions[outcome] += n
     # The run must have exercised every kind of operation, evictions that succeed and fail.
-    for op in (
-        "store",
-        "complete",
-        "fail",
-        "pin",
-        "unpin",
-        "touch",
-        "miss",
-        "access",
-        "finish",
-        "evict",
-        "get",
-        "clear",
-        "end_request",
-    ):
+    for op in OPS:
         assert counts.get(op, 0) > 0, f"no {op} operations were generated"
+    assert evictions["ok"] > 0, evictions
+    assert evictions["none"] > 0, evictions
 
 
 class PolicyMachine(RuleBasedStateMachine):
