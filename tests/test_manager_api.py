@@ -157,3 +157,11 @@ def test_bad_calls_raise_typed_errors_and_change_nothing(
         call(m, ctx)
     assert snapshot(m) == before
     del other
+
+
+def test_an_empty_manager_is_truthy() -> None:
+    # vLLM builds its manager lazily with `if not self._manager:`; `__len__` must not make an
+    # empty manager look absent.
+    m = kvcache.OffloadingManager(4)
+    assert len(m) == 0
+    assert m

@@ -315,3 +315,10 @@ def test_negative_capacity_is_refused(cls: type) -> None:
         cls(-1)
     with pytest.raises(kvcache.InvalidTypeError):
         cls("8")
+
+
+@pytest.mark.parametrize("cls", POLICIES)
+def test_an_empty_policy_is_truthy(cls: type) -> None:
+    policy = cls(4)
+    assert len(policy) == 0
+    assert policy

@@ -10,10 +10,14 @@ Policies only (vLLM's manager, our policies)::
 Our manager and policies (vLLM's worker is kept)::
 
     kv_connector_extra_config = {
-        "spec_name": "CPUOffloadingSpec",
+        "spec_name": "KvCacheOffloadingSpec",
         "spec_module_path": "kvcache.vllm",
         "eviction_policy": "arc",  # or "lru"
     }
+
+(vLLM's ``OffloadingSpecFactory`` resolves a registered name before any module path, and
+``CPUOffloadingSpec`` is registered to vLLM's own spec: hence the distinct name
+``KvCacheOffloadingSpec``, an alias of ``kvcache.vllm.CPUOffloadingSpec``.)
 
 vLLM's ``CachePolicyFactory`` asserts a policy class subclasses its ``CachePolicy``: the Rust
 classes are registered as *virtual* subclasses (``CachePolicy.register``), which satisfies
@@ -49,7 +53,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvcache._core import ARCCachePolicy, LRUCachePolicy
 from kvcache._core import OffloadingManager as _RustManager
 
-__all__ = ["ARCCachePolicy", "CPUOffloadingManager", "CPUOffloadingSpec", "LRUCachePolicy"]
+__all__ = [
+    "ARCCachePolicy",
+    "CPUOffloadingManager",
+    "CPUOffloadingSpec",
+    "KvCacheOffloadingSpec",
+    "LRUCachePolicy",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +124,7 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
     """
 
     def get_manager(self) -> OffloadingManager:
-        if self._manager:
+        if self._manager is not None:
             return self._manager
         kwargs = dict(
             num_chunks=self.num_chunks,
@@ -131,3 +141,8 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
             logger.warning("kvcache cannot run this policy (%s); using vLLM's manager", exc)
             self._manager = _VllmManager(**kwargs)
         return self._manager
+
+
+#: The name to give vLLM's ``OffloadingSpecFactory`` (``spec_name``): ``CPUOffloadingSpec``
+#: itself is registered to vLLM's spec, which the factory would pick instead.
+KvCacheOffloadingSpec = CPUOffloadingSpec

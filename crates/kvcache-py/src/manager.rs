@@ -222,6 +222,11 @@ impl PyManager {
         with_manager!(&self.inner, m => m.config().store_threshold)
     }
 
+    /// Always true: an empty manager is still a manager (vLLM tests `if not self._manager`).
+    fn __bool__(&self) -> bool {
+        true
+    }
+
     /// Resident chunks (ready or pending).
     fn __len__(&self) -> usize {
         with_manager!(&self.inner, m => m.table().num_allocated() - m.table().free_list_len())
