@@ -65,8 +65,7 @@ pub fn collect_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyB
             format!("expected an iterable of bytes keys, got {}", type_name(obj)),
         )
     })?;
-    let (lower, _) = obj.len().map(|n| (n, None::<usize>)).unwrap_or((0, None));
-    let mut keys = Vec::with_capacity(lower);
+    let mut keys = Vec::with_capacity(obj.len().unwrap_or(0));
     for item in iter {
         keys.push(as_key(item?)?);
     }
