@@ -47,6 +47,29 @@ def _out(line: str = "") -> None:
     sys.stdout.flush()
 
 
+def _row(
+    page: int,
+    pattern: str,
+    direction: str,
+    pool: str,
+    method: str,
+    runs: int,
+    gbps: float,
+    reference_gbps: float,
+) -> dict[str, Any]:
+    """One bandwidth row, relative to the same run's large single copy."""
+    return {
+        "page_kib": page // KiB,
+        "pattern": pattern,
+        "direction": direction,
+        "pool": pool,
+        "method": method,
+        "runs": runs,
+        "gbps": gbps,
+        "pct_of_large_copy": 100 * gbps / reference_gbps,
+    }
+
+
 class Bench:
     """Holds the run's settings, clock and results."""
 
@@ -312,18 +335,8 @@ class Bench:
                                     f"pageable_{direction}_gbps"
                                 )
                                 rows.append(
-                                    {
-                                        "page_kib": page // KiB,
-                                        "pattern": pattern,
-                                        "direction": direction,
-                                        "pool": kind,
-                                        "method": method,
-                                        "runs": runs,
-                                        "gbps": gbps,
-                                        "pct_of_large_copy": 100 * gbps / ref,
-                                        "submit_us": submit * 1e6,
-                                        "ok": ok,
-                                    }
+                                    _row(page, pattern, direction, kind, method, runs, gbps, ref)
+                                    | {"submit_us": submit * 1e6, "ok": ok}
                                 )
                         eng.close()
             del layer
@@ -359,18 +372,8 @@ class Bench:
                     gbps = n * chunk_bytes / wall / 1e9
                     ref = baseline[f"{kind}_{direction}_gbps"]
                     rows.append(
-                        {
-                            "page_kib": page // KiB,
-                            "pattern": "model",
-                            "direction": direction,
-                            "pool": kind,
-                            "method": method,
-                            "runs": runs,
-                            "gbps": gbps,
-                            "pct_of_large_copy": 100 * gbps / ref,
-                            "submit_us": submit * 1e6,
-                            "ok": ok,
-                        }
+                        _row(page, "model", direction, kind, method, runs, gbps, ref)
+                        | {"submit_us": submit * 1e6, "ok": ok}
                     )
                 eng.close()
         return rows
