@@ -11,7 +11,9 @@ oracle harness the conformance tests trust.
 
 from __future__ import annotations
 
+import itertools
 import random
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -168,3 +170,31 @@ def _stats(manager: Any) -> tuple:
     if isinstance(data, dict):
         return tuple(sorted((k, repr(v)) for k, v in data.items()))
     return (repr(data),)
+
+
+# Replay configurations: policy, chunks (tight: many evictions and failed prepares; roomy),
+# fail every k-th store (0: never), KV-cache groups, store_threshold.
+REPLAY_CASES = list(itertools.product(["lru", "arc"], [24, 96], [0, 5], [1, 2], [1, 2]))
+REPLAY_CASE_NAMES = ("policy", "num_chunks", "fail_every", "groups", "threshold")
+
+
+def replay_both(
+    run: Callable[..., list[tuple]],
+    policy: str,
+    num_chunks: int,
+    fail_every: int,
+    groups: int,
+    threshold: int,
+) -> tuple[list[tuple], list[tuple]]:
+    """The decision logs of the reference (``run(..., False, ...)``) and ours (``True``) on the
+    same seeded workload, with resets every 97 requests."""
+    options = DriverOptions(fail_every=fail_every, groups=groups, reset_every=97)
+    seed = zlib.crc32(repr((policy, num_chunks, fail_every, groups, threshold)).encode())
+    ref = run(policy, False, num_chunks, options, threshold=threshold, seed=seed)
+    ours = run(policy, True, num_chunks, options, threshold=threshold, seed=seed)
+    return ref, ours
+
+
+def assert_same_decisions(ref: list[tuple], ours: list[tuple]) -> None:
+    for i, (a, b) in enumerate(zip(ref, ours, strict=True)):
+        assert a == b, f"decision {i} differs:\n vLLM: {a}\n ours: {b}"

@@ -10,16 +10,22 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
-import zlib
 
 import pytest
 
 from tests.conftest import require_oracle
 from tests.manager_differential import ManagerPair
-from tests.manager_driver import DriverOptions, drive, multi_turn_workload
+from tests.manager_driver import (
+    REPLAY_CASE_NAMES,
+    REPLAY_CASES,
+    DriverOptions,
+    assert_same_decisions,
+    drive,
+    multi_turn_workload,
+    replay_both,
+)
 
 pytestmark = pytest.mark.oracle
 
@@ -73,18 +79,11 @@ def run(
     return drive(manager, LookupResult.HIT, lambda rid: ReqContext(req_id=rid), requests, options)
 
 
-CASES = list(itertools.product(["lru", "arc"], [24, 96], [0, 5], [1, 2], [1, 2]))
-
-
-@pytest.mark.parametrize(("policy", "num_chunks", "fail_every", "groups", "threshold"), CASES)
+@pytest.mark.parametrize(REPLAY_CASE_NAMES, REPLAY_CASES)
 def test_workload_replay_decides_identically(
     policy: str, num_chunks: int, fail_every: int, groups: int, threshold: int
 ) -> None:
     require_oracle()
-    options = DriverOptions(fail_every=fail_every, groups=groups, reset_every=97)
-    seed = zlib.crc32(repr((policy, num_chunks, fail_every, groups, threshold)).encode())
-    ref = run(policy, False, num_chunks, options, threshold=threshold, seed=seed)
-    ours = run(policy, True, num_chunks, options, threshold=threshold, seed=seed)
+    ref, ours = replay_both(run, policy, num_chunks, fail_every, groups, threshold)
     assert any(e[0] == "lookup" and "HIT_PENDING" in e[2] for e in ref)
-    for i, (a, b) in enumerate(zip(ref, ours, strict=True)):
-        assert a == b, f"decision {i} differs:\n vLLM: {a}\n ours: {b}"
+    assert_same_decisions(ref, ours)

@@ -4,13 +4,18 @@ a multi-turn workload with failed stores, split stores, several KV groups and ca
 
 from __future__ import annotations
 
-import itertools
-import zlib
-
 import pytest
 
 from tests.conftest import require_oracle
-from tests.manager_driver import DriverOptions, drive, multi_turn_workload
+from tests.manager_driver import (
+    REPLAY_CASE_NAMES,
+    REPLAY_CASES,
+    DriverOptions,
+    assert_same_decisions,
+    drive,
+    multi_turn_workload,
+    replay_both,
+)
 
 pytestmark = pytest.mark.oracle
 
@@ -39,28 +44,13 @@ def run(
     return drive(manager, LookupResult.HIT, lambda rid: ReqContext(req_id=rid), requests, options)
 
 
-CASES = list(
-    itertools.product(
-        ["lru", "arc"],
-        [24, 96],  # chunks: tight (many evictions, failed prepares) and roomy
-        [0, 5],  # fail every 5th store, or never
-        [1, 2],  # KV-cache groups
-        [1, 2],  # store_threshold
-    )
-)
-
-
-@pytest.mark.parametrize(("policy", "num_chunks", "fail_every", "groups", "threshold"), CASES)
+@pytest.mark.parametrize(REPLAY_CASE_NAMES, REPLAY_CASES)
 def test_vllm_manager_decides_identically_with_our_policy(
     policy: str, num_chunks: int, fail_every: int, groups: int, threshold: int
 ) -> None:
     require_oracle()
-    options = DriverOptions(fail_every=fail_every, groups=groups, reset_every=97)
-    seed = zlib.crc32(repr((policy, num_chunks, fail_every, groups, threshold)).encode())
-    ref = run(policy, False, num_chunks, options, threshold=threshold, seed=seed)
-    ours = run(policy, True, num_chunks, options, threshold=threshold, seed=seed)
+    ref, ours = replay_both(run, policy, num_chunks, fail_every, groups, threshold)
     # The workload must exercise what it claims to.
     assert any(e[0] == "lookup" and "HIT" in e[2] for e in ref)
     assert any(e[0] == "store" and e[2] is not None and e[-1] for e in ref) or num_chunks > 90
-    for i, (a, b) in enumerate(zip(ref, ours, strict=True)):
-        assert a == b, f"decision {i} differs:\n vLLM: {a}\n ours: {b}"
+    assert_same_decisions(ref, ours)

@@ -343,18 +343,6 @@ impl<C> ArcPolicy<C> {
             .expect("handles name resident entries")
     }
 
-    /// Entries an eviction must skip, by handle.
-    pub fn protect_handles(&self, handles: impl IntoIterator<Item = u32>) -> Protected {
-        let handles = handles.into_iter();
-        let mut protected = Protected::with_capacity(handles.size_hint().0);
-        for h in handles {
-            if h != NIL {
-                protected.insert(h);
-            }
-        }
-        protected
-    }
-
     /// Whether a resolved handle names a resident entry.
     pub fn is_resident(&self, idx: u32) -> bool {
         idx != NIL && self.slab.get(idx).list.is_resident()
@@ -387,14 +375,7 @@ impl<C> ArcPolicy<C> {
 
     /// Resolves keys to the entries an eviction must skip (non-resident keys are ignored).
     pub fn protect<'k>(&self, keys: impl IntoIterator<Item = Key<'k>>) -> Protected {
-        let keys = keys.into_iter();
-        let mut protected = Protected::with_capacity(keys.size_hint().0);
-        for key in keys {
-            if let Some(idx) = self.index.find(&self.slab, key) {
-                protected.insert(idx);
-            }
-        }
-        protected
+        self.index.protect(&self.slab, keys)
     }
 
     /// Chooses exactly `n` victims without changing anything, or `None` if there are fewer

@@ -53,6 +53,18 @@ impl Protected {
         }
     }
 
+    /// Protects the given entry handles (`NIL` entries, for absent keys, are skipped).
+    pub fn from_handles(handles: impl IntoIterator<Item = u32>) -> Self {
+        let handles = handles.into_iter();
+        let mut protected = Protected::with_capacity(handles.size_hint().0);
+        for h in handles {
+            if h != crate::slab::NIL {
+                protected.insert(h);
+            }
+        }
+        protected
+    }
+
     pub(crate) fn insert(&mut self, entry: u32) {
         self.entries.insert(entry);
     }

@@ -3,6 +3,7 @@
 
 use hashbrown::HashTable;
 
+use crate::eviction::Protected;
 use crate::key::{key_eq, Key, KeyHasher};
 use crate::slab::Slab;
 
@@ -75,6 +76,15 @@ impl KeyIndex {
             *idx = self.find(slab, *key).unwrap_or(crate::slab::NIL);
         }
         found
+    }
+
+    /// Entries of `keys` an eviction must skip (absent keys need none).
+    pub fn protect<'k, T: Keyed>(
+        &self,
+        slab: &Slab<T>,
+        keys: impl IntoIterator<Item = Key<'k>>,
+    ) -> Protected {
+        Protected::from_handles(keys.into_iter().filter_map(|k| self.find(slab, k)))
     }
 
     /// Adds `idx` under `key`; the caller guarantees the key is absent.

@@ -679,28 +679,9 @@ impl<C> LruPolicy<C> {
         Ok(())
     }
 
-    /// Entries an eviction must skip, by handle.
-    pub fn protect_handles(&self, handles: impl IntoIterator<Item = u32>) -> Protected {
-        let handles = handles.into_iter();
-        let mut protected = Protected::with_capacity(handles.size_hint().0);
-        for h in handles {
-            if h != NIL {
-                protected.insert(h);
-            }
-        }
-        protected
-    }
-
     /// Resolves keys to the entries an eviction must skip (non-resident keys are ignored).
     pub fn protect<'k>(&self, keys: impl IntoIterator<Item = Key<'k>>) -> Protected {
-        let keys = keys.into_iter();
-        let mut protected = Protected::with_capacity(keys.size_hint().0);
-        for key in keys {
-            if let Some(idx) = self.index.find(&self.slab, key) {
-                protected.insert(idx);
-            }
-        }
-        protected
+        self.index.protect(&self.slab, keys)
     }
 
     /// The `n` evictable, idle, unprotected keys of smallest rank, or `None` if there are fewer.

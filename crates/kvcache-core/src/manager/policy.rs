@@ -4,6 +4,7 @@
 
 use crate::arc::{Access, ArcPolicy};
 use crate::error::CoreResult;
+use crate::eviction::Protected;
 use crate::key::{Key, KeyBuf};
 use crate::lru::{InsertRank, LruPolicy, RequestRank};
 use crate::manager::table::{ChunkId, ChunkTable};
@@ -135,7 +136,7 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
         protected: &[u32],
         table: &ChunkTable,
     ) -> Option<Vec<(KeyBuf, ChunkId)>> {
-        let guard = self.protect_handles(protected.iter().copied());
+        let guard = Protected::from_handles(protected.iter().copied());
         let evicted = LruPolicy::evict(self, n, &guard, table)?;
         Some(evicted.into_iter().map(|e| (e.key, e.chunk)).collect())
     }
@@ -235,7 +236,7 @@ impl ManagerPolicy for ArcPolicy<ChunkId> {
         protected: &[u32],
         table: &ChunkTable,
     ) -> Option<Vec<(KeyBuf, ChunkId)>> {
-        let guard = self.protect_handles(protected.iter().copied());
+        let guard = Protected::from_handles(protected.iter().copied());
         let evicted = ArcPolicy::evict(self, n, &guard, table)?;
         Some(evicted.into_iter().map(|e| (e.key, e.chunk)).collect())
     }
