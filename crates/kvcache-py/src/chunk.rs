@@ -16,6 +16,7 @@ use kvcache_core::HasRefCnt;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::conversion::type_name;
 use crate::exceptions::{exceptions, new_err};
 
 pub const CHUNK_STATUS_BYTES: usize = std::mem::size_of::<ChunkRecord>();
@@ -218,11 +219,7 @@ impl PyChunk {
         }
         let py = obj.py();
         let invalid = |why: &str| {
-            let ty = obj
-                .get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default();
+            let ty = type_name(obj);
             new_err(
                 py,
                 &exceptions(py).invalid_chunk,

@@ -13,7 +13,8 @@ use crate::exceptions::{exceptions, new_err};
 const KNOWN_CONTEXT_MODULES: [&str; 2] = ["vllm.v1.kv_offload.base", "kvcache._context"];
 const CONTEXT_METHOD_QUALNAME: &str = "ReqContext.get_offload_key_position";
 
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
+/// The name of `obj`'s type, for error messages.
+pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
         .map(|n| n.to_string())

@@ -16,6 +16,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyWeakrefReference;
 
+use crate::conversion::type_name;
 use crate::exceptions::{exceptions, new_err};
 
 /// Names an owner's state for one request in one cache generation.
@@ -155,11 +156,7 @@ impl Default for Owner {
 
 fn context_error(ctx: &Bound<'_, PyAny>, what: &str) -> PyErr {
     let py = ctx.py();
-    let ty = ctx
-        .get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_default();
+    let ty = type_name(ctx);
     new_err(
         py,
         &exceptions(py).invalid_type,
