@@ -18,7 +18,7 @@ use crate::chunk::RefCounts;
 use crate::error::{CoreError, CoreResult};
 use crate::eviction::{next_policy_id, Evicted, EvictionPlan, Protected};
 use crate::index::{KeyIndex, Keyed};
-use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::key::{key_eq, Key, KeyBuf, KeyHasher};
 use crate::slab::{Linked, Links, List, Slab, NIL};
 
 /// Which ARC list an entry is on.
@@ -207,6 +207,53 @@ impl<C> ArcPolicy<C> {
                 Ok(())
             }
         }
+    }
+
+    /// [`insert`](Self::insert) for a key the caller resolved: `entry` is the key's ghost entry
+    /// or [`NIL`] when the key is absent (no lookup is repeated). A handle that went stale since
+    /// it was resolved (its ghost was trimmed) is detected by key and treated as absent. Returns the entry's handle.
+    pub fn insert_resolved(&mut self, entry: u32, key: Key<'_>, chunk: C) -> u32 {
+        self.bump();
+        let ghost = self
+            .slab
+            .try_get(entry)
+            .filter(|e| !e.list.is_resident() && key_eq(e.key(), key.bytes))
+            .is_some();
+        if ghost {
+            self.slab.get_mut(entry).chunk = Some(chunk);
+            self.move_to(entry, ListId::T1);
+            return entry;
+        }
+        debug_assert!(self.index.find(&self.slab, key).is_none());
+        let idx = self.slab.insert(ArcEntry {
+            key: KeyBuf::new(key.bytes),
+            links: Links::default(),
+            list: ListId::T1,
+            chunk: Some(chunk),
+        });
+        self.index.insert(&self.slab, &self.hasher, key, idx);
+        self.lists[ListId::T1 as usize].push_back(&mut self.slab, idx);
+        idx
+    }
+
+    /// [`on_store_miss`](Self::on_store_miss) for resolved entries (`NIL`: absent), head to
+    /// tail; walked tail to head.
+    pub fn on_store_miss_resolved(&mut self, entries: &[u32]) {
+        self.bump();
+        for &idx in entries.iter().rev() {
+            if idx != NIL {
+                self.adapt_to_ghost_hit(idx);
+            }
+        }
+    }
+
+    /// Whether `handle` still names the entry of `key` (it may have been removed since it was
+    /// resolved, and its slot reused).
+    #[inline]
+    pub fn handle_matches(&self, handle: u32, key: &[u8]) -> bool {
+        self.slab
+            .try_get(handle)
+            .is_some_and(|e| key_eq(e.key(), key))
     }
 
     /// Drops a resident chunk (a failed store) without leaving a ghost.

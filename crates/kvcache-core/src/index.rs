@@ -95,6 +95,35 @@ impl KeyIndex {
             .insert_unique(key.hash.0, idx, |&i| hasher.hash(slab.get(i).key()).0);
     }
 
+    /// The entry of `key`, or a new one made by `make` and stored in `slab`: `(index, new)`.
+    /// One probe either way.
+    pub fn find_or_insert<T: Keyed>(
+        &mut self,
+        slab: &mut Slab<T>,
+        hasher: &KeyHasher,
+        key: Key<'_>,
+        make: impl FnOnce() -> T,
+    ) -> (u32, bool) {
+        let entry = self.table.entry(
+            key.hash.0,
+            |&i| key_eq(slab.get(i).key(), key.bytes),
+            |&i| hasher.hash(slab.get(i).key()).0,
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(o) => (*o.get(), false),
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                let idx = slab.insert(make());
+                v.insert(idx);
+                (idx, true)
+            }
+        }
+    }
+
+    /// Forgets every key but keeps the table's memory (for reuse).
+    pub fn clear_keep_memory(&mut self) {
+        self.table.clear();
+    }
+
     /// Makes room for `additional` more keys without rehashing on the way.
     pub fn reserve<T: Keyed>(&mut self, slab: &Slab<T>, hasher: &KeyHasher, additional: usize) {
         self.table

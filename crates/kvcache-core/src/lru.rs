@@ -27,7 +27,7 @@ use crate::chunk::RefCounts;
 use crate::error::{CoreError, CoreResult};
 use crate::eviction::{next_policy_id, Evicted, EvictionPlan, Protected};
 use crate::index::{KeyIndex, Keyed};
-use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::key::{key_eq, Key, KeyBuf, KeyHasher};
 use crate::slab::{Linked, Links, List, Slab, NIL};
 
 /// A request's provisional rank, valid for one cache generation (until `clear`).
@@ -521,6 +521,19 @@ impl<C> LruPolicy<C> {
         if self.index.find(&self.slab, key).is_some() {
             return Err(CoreError::DuplicateKey(KeyBuf::new(key.bytes)));
         }
+        self.insert_absent(key, chunk, rank, evictable).map(|_| ())
+    }
+
+    /// [`insert`](Self::insert) of a key the caller knows is absent (no lookup is repeated); returns
+    /// its handle.
+    pub fn insert_absent(
+        &mut self,
+        key: Key<'_>,
+        chunk: C,
+        rank: InsertRank,
+        evictable: bool,
+    ) -> CoreResult<u32> {
+        debug_assert!(self.index.find(&self.slab, key).is_none());
         let group = match rank {
             InsertRank::Request(rr, pos) => Some((self.check_request_rank(rr)?, pos)),
             InsertRank::Fresh => None,
@@ -540,7 +553,16 @@ impl<C> LruPolicy<C> {
             None => self.attach_fresh(idx),
             Some((gid, pos)) => self.attach_to_group(idx, gid, pos),
         }
-        Ok(())
+        Ok(idx)
+    }
+
+    /// Whether `handle` still names the resident entry of `key` (it may have been removed
+    /// since it was resolved, and its slot reused, possibly by a request anchor).
+    #[inline]
+    pub fn handle_matches(&self, handle: u32, key: &[u8]) -> bool {
+        self.slab
+            .try_get(handle)
+            .is_some_and(|e| e.chunk.is_some() && key_eq(e.key(), key))
     }
 
     pub fn remove(&mut self, key: Key<'_>) -> CoreResult<C> {
@@ -565,16 +587,21 @@ impl<C> LruPolicy<C> {
     /// ends most recent). Serves `touch` and `on_request_finished` (given the request's keys in
     /// head-to-tail order).
     pub fn touch(&mut self, keys: &[Key<'_>]) {
-        self.bump();
         let entries = self.index.find_many(&self.slab, keys);
-        for &idx in &entries {
+        self.touch_resolved(&entries);
+    }
+
+    /// [`touch`](Self::touch) for resolved entries (`NIL`: absent), head to tail.
+    pub fn touch_resolved(&mut self, entries: &[u32]) {
+        self.bump();
+        for &idx in entries {
             if idx != NIL {
                 let e = self.slab.get(idx);
                 self.slab.prefetch(e.links.prev);
                 self.slab.prefetch(e.links.next);
             }
         }
-        for idx in entries.into_iter().rev() {
+        for &idx in entries.iter().rev() {
             if idx != NIL {
                 self.detach(idx);
                 self.attach_fresh(idx);

@@ -171,6 +171,17 @@ impl<T> Slab<T> {
         }
     }
 
+    /// The entry at `idx`, or `None` if the slot is vacant or was never used (for handles that
+    /// may have gone stale).
+    #[inline]
+    pub fn try_get(&self, idx: u32) -> Option<&T> {
+        let page = self.pages.get((idx >> PAGE_BITS) as usize)?;
+        match page.get(idx as usize & (PAGE - 1))? {
+            Slot::Occupied(v) => Some(v),
+            Slot::Vacant { .. } => None,
+        }
+    }
+
     #[inline]
     pub fn get_mut(&mut self, idx: u32) -> &mut T {
         match self.slot_mut(idx) {
@@ -182,6 +193,22 @@ impl<T> Slab<T> {
     /// Drops every entry and releases the memory.
     pub fn clear(&mut self) {
         *self = Slab::default();
+    }
+
+    /// Drops every entry but keeps the first page's memory (for reuse).
+    pub fn clear_keep_memory(&mut self) {
+        self.pages.truncate(1);
+        if let Some(page) = self.pages.first_mut() {
+            page.clear();
+        }
+        self.used = 0;
+        self.free_head = NIL;
+        self.len = 0;
+    }
+
+    /// Slots the first page holds without growing.
+    pub fn first_page_capacity(&self) -> usize {
+        self.pages.first().map_or(0, Vec::capacity)
     }
 
     /// Hints the CPU to load slot `idx` (ignored for `NIL`); see [`prefetch`].

@@ -17,8 +17,6 @@ pub mod request;
 pub mod table;
 pub mod tracker;
 
-use std::collections::BTreeMap;
-
 use crate::arc::Access;
 use crate::error::{CoreError, CoreResult};
 use crate::key::{Key, KeyBuf, KeyHasher};
@@ -30,8 +28,25 @@ use table::ChunkTable;
 pub use table::{ChunkId, ChunkRecord, FREE, PENDING};
 use tracker::AccessTracker;
 
-/// A request's key at finish: the key, its token position, its access flags.
-type SeenEntry<'a> = (Key<'a>, Option<i64>, u8);
+/// A key a call records in the request: its offer index, its resident entry (`NIL`: not
+/// resident), for store candidates any other policy entry (ARC's ghost; else `NIL`), and its
+/// token position.
+#[derive(Clone, Copy)]
+struct Recorded<'a> {
+    offer_index: usize,
+    key: Key<'a>,
+    resident: u32,
+    ghost: u32,
+    position: Option<i64>,
+}
+
+/// A finished request's key, for ordering: group, position, resident entry, access.
+struct Finished {
+    group: u32,
+    position: Option<i64>,
+    handle: u32,
+    access: Access,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LookupResult {
@@ -199,8 +214,10 @@ impl<P: ManagerPolicy> Manager<P> {
 
     /// The request's context is gone: drop its state (and the policy's).
     pub fn release_request(&mut self, token: RequestToken) {
-        if let Some(access) = self.requests.release(token) {
-            self.policy.release_request(access.policy_state);
+        if let Some(mut access) = self.requests.release(token) {
+            self.policy
+                .release_request(std::mem::take(&mut access.policy_state));
+            self.requests.recycle(access);
         }
     }
 
@@ -251,44 +268,33 @@ impl<P: ManagerPolicy> Manager<P> {
     }
 
     /// vLLM's `_record_request_cache_access`: new keys join the request's key groups and are
-    /// shown to the policy; `reused` keys (by position in `keys`) are reads of chunks the
-    /// request did not store itself. Each key comes with its offer index, its policy handle
-    /// (`NIL`: not resident) and token position; `entries[i]` is the request's entry for
-    /// `keys[i]` if already resolved (`NIL` otherwise) and is filled in. `observed` receives
-    /// the offer indices of newly observed keys.
+    /// shown to the policy. Returns each recorded key's entry in the request. `observed`
+    /// receives the offer indices of newly observed keys.
     fn record_access(
         &mut self,
         token: RequestToken,
-        keys: &[(usize, Key<'_>, u32, Option<i64>)],
-        entries: &mut [u32],
-        reused: impl Iterator<Item = usize>,
+        recorded: &[Recorded<'_>],
         observed: &mut Vec<usize>,
-    ) {
+    ) -> Vec<u32> {
         let req = self.requests.get_mut(token).expect("checked by the caller");
         if req.num_keys() == 0 {
-            req.reserve(&self.hasher, keys.len());
+            req.reserve(&self.hasher, recorded.len());
         }
+        let mut entries = Vec::with_capacity(recorded.len());
         let mut new_keys = Vec::new();
-        for (&(offer_index, key, handle, pos), entry) in keys.iter().zip(entries.iter_mut()) {
-            if *entry == NIL {
-                *entry = req.find(key).unwrap_or(NIL);
+        for r in recorded {
+            let (entry, new) = req.observe(&self.hasher, r.key, r.resident);
+            if new {
+                new_keys.push((r.resident, r.position));
+                observed.push(r.offer_index);
             }
-            if *entry == NIL {
-                *entry = req.observe(&self.hasher, key);
-                new_keys.push((handle, pos));
-                observed.push(offer_index);
-            }
+            entries.push(entry);
         }
         if !new_keys.is_empty() {
             self.policy
                 .on_request_access(&mut req.policy_state, &new_keys);
         }
-        for i in reused {
-            let idx = entries[i];
-            if req.flags(idx) & INSERTED == 0 {
-                req.set(idx, REUSED);
-            }
-        }
+        entries
     }
 
     /// Pins ready chunks for reading; returns their chunk ids. `observed` receives the offer
@@ -302,9 +308,9 @@ impl<P: ManagerPolicy> Manager<P> {
         observed: &mut Vec<usize>,
     ) -> CoreResult<Vec<ChunkId>> {
         debug_assert_eq!(keys.len(), positions.len());
-        let mut handles = Vec::with_capacity(keys.len());
+        let mut recorded = Vec::with_capacity(keys.len());
         let mut chunks = Vec::with_capacity(keys.len());
-        for &key in keys {
+        for (i, (&key, &position)) in keys.iter().zip(positions).enumerate() {
             let handle = self
                 .policy
                 .find(key)
@@ -316,28 +322,32 @@ impl<P: ManagerPolicy> Manager<P> {
                     KeyBuf::new(key.bytes)
                 )));
             }
-            handles.push(handle);
+            recorded.push(Recorded {
+                offer_index: i,
+                key,
+                resident: handle,
+                ghost: NIL,
+                position,
+            });
             chunks.push(chunk);
         }
         self.check_not_finished(token, keys.iter().copied())?;
-        for (&handle, &chunk) in handles.iter().zip(&chunks) {
+        for (r, &chunk) in recorded.iter().zip(&chunks) {
             let record = self.table.record(chunk);
             let cnt = record.ref_cnt();
             if cnt == 0 {
-                self.policy.mark_non_evictable_at(handle);
+                self.policy.mark_non_evictable_at(r.resident);
                 self.num_evictable -= 1;
             }
             record.set_ref_cnt(cnt + 1);
         }
-        let recorded: Vec<(usize, Key<'_>, u32, Option<i64>)> = keys
-            .iter()
-            .zip(&handles)
-            .zip(positions)
-            .enumerate()
-            .map(|(i, ((&k, &h), &p))| (i, k, h, p))
-            .collect();
-        let mut entries = vec![NIL; recorded.len()];
-        self.record_access(token, &recorded, &mut entries, 0..keys.len(), observed);
+        let entries = self.record_access(token, &recorded, observed);
+        let req = self.requests.get_mut(token).expect("checked above");
+        for e in entries {
+            if req.flags(e) & INSERTED == 0 {
+                req.set(e, REUSED);
+            }
+        }
         Ok(chunks)
     }
 
@@ -392,94 +402,88 @@ impl<P: ManagerPolicy> Manager<P> {
     ) -> CoreResult<Option<StoreOutput>> {
         debug_assert_eq!(keys.len(), positions.len());
         self.check_unique(keys, "prepare_store")?;
-        // Partition the offer: store candidates (not resident) and ready resident chunks.
-        let mut candidates = Vec::new();
-        let mut ready_existing = Vec::new();
-        let mut handles = Vec::with_capacity(keys.len());
-        for (i, &key) in keys.iter().enumerate() {
-            let handle = self.policy.find(key);
-            handles.push(handle.unwrap_or(crate::slab::NIL));
-            match handle {
-                None => candidates.push(i),
-                Some(h) if self.table.record(self.policy.chunk_at(h)).ref_cnt() >= 0 => {
-                    ready_existing.push(i)
+        // Each key is looked up once. Recorded: store candidates (not resident; `ghost` is
+        // any entry the policy keeps for them) and ready resident keys, in offer order.
+        let mut recorded: Vec<Recorded<'_>> = Vec::with_capacity(keys.len());
+        let mut protected = Vec::new();
+        let mut num_candidates = 0;
+        let tracker = self.tracker.as_ref();
+        for (i, (&key, &position)) in keys.iter().zip(positions).enumerate() {
+            let entry = self.policy.resolve_entry(key);
+            if entry != NIL && self.policy.is_resident_at(entry) {
+                if self.table.record(self.policy.chunk_at(entry)).ref_cnt() >= 0 {
+                    // A chunk this offer names must stay cached.
+                    protected.push(entry);
+                    recorded.push(Recorded {
+                        offer_index: i,
+                        key,
+                        resident: entry,
+                        ghost: NIL,
+                        position,
+                    });
                 }
-                Some(_) => {}
+                continue;
             }
+            num_candidates += 1;
+            // After this offer is recorded, a tracked candidate counts one more; an untracked
+            // one at most 1, below any threshold >= 2.
+            if let Some(t) = tracker {
+                let c = t.count(key);
+                if c == 0 || i64::from(c) + 1 < self.config.store_threshold {
+                    continue;
+                }
+            }
+            recorded.push(Recorded {
+                offer_index: i,
+                key,
+                resident: NIL,
+                ghost: entry,
+                position,
+            });
         }
-        // After this offer is recorded, a tracked candidate counts one more; an untracked one
-        // at most 1, below any threshold >= 2.
-        let num_candidates = candidates.len();
-        let to_store: Vec<usize> = match &self.tracker {
-            None => candidates,
-            Some(t) => candidates
-                .into_iter()
-                .filter(|&i| {
-                    let c = t.count(keys[i]);
-                    c > 0 && i64::from(c) + 1 >= self.config.store_threshold
-                })
-                .collect(),
-        };
-        // Recorded keys, in offer order: the ones to store and the ready resident ones.
-        let mut order: Vec<usize> = to_store.iter().chain(&ready_existing).copied().collect();
-        order.sort_unstable();
-        let recorded: Vec<(usize, Key<'_>, u32, Option<i64>)> = order
-            .into_iter()
-            .map(|i| (i, keys[i], handles[i], positions[i]))
-            .collect();
-        self.check_not_finished(token, recorded.iter().map(|r| r.1))?;
+        self.check_not_finished(token, recorded.iter().map(|r| r.key))?;
 
         // Nothing can fail from here on.
+        let num_to_store = recorded.iter().filter(|r| r.resident == NIL).count();
         if let Some(tracker) = &mut self.tracker {
             tracker.record(keys);
-            self.stores_skipped += (num_candidates - to_store.len()) as u64;
+            self.stores_skipped += (num_candidates - num_to_store) as u64;
         }
-        // The request's entries for the recorded keys (NIL: not seen yet).
-        let req = self.requests.get(token).expect("checked above");
-        let mut entries: Vec<u32> = recorded
-            .iter()
-            .map(|r| req.find(r.1).unwrap_or(NIL))
-            .collect();
-        let is_store = |r: &(usize, Key<'_>, u32, Option<i64>)| r.2 == NIL;
-        let new_misses: Vec<Key<'_>> = recorded
+        let entries = self.record_access(token, &recorded, observed);
+        let req = self.requests.get_mut(token).expect("checked above");
+        // ARC learns from B1/B2 before insert() drops the ghost; once per key and request.
+        let new_misses: Vec<u32> = recorded
             .iter()
             .zip(&entries)
-            .filter(|(r, &e)| is_store(r) && (e == NIL || req.flags(e) & STORE_MISS == 0))
-            .map(|(r, _)| r.1)
+            .filter(|&(r, &e)| r.resident == NIL && req.flags(e) & STORE_MISS == 0)
+            .map(|(r, _)| r.ghost)
             .collect();
-        if !new_misses.is_empty() {
-            // ARC learns from B1/B2 before insert() drops the ghost; once per request.
-            self.policy.on_store_miss(&new_misses, &self.table);
-        }
-        let reused = recorded
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| !is_store(r))
-            .map(|(j, _)| j);
-        let reused: Vec<usize> = reused.collect();
-        self.record_access(token, &recorded, &mut entries, reused.into_iter(), observed);
-        let req = self.requests.get_mut(token).expect("checked above");
         for (r, &e) in recorded.iter().zip(&entries) {
-            if is_store(r) {
+            if r.resident == NIL {
                 req.set(e, STORE_MISS);
+            } else if req.flags(e) & INSERTED == 0 {
+                req.set(e, REUSED);
             }
         }
+        if !new_misses.is_empty() {
+            self.policy.on_store_miss_resolved(&new_misses);
+        }
 
-        if to_store.is_empty() {
+        if num_to_store == 0 {
             return Ok(Some(StoreOutput::default()));
         }
-        self.allocation_sizes.push(to_store.len());
+        self.allocation_sizes.push(num_to_store);
         let mut evicted = Vec::new();
-        let needed = to_store.len().saturating_sub(self.table.num_free());
+        let needed = num_to_store.saturating_sub(self.table.num_free());
         if needed > 0 {
             if needed > self.num_evictable {
                 return Ok(None);
             }
-            // A chunk this offer names must stay cached: protect the whole offer.
-            let Some(victims) = self.policy.evict(needed, &handles, &self.table) else {
+            let Some(victims) = self.policy.evict(needed, &protected, &self.table) else {
                 return Ok(None);
             };
             self.num_evictable -= victims.len();
+            evicted.reserve(victims.len());
             for (key, chunk) in victims {
                 self.table.free(chunk);
                 evicted.push(key);
@@ -494,21 +498,25 @@ impl<P: ManagerPolicy> Manager<P> {
                 });
             }
         }
-        let chunk_ids = self.table.allocate(to_store.len());
+        let chunk_ids = self.table.allocate(num_to_store);
         let req = self.requests.get_mut(token).expect("checked above");
-        for (&i, &chunk) in to_store.iter().zip(&chunk_ids) {
-            self.policy
-                .insert(&mut req.policy_state, keys[i], chunk, positions[i])
+        let mut stored = Vec::with_capacity(num_to_store);
+        let stores = recorded
+            .iter()
+            .zip(&entries)
+            .filter(|(r, _)| r.resident == NIL);
+        for ((r, &e), &chunk) in stores.zip(&chunk_ids) {
+            let handle = self
+                .policy
+                .insert_resolved(&mut req.policy_state, r.ghost, r.key, chunk, r.position)
                 .expect("store candidates are not resident");
+            req.set(e, INSERTED);
+            req.set_handle(e, handle);
+            stored.push(r.offer_index);
         }
-        self.num_write_pending += to_store.len();
-        for (r, &e) in recorded.iter().zip(&entries) {
-            if is_store(r) {
-                req.set(e, INSERTED);
-            }
-        }
+        self.num_write_pending += num_to_store;
         Ok(Some(StoreOutput {
-            stored: to_store,
+            stored,
             chunk_ids,
             evicted,
         }))
@@ -562,43 +570,55 @@ impl<P: ManagerPolicy> Manager<P> {
         if req.finished {
             return Ok(());
         }
-        // Key groups by group index, each in first-seen order.
-        let mut groups: BTreeMap<u32, Vec<SeenEntry<'_>>> = BTreeMap::new();
+        // vLLM's order_request_keys: key groups by group index, each in first-seen order and
+        // sorted by position when all its keys have one; across groups by position when every
+        // key has one (stable, so ties keep the group order).
+        let mut ordered: Vec<Finished> = Vec::with_capacity(req.num_keys());
+        let mut all_positioned = true;
+        let mut one_group = true;
         for (i, k) in req.keys_in_order().enumerate() {
-            let pos = position(i, k.key.as_slice())?;
-            let key = Key {
-                bytes: k.key.as_slice(),
-                hash: k.hash,
+            let position = position(i, k.key.as_slice())?;
+            all_positioned &= position.is_some();
+            one_group &= k.group == ordered.first().map_or(k.group, |f: &Finished| f.group);
+            let key = k.key.as_slice();
+            let handle = if k.handle != NIL && self.policy.handle_matches(k.handle, key) {
+                k.handle
+            } else {
+                self.policy
+                    .find(Key {
+                        bytes: key,
+                        hash: k.hash,
+                    })
+                    .unwrap_or(NIL)
             };
-            groups.entry(k.group).or_default().push((key, pos, k.flags));
+            let access = if k.flags & REUSED != 0 {
+                Access::Reused
+            } else if k.flags & INSERTED != 0 {
+                Access::InsertionOnly
+            } else {
+                Access::Other
+            };
+            ordered.push(Finished {
+                group: k.group,
+                position,
+                handle,
+                access,
+            });
         }
-        let mut ordered: Vec<SeenEntry<'_>> = Vec::with_capacity(req.num_keys());
-        for (_, mut keys) in groups {
-            if keys.iter().all(|k| k.1.is_some()) {
-                keys.sort_by_key(|k| k.1);
+        if all_positioned {
+            ordered.sort_by_key(|f| (f.position, f.group));
+        } else {
+            if !one_group {
+                ordered.sort_by_key(|f| f.group);
             }
-            ordered.extend(keys);
+            for run in ordered.chunk_by_mut(|a, b| a.group == b.group) {
+                if run.iter().all(|f| f.position.is_some()) {
+                    run.sort_by_key(|f| f.position);
+                }
+            }
         }
-        // The policy orders across groups the same way (keys are distinct across groups).
-        if ordered.iter().all(|k| k.1.is_some()) {
-            ordered.sort_by_key(|k| k.1);
-        }
-        let accesses: Vec<(Key<'_>, Access)> = ordered
-            .iter()
-            .map(|&(key, _, flags)| {
-                let access = if flags & REUSED != 0 {
-                    Access::Reused
-                } else if flags & INSERTED != 0 {
-                    Access::InsertionOnly
-                } else {
-                    Access::Other
-                };
-                (key, access)
-            })
-            .collect();
-        self.policy.on_request_finished(&accesses, &self.table);
-        drop(accesses);
-        drop(ordered);
+        let accesses: Vec<(u32, Access)> = ordered.iter().map(|f| (f.handle, f.access)).collect();
+        self.policy.on_request_finished(&accesses);
         self.requests
             .get_mut(token)
             .expect("checked above")

@@ -8,6 +8,7 @@ use crate::eviction::Protected;
 use crate::key::{Key, KeyBuf};
 use crate::lru::{InsertRank, LruPolicy, RequestRank};
 use crate::manager::table::{ChunkId, ChunkTable};
+use crate::slab::NIL;
 
 pub trait ManagerPolicy {
     /// Per-request state the policy keeps (dropped or released with the request).
@@ -22,26 +23,41 @@ pub trait ManagerPolicy {
     fn get(&self, key: Key<'_>) -> Option<ChunkId> {
         self.find(key).map(|h| self.chunk_at(h))
     }
+    /// The handle of any entry the policy keeps for `key` (ARC: ghosts too), else `NIL`: what
+    /// [`insert_resolved`](Self::insert_resolved) and
+    /// [`on_store_miss_resolved`](Self::on_store_miss_resolved) take.
+    fn resolve_entry(&self, key: Key<'_>) -> u32;
+    /// Whether a handle from [`resolve_entry`](Self::resolve_entry) names a resident entry.
+    fn is_resident_at(&self, handle: u32) -> bool;
+    /// Whether `handle` still names the resident entry of `key` (handles go stale when their
+    /// entry is removed and the slot reused).
+    fn handle_matches(&self, handle: u32, key: &[u8]) -> bool;
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// A new pending chunk; `position` is the key's token position in the storing request.
-    fn insert(
+    /// A new pending chunk for a non-resident key; `entry` is what
+    /// [`resolve_entry`](Self::resolve_entry) returned for it (possibly stale since: checked).
+    /// `position` is the key's token position in the storing request. Returns the new
+    /// entry's handle.
+    fn insert_resolved(
         &mut self,
         state: &mut Self::RequestState,
+        entry: u32,
         key: Key<'_>,
         chunk: ChunkId,
         position: Option<i64>,
-    ) -> CoreResult<()>;
+    ) -> CoreResult<u32>;
     fn remove_at(&mut self, handle: u32) -> ChunkId;
     fn touch(&mut self, keys: &[Key<'_>], table: &ChunkTable);
-    /// Store misses: keys about to be stored, so never resident.
-    fn on_store_miss(&mut self, keys: &[Key<'_>], table: &ChunkTable);
+    /// Store misses, resolved with [`resolve_entry`](Self::resolve_entry) (so never resident),
+    /// in offer order.
+    fn on_store_miss_resolved(&mut self, entries: &[u32]);
     /// Keys a request observes for the first time, resolved (`NIL`: not resident).
     fn on_request_access(&mut self, state: &mut Self::RequestState, entries: &[(u32, Option<i64>)]);
-    /// One finished request's keys in prefix order, each with how the request used it.
-    fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)], table: &ChunkTable);
+    /// One finished request's resident entries (`NIL`: not resident) in prefix order, each
+    /// with how the request used it.
+    fn on_request_finished(&mut self, entries: &[(u32, Access)]);
     fn evict(
         &mut self,
         n: usize,
@@ -78,17 +94,34 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
         *LruPolicy::chunk_at(self, handle)
     }
 
+    #[inline]
+    fn resolve_entry(&self, key: Key<'_>) -> u32 {
+        LruPolicy::find(self, key).unwrap_or(NIL)
+    }
+
+    #[inline]
+    fn is_resident_at(&self, handle: u32) -> bool {
+        handle != NIL
+    }
+
+    #[inline]
+    fn handle_matches(&self, handle: u32, key: &[u8]) -> bool {
+        LruPolicy::handle_matches(self, handle, key)
+    }
+
     fn len(&self) -> usize {
         LruPolicy::len(self)
     }
 
-    fn insert(
+    fn insert_resolved(
         &mut self,
         state: &mut Self::RequestState,
+        entry: u32,
         key: Key<'_>,
         chunk: ChunkId,
         position: Option<i64>,
-    ) -> CoreResult<()> {
+    ) -> CoreResult<u32> {
+        debug_assert_eq!(entry, NIL, "LRU resolves only resident keys");
         let rank = match position {
             None => InsertRank::Fresh,
             Some(pos) => {
@@ -98,7 +131,7 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
             }
         };
         // A new chunk is pending (ref_cnt −1), so never evictable yet.
-        LruPolicy::insert(self, key, chunk, rank, false)
+        LruPolicy::insert_absent(self, key, chunk, rank, false)
     }
 
     fn remove_at(&mut self, handle: u32) -> ChunkId {
@@ -109,7 +142,7 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
         LruPolicy::touch(self, keys)
     }
 
-    fn on_store_miss(&mut self, _keys: &[Key<'_>], _table: &ChunkTable) {
+    fn on_store_miss_resolved(&mut self, _entries: &[u32]) {
         // vLLM's default on_store_miss touches the keys; store misses are not resident and a
         // touch only re-ranks resident keys, so it changes nothing.
     }
@@ -125,9 +158,9 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
             .expect("a fresh request rank is valid");
     }
 
-    fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)], _table: &ChunkTable) {
-        let keys: Vec<Key<'_>> = keys.iter().map(|(k, _)| *k).collect();
-        LruPolicy::touch(self, &keys)
+    fn on_request_finished(&mut self, entries: &[(u32, Access)]) {
+        let entries: Vec<u32> = entries.iter().map(|&(h, _)| h).collect();
+        LruPolicy::touch_resolved(self, &entries)
     }
 
     fn evict(
@@ -191,18 +224,34 @@ impl ManagerPolicy for ArcPolicy<ChunkId> {
         *ArcPolicy::chunk_at(self, handle).expect("handles name resident entries")
     }
 
+    #[inline]
+    fn resolve_entry(&self, key: Key<'_>) -> u32 {
+        ArcPolicy::find(self, key).unwrap_or(NIL)
+    }
+
+    #[inline]
+    fn is_resident_at(&self, handle: u32) -> bool {
+        ArcPolicy::is_resident(self, handle)
+    }
+
+    #[inline]
+    fn handle_matches(&self, handle: u32, key: &[u8]) -> bool {
+        ArcPolicy::handle_matches(self, handle, key) && ArcPolicy::is_resident(self, handle)
+    }
+
     fn len(&self) -> usize {
         ArcPolicy::len(self)
     }
 
-    fn insert(
+    fn insert_resolved(
         &mut self,
         _: &mut (),
+        entry: u32,
         key: Key<'_>,
         chunk: ChunkId,
         _: Option<i64>,
-    ) -> CoreResult<()> {
-        ArcPolicy::insert(self, key, chunk)
+    ) -> CoreResult<u32> {
+        Ok(ArcPolicy::insert_resolved(self, entry, key, chunk))
     }
 
     fn remove_at(&mut self, handle: u32) -> ChunkId {
@@ -213,21 +262,14 @@ impl ManagerPolicy for ArcPolicy<ChunkId> {
         ArcPolicy::touch(self, keys, table)
     }
 
-    fn on_store_miss(&mut self, keys: &[Key<'_>], _table: &ChunkTable) {
-        ArcPolicy::on_store_miss(self, keys)
+    fn on_store_miss_resolved(&mut self, entries: &[u32]) {
+        ArcPolicy::on_store_miss_resolved(self, entries)
     }
 
     fn on_request_access(&mut self, _: &mut (), _: &[(u32, Option<i64>)]) {}
 
-    fn on_request_finished(&mut self, keys: &[(Key<'_>, Access)], _table: &ChunkTable) {
-        let ks: Vec<Key<'_>> = keys.iter().map(|(k, _)| *k).collect();
-        let entries = self.resolve(&ks);
-        let accesses: Vec<(u32, Access)> = entries
-            .into_iter()
-            .zip(keys)
-            .map(|(i, (_, a))| (i, *a))
-            .collect();
-        ArcPolicy::on_request_finished(self, &accesses)
+    fn on_request_finished(&mut self, entries: &[(u32, Access)]) {
+        ArcPolicy::on_request_finished(self, entries)
     }
 
     fn evict(

@@ -10,7 +10,7 @@ use hashbrown::HashMap;
 
 use crate::index::{KeyIndex, Keyed};
 use crate::key::{Key, KeyBuf, KeyHash, KeyHasher};
-use crate::slab::Slab;
+use crate::slab::{Slab, NIL};
 
 /// Names one request's state for one cache generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -29,6 +29,9 @@ pub(crate) struct SeenKey {
     pub hash: KeyHash,
     pub group: u32,
     pub flags: u8,
+    /// The key's policy entry when last seen resident (`NIL`: unknown), so finishing the
+    /// request need not look the key up again; checked before use, as entries come and go.
+    pub handle: u32,
 }
 
 impl Keyed for SeenKey {
@@ -61,16 +64,26 @@ impl<S> RequestAccess<S> {
         self.index.find(&self.seen, key)
     }
 
-    /// Records a newly observed key (the caller checked it is unseen).
-    pub(crate) fn observe(&mut self, hasher: &KeyHasher, key: Key<'_>) -> u32 {
-        let idx = self.seen.insert(SeenKey {
-            key: KeyBuf::new(key.bytes),
-            hash: key.hash,
-            group: group_index(key.bytes),
-            flags: 0,
-        });
-        self.index.insert(&self.seen, hasher, key, idx);
-        idx
+    /// The request's entry for `key`, recording it if new: `(entry, newly observed)`.
+    /// `handle` (the key's resident policy entry, or `NIL`) is remembered unless `NIL`.
+    pub(crate) fn observe(&mut self, hasher: &KeyHasher, key: Key<'_>, handle: u32) -> (u32, bool) {
+        let (idx, new) = self
+            .index
+            .find_or_insert(&mut self.seen, hasher, key, || SeenKey {
+                key: KeyBuf::new(key.bytes),
+                hash: key.hash,
+                group: group_index(key.bytes),
+                flags: 0,
+                handle,
+            });
+        if !new && handle != NIL {
+            self.seen.get_mut(idx).handle = handle;
+        }
+        (idx, new)
+    }
+
+    pub(crate) fn set_handle(&mut self, idx: u32, handle: u32) {
+        self.seen.get_mut(idx).handle = handle;
     }
 
     pub(crate) fn flags(&self, idx: u32) -> u8 {
@@ -99,7 +112,24 @@ impl<S> RequestAccess<S> {
     fn heap_bytes(&self) -> usize {
         self.seen.allocation_size() + self.index.allocation_size()
     }
+
+    /// Empties a released request's tables for the next request, keeping their memory.
+    fn recycle(&mut self)
+    where
+        S: Default,
+    {
+        self.seen.clear_keep_memory();
+        self.index.clear_keep_memory();
+        self.finished = false;
+        self.policy_state = S::default();
+    }
 }
+
+/// Released request states kept for reuse (their tables' memory), so a request costs no
+/// allocation in the steady state.
+const POOL_SIZE: usize = 32;
+/// Tables larger than this are freed rather than kept.
+const POOL_MAX_KEYS: usize = 1024;
 
 /// vLLM's `get_offload_group_idx`: the key's last 4 bytes, big-endian (fewer if shorter).
 pub fn group_index(key: &[u8]) -> u32 {
@@ -109,6 +139,7 @@ pub fn group_index(key: &[u8]) -> u32 {
 
 pub struct RequestRegistry<S> {
     requests: HashMap<u64, RequestAccess<S>, foldhash::fast::FixedState>,
+    pool: Vec<RequestAccess<S>>,
     next_id: u64,
     generation: u64,
 }
@@ -117,6 +148,7 @@ impl<S: Default> RequestRegistry<S> {
     pub fn new() -> Self {
         RequestRegistry {
             requests: HashMap::default(),
+            pool: Vec::new(),
             next_id: 0,
             generation: 0,
         }
@@ -142,7 +174,8 @@ impl<S: Default> RequestRegistry<S> {
             }
         }
         self.next_id += 1;
-        self.requests.insert(self.next_id, RequestAccess::new());
+        let access = self.pool.pop().unwrap_or_else(RequestAccess::new);
+        self.requests.insert(self.next_id, access);
         RequestToken {
             generation: self.generation,
             id: self.next_id,
@@ -171,6 +204,15 @@ impl<S: Default> RequestRegistry<S> {
         self.requests.remove(&token.id)
     }
 
+    /// Takes back a released request's state (its policy state already handed back) to reuse
+    /// its memory.
+    pub fn recycle(&mut self, mut access: RequestAccess<S>) {
+        if self.pool.len() < POOL_SIZE && access.seen.first_page_capacity() <= POOL_MAX_KEYS {
+            access.recycle();
+            self.pool.push(access);
+        }
+    }
+
     /// Every request's state becomes stale (vLLM's `reset_cache`).
     pub fn reset(&mut self) -> Vec<RequestAccess<S>> {
         self.generation += 1;
@@ -182,6 +224,7 @@ impl<S: Default> RequestRegistry<S> {
             + self
                 .requests
                 .values()
+                .chain(&self.pool)
                 .map(|r| r.heap_bytes())
                 .sum::<usize>()
     }

@@ -1,0 +1,130 @@
+//! The replay driver's semantics (`python -m kvcache replay`) in pure Rust, to time and profile
+//! the manager without Python: `cargo run --release --example replay_core -- FILE arc|lru CHUNKS`.
+//! FILE: u32 request count, u32 block tokens, then per request a u32 key count and 36-byte keys
+//! (little-endian).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use kvcache_core::manager::{LookupResult, Manager, ManagerConfig, ManagerPolicy};
+use kvcache_core::{ArcPolicy, LruPolicy};
+
+fn read_u32(b: &[u8], at: &mut usize) -> u32 {
+    let v = u32::from_le_bytes(b[*at..*at + 4].try_into().unwrap());
+    *at += 4;
+    v
+}
+
+fn load(path: &str) -> (Vec<Vec<Vec<u8>>>, i64) {
+    let b = std::fs::read(path).expect("read workload");
+    let mut at = 0;
+    let n = read_u32(&b, &mut at);
+    let bt = read_u32(&b, &mut at) as i64;
+    let reqs = (0..n)
+        .map(|_| {
+            let k = read_u32(&b, &mut at) as usize;
+            (0..k)
+                .map(|_| {
+                    let key = b[at..at + 36].to_vec();
+                    at += 36;
+                    key
+                })
+                .collect()
+        })
+        .collect();
+    (reqs, bt)
+}
+
+fn run<P: ManagerPolicy>(reqs: &[Vec<Vec<u8>>], bt: i64, chunks: usize) -> (u128, usize, usize) {
+    let mut m: Manager<P> = Manager::new(ManagerConfig {
+        num_chunks: chunks,
+        enable_events: false,
+        store_threshold: 1,
+        max_tracker_size: 64_000,
+    });
+    let mut pending = VecDeque::new();
+    let mut hits = 0;
+    let mut visits = 0;
+    let start = Instant::now();
+    let mut ph = [0u128; 6];
+    let mut clock = Instant::now();
+    let mut lap = |i: usize, ph: &mut [u128; 6]| {
+        let now = Instant::now();
+        ph[i] += (now - clock).as_nanos();
+        clock = now;
+    };
+    for keys in reqs {
+        visits += keys.len();
+        let t = m.request(None);
+        let ks: Vec<_> = keys.iter().map(|k| m.key(k)).collect();
+        let pos: Vec<_> = (0..ks.len() as i64).map(|j| Some(bt * (j + 1))).collect();
+        lap(0, &mut ph);
+        let n = ks
+            .iter()
+            .take_while(|&&k| m.lookup(k) == LookupResult::Hit)
+            .count();
+        hits += n;
+        lap(1, &mut ph);
+        let mut observed = Vec::new();
+        if n > 0 {
+            m.prepare_load(t, &ks[..n], &pos[..n], &mut observed)
+                .unwrap();
+        }
+        lap(2, &mut ph);
+        let mut stored = Vec::new();
+        if n < ks.len() {
+            if let Some(out) = m
+                .prepare_store(t, &ks[n..], &pos[n..], &mut observed)
+                .unwrap()
+            {
+                stored = out.stored.iter().map(|&i| i + n).collect();
+            }
+        }
+        lap(3, &mut ph);
+        pending.push_back((t, keys, n, stored));
+        if pending.len() > 8 {
+            let (t, keys, n, stored) = pending.pop_front().unwrap();
+            let ks: Vec<_> = keys.iter().map(|k| m.key(k)).collect();
+            if n > 0 {
+                m.complete_load(&ks[..n]).unwrap();
+            }
+            let st: Vec<_> = stored.iter().map(|&i| ks[i]).collect();
+            m.complete_store(&st, true);
+            lap(4, &mut ph);
+            m.finish_request(t, |i, _| Ok::<_, ()>(Some(bt * (i as i64 + 1))))
+                .unwrap();
+            m.release_request(t);
+            lap(5, &mut ph);
+        }
+    }
+    let v: usize = reqs.iter().map(|r| r.len()).sum();
+    eprintln!(
+        "keys {:.0} lookup {:.0} pload {:.0} pstore {:.0} complete {:.0} finish {:.0}",
+        ph[0] as f64 / v as f64,
+        ph[1] as f64 / v as f64,
+        ph[2] as f64 / v as f64,
+        ph[3] as f64 / v as f64,
+        ph[4] as f64 / v as f64,
+        ph[5] as f64 / v as f64
+    );
+    (start.elapsed().as_nanos(), visits, hits)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let (reqs, bt) = load(&args[1]);
+    let chunks: usize = args[3].parse().unwrap();
+    let reps: usize = args.get(4).map_or(3, |s| s.parse().unwrap());
+    for _ in 0..reps {
+        let (ns, visits, hits) = match args[2].as_str() {
+            "arc" => run::<ArcPolicy<u32>>(&reqs, bt, chunks),
+            _ => run::<LruPolicy<u32>>(&reqs, bt, chunks),
+        };
+        println!(
+            "{} {chunks}: {:.1} ns/visit, hit ratio {:.4}",
+            args[2],
+            ns as f64 / visits as f64,
+            hits as f64 / visits as f64
+        );
+    }
+}
