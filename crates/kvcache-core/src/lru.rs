@@ -652,6 +652,12 @@ impl<C> LruPolicy<C> {
         self.index.find(&self.slab, key)
     }
 
+    /// Resolves keys to entry handles ([`NIL`] when absent) in one pass; see
+    /// [`KeyIndex::find_many`].
+    pub fn resolve(&self, keys: &[Key<'_>]) -> Vec<u32> {
+        self.index.find_many(&self.slab, keys)
+    }
+
     /// The chunk of a resident entry.
     #[inline]
     pub fn chunk_at(&self, handle: u32) -> &C {

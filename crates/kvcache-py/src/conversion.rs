@@ -3,6 +3,7 @@
 //! Every batch call converts and validates all of its input before the core is touched, so a
 //! bad element anywhere raises with nothing changed.
 
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
@@ -124,6 +125,33 @@ fn position_value(value: Bound<'_, PyAny>) -> PyResult<Option<i64>> {
     })
 }
 
+/// `positions.get(key)` on a position dict: the per-key hot path of every request call.
+#[inline]
+fn dict_position<'py>(
+    positions: &Bound<'py, PyDict>,
+    key: &Bound<'py, PyBytes>,
+) -> PyResult<Option<i64>> {
+    let py = positions.py();
+    // SAFETY: both pointers are live objects we hold references to, and we hold the GIL.
+    // The result is a borrowed reference (or NULL with or without an exception set).
+    let value = unsafe { ffi::PyDict_GetItemWithError(positions.as_ptr(), key.as_ptr()) };
+    if value.is_null() {
+        return match PyErr::take(py) {
+            Some(err) => Err(err),
+            None => Ok(None),
+        };
+    }
+    // SAFETY: `value` is a valid borrowed reference; this takes a strong one at once.
+    let value = unsafe { Bound::from_borrowed_ptr(py, value) };
+    if value.is_exact_instance_of::<PyInt>() {
+        // A plain int (the scheduler's case): no bool or subclass checks needed.
+        if let Ok(v) = value.extract::<i64>() {
+            return Ok(Some(v));
+        }
+    }
+    position_value(value)
+}
+
 /// Where a request's token positions come from.
 pub enum Positions<'py> {
     /// No request context: no key has a position.
@@ -210,10 +238,7 @@ impl<'py> Positions<'py> {
     pub fn get(&self, key: &Bound<'py, PyBytes>) -> PyResult<Option<i64>> {
         match self {
             Positions::Absent => Ok(None),
-            Positions::Dict(d) => match d.get_item(key)? {
-                Some(v) => position_value(v),
-                None => Ok(None),
-            },
+            Positions::Dict(d) => dict_position(d, key),
             Positions::Method(m) => position_value(m.call1((key,))?),
         }
     }

@@ -310,11 +310,13 @@ impl<P: ManagerPolicy> Manager<P> {
         debug_assert_eq!(keys.len(), positions.len());
         let mut recorded = Vec::with_capacity(keys.len());
         let mut chunks = Vec::with_capacity(keys.len());
-        for (i, (&key, &position)) in keys.iter().zip(positions).enumerate() {
-            let handle = self
-                .policy
-                .find(key)
-                .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
+        let resolved = self.policy.resolve_entries(keys);
+        for (i, ((&key, &position), &handle)) in
+            keys.iter().zip(positions).zip(&resolved).enumerate()
+        {
+            if handle == NIL || !self.policy.is_resident_at(handle) {
+                return Err(CoreError::KeyNotFound(KeyBuf::new(key.bytes)));
+            }
             let chunk = self.policy.chunk_at(handle);
             if self.table.record(chunk).ref_cnt() < 0 {
                 return Err(CoreError::InvalidState(format!(
@@ -360,11 +362,11 @@ impl<P: ManagerPolicy> Manager<P> {
         let mut entries = Vec::with_capacity(keys.len());
         let pending = &mut self.scratch.loads;
         pending.clear();
-        for &key in keys {
-            let handle = self
-                .policy
-                .find(key)
-                .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))?;
+        let resolved = self.policy.resolve_entries(keys);
+        for (&key, &handle) in keys.iter().zip(&resolved) {
+            if handle == NIL || !self.policy.is_resident_at(handle) {
+                return Err(CoreError::KeyNotFound(KeyBuf::new(key.bytes)));
+            }
             let chunk = self.policy.chunk_at(handle);
             let left = pending
                 .entry(chunk)
@@ -408,8 +410,10 @@ impl<P: ManagerPolicy> Manager<P> {
         let mut protected = Vec::new();
         let mut num_candidates = 0;
         let tracker = self.tracker.as_ref();
-        for (i, (&key, &position)) in keys.iter().zip(positions).enumerate() {
-            let entry = self.policy.resolve_entry(key);
+        let resolved = self.policy.resolve_entries(keys);
+        for (i, ((&key, &position), &entry)) in
+            keys.iter().zip(positions).zip(&resolved).enumerate()
+        {
             if entry != NIL && self.policy.is_resident_at(entry) {
                 if self.table.record(self.policy.chunk_at(entry)).ref_cnt() >= 0 {
                     // A chunk this offer names must stay cached.
@@ -526,10 +530,12 @@ impl<P: ManagerPolicy> Manager<P> {
     /// are absent or already ready are ignored.
     pub fn complete_store(&mut self, keys: &[Key<'_>], success: bool) {
         let mut done = Vec::new();
-        for &key in keys {
-            let Some(handle) = self.policy.find(key) else {
+        let resolved = self.policy.resolve_entries(keys);
+        for (&key, &handle) in keys.iter().zip(&resolved) {
+            // Checked against the key: a failed store of a key named twice removed it.
+            if handle == NIL || !self.policy.handle_matches(handle, key.bytes) {
                 continue;
-            };
+            }
             let chunk = self.policy.chunk_at(handle);
             if self.table.record(chunk).ref_cnt() >= 0 {
                 continue;
@@ -738,3 +744,6 @@ impl<P: ManagerPolicy> Manager<P> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

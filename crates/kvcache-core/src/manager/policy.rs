@@ -27,6 +27,9 @@ pub trait ManagerPolicy {
     /// [`insert_resolved`](Self::insert_resolved) and
     /// [`on_store_miss_resolved`](Self::on_store_miss_resolved) take.
     fn resolve_entry(&self, key: Key<'_>) -> u32;
+    /// [`resolve_entry`](Self::resolve_entry) for a batch: the lookups overlap their cache
+    /// misses.
+    fn resolve_entries(&self, keys: &[Key<'_>]) -> Vec<u32>;
     /// Whether a handle from [`resolve_entry`](Self::resolve_entry) names a resident entry.
     fn is_resident_at(&self, handle: u32) -> bool;
     /// Whether `handle` still names the resident entry of `key` (handles go stale when their
@@ -97,6 +100,10 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
     #[inline]
     fn resolve_entry(&self, key: Key<'_>) -> u32 {
         LruPolicy::find(self, key).unwrap_or(NIL)
+    }
+
+    fn resolve_entries(&self, keys: &[Key<'_>]) -> Vec<u32> {
+        LruPolicy::resolve(self, keys)
     }
 
     #[inline]
@@ -227,6 +234,10 @@ impl ManagerPolicy for ArcPolicy<ChunkId> {
     #[inline]
     fn resolve_entry(&self, key: Key<'_>) -> u32 {
         ArcPolicy::find(self, key).unwrap_or(NIL)
+    }
+
+    fn resolve_entries(&self, keys: &[Key<'_>]) -> Vec<u32> {
+        ArcPolicy::resolve(self, keys)
     }
 
     #[inline]
