@@ -162,27 +162,39 @@ pub enum Positions<'py> {
     Method(Bound<'py, PyAny>),
 }
 
-/// Remembers the last context type that qualified for the dict fast path.
+/// Remembers the last context type that qualified for the dict fast path, and whether its
+/// instances have a `__dict__` (a slotted class's cannot shadow the method).
 #[derive(Default)]
 pub struct ContextTypeCache {
-    fast: Option<Py<PyType>>,
+    fast: Option<(Py<PyType>, bool)>,
+}
+
+/// Whether a context type qualifies for the dict fast path.
+enum Qualifies {
+    No,
+    /// Yes; its instances may have a `__dict__` that shadows the method.
+    Yes {
+        has_dict: bool,
+    },
 }
 
 impl ContextTypeCache {
-    fn qualifies(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn qualifies(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<Qualifies> {
         let ty = ctx.get_type();
-        if let Some(fast) = &self.fast {
+        if let Some((fast, has_dict)) = &self.fast {
             if fast.bind(ctx.py()).is(&ty) {
-                return Ok(true);
+                return Ok(Qualifies::Yes {
+                    has_dict: *has_dict,
+                });
             }
         }
         let Some(func) = ty.getattr_opt("get_offload_key_position")? else {
-            return Ok(false);
+            return Ok(Qualifies::No);
         };
         let module = func.getattr_opt("__module__")?;
         let qualname = func.getattr_opt("__qualname__")?;
         let (Some(module), Some(qualname)) = (module, qualname) else {
-            return Ok(false);
+            return Ok(Qualifies::No);
         };
         let known = module
             .extract::<String>()
@@ -190,10 +202,16 @@ impl ContextTypeCache {
             && qualname
                 .extract::<String>()
                 .is_ok_and(|q| q == CONTEXT_METHOD_QUALNAME);
-        if known {
-            self.fast = Some(ty.unbind());
+        if !known {
+            return Ok(Qualifies::No);
         }
-        Ok(known)
+        // `__dictoffset__` is 0 when instances have no `__dict__` (e.g. `__slots__` only).
+        let has_dict = ty
+            .getattr_opt("__dictoffset__")?
+            .and_then(|o| o.extract::<isize>().ok())
+            .is_none_or(|offset| offset != 0);
+        self.fast = Some((ty.unbind(), has_dict));
+        Ok(Qualifies::Yes { has_dict })
     }
 }
 
@@ -203,9 +221,15 @@ impl<'py> Positions<'py> {
         let Some(ctx) = ctx.filter(|c| !c.is_none()) else {
             return Ok(Positions::Absent);
         };
-        if cache.qualifies(ctx)? {
-            // An instance attribute could shadow the method: then honour it.
-            let shadowed = match ctx.getattr_opt("__dict__")? {
+        if let Qualifies::Yes { has_dict } = cache.qualifies(ctx)? {
+            // An instance attribute could shadow the method: then honour it. (Asking a
+            // slotted instance for `__dict__` would raise and catch an AttributeError.)
+            let instance_dict = if has_dict {
+                ctx.getattr_opt("__dict__")?
+            } else {
+                None
+            };
+            let shadowed = match instance_dict {
                 Some(d) => d
                     .cast::<PyDict>()
                     .is_ok_and(|d| d.contains("get_offload_key_position").unwrap_or(true)),

@@ -132,14 +132,28 @@ impl Drop for RequestState {
     }
 }
 
+/// How many contexts an owner remembers: the scheduler keeps a request's context alive while
+/// its transfers are in flight, and finishes it after a few other requests started.
+const RECENT_CONTEXTS: usize = 32;
+
+struct Recent {
+    /// The context's address, compared first; the weak reference then proves it is the same
+    /// live object (an address can be reused once a context dies).
+    addr: usize,
+    weak: Py<PyWeakrefReference>,
+    token: Token,
+}
+
 /// An owner of per-request state: a unique id and the graveyard its dead requests go to.
 pub struct Owner {
     pub uid: u64,
     pub graveyard: Arc<Graveyard>,
-    /// The last context seen (weakly, so its lifetime is unchanged) and this owner's token in
-    /// it: a scheduler makes several calls in a row for one request, and this saves each a
+    /// Recently seen contexts (weakly, so their lifetimes are unchanged) with this owner's
+    /// token on each, so the calls of a request and of the requests still in flight skip the
     /// `get_state` call. Contexts that cannot be weakly referenced are not cached.
-    last: Option<(Py<PyWeakrefReference>, Token)>,
+    recent: Vec<Recent>,
+    /// Where the next context goes once `recent` is full (oldest first).
+    next_slot: usize,
 }
 
 impl Default for Owner {
@@ -149,7 +163,8 @@ impl Default for Owner {
         Owner {
             uid: NEXT.fetch_add(1, Ordering::Relaxed),
             graveyard: Arc::default(),
-            last: None,
+            recent: Vec::new(),
+            next_slot: 0,
         }
     }
 }
@@ -213,18 +228,42 @@ impl Owner {
         if current != Some(token) {
             state.get().set(self.uid, token, &self.graveyard);
         }
-        self.last = PyWeakrefReference::new(ctx)
-            .ok()
-            .map(|weak| (weak.unbind(), token));
+        self.remember(ctx, token);
         Ok(token)
     }
 
-    /// The token cached for `ctx` if it is the last context seen (callers check it is still
+    fn remember(&mut self, ctx: &Bound<'_, PyAny>, token: Token) {
+        let addr = ctx.as_ptr() as usize;
+        if let Some(r) = self.recent.iter_mut().find(|r| r.addr == addr) {
+            if let Ok(weak) = PyWeakrefReference::new(ctx) {
+                r.weak = weak.unbind();
+                r.token = token;
+            }
+            return;
+        }
+        let Ok(weak) = PyWeakrefReference::new(ctx) else {
+            return;
+        };
+        let entry = Recent {
+            addr,
+            weak: weak.unbind(),
+            token,
+        };
+        if self.recent.len() < RECENT_CONTEXTS {
+            self.recent.push(entry);
+        } else {
+            self.recent[self.next_slot] = entry;
+            self.next_slot = (self.next_slot + 1) % RECENT_CONTEXTS;
+        }
+    }
+
+    /// The token cached for `ctx` if it is a recently seen context (callers check it is still
     /// live before using it instead of [`token`](Self::token)).
     pub fn cached(&self, ctx: &Bound<'_, PyAny>) -> Option<Token> {
-        let (weak, token) = self.last.as_ref()?;
-        let last = weak.bind(ctx.py()).upgrade()?;
-        last.is(ctx).then_some(*token)
+        let addr = ctx.as_ptr() as usize;
+        let r = self.recent.iter().find(|r| r.addr == addr)?;
+        let alive = r.weak.bind(ctx.py()).upgrade()?;
+        alive.is(ctx).then_some(r.token)
     }
 
     /// The owner's token on `ctx` if it has one (no state is created).
