@@ -165,3 +165,54 @@ def test_an_empty_manager_is_truthy() -> None:
     m = kvcache.OffloadingManager(4)
     assert len(m) == 0
     assert m
+
+
+class _CountingContext(kvcache.ReqContext):
+    """A ReqContext whose state methods are overridden: they must be called, not bypassed."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self, req_id: str) -> None:
+        super().__init__(req_id)
+        self.calls = 0
+
+    def get_state(self, cls):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return super().get_state(cls)
+
+    def set_state(self, val):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        super().set_state(val)
+
+
+def test_overridden_state_methods_are_honoured() -> None:
+    # Known ReqContext classes have their `_state` dict read directly; a subclass that
+    # overrides get_state/set_state must still see its methods called.
+    m = kvcache.OffloadingManager(8, "arc")
+    ctx = _CountingContext("r")
+    m.on_new_request(ctx)
+    assert ctx.calls == 2  # get_state found nothing, set_state stored the manager's state
+    plain = kvcache.ReqContext("p")
+    m.on_new_request(plain)
+    assert len(plain._state) == 1  # the direct path stores under the same key set_state uses
+    (state,) = plain._state.values()
+    assert plain.get_state(type(state)) is state
+    m.validate()
+
+
+def test_state_survives_many_interleaved_contexts() -> None:
+    # More live requests than the manager's recent-context cache: each still maps to its own
+    # request state, and finishing them in any order applies each one once.
+    m = kvcache.OffloadingManager(256, "lru")
+    ctxs = [kvcache.ReqContext(f"r{i}") for i in range(80)]
+    for i, ctx in enumerate(ctxs):
+        ctx.set_offload_key_position(KEYS[i % 8] + bytes([i]), 16)
+        m.on_new_request(ctx)
+        assert m.prepare_store([KEYS[i % 8] + bytes([i])], ctx) is not None
+    assert m.num_requests == 80
+    for ctx in reversed(ctxs):
+        m.on_request_finished(ctx)
+    del ctxs, ctx
+    gc.collect()
+    assert m.num_requests == 0
+    m.validate()

@@ -10,9 +10,9 @@
 //!
 //! Complexity: `get`, `insert`, `remove`, and each key of `touch`, `on_store_miss` and
 //! `on_request_finished` are O(1); planning an eviction of `n` is O(n + entries skipped)
-//! (two monotonic cursors, like vLLM's iterators). Memory: one 56-byte slab entry (40-byte
-//! inline key, links, list tag, chunk handle) plus ~5 bytes of hash table per key, for resident
-//! and ghost keys alike.
+//! (two monotonic cursors, like vLLM's iterators). Memory: one 64-byte, cache-line aligned slab
+//! entry (40-byte inline key, links, list tag, chunk handle) plus ~5 bytes of hash table per
+//! key, for resident and ghost keys alike.
 
 use crate::chunk::RefCounts;
 use crate::error::{CoreError, CoreResult};
@@ -40,6 +40,8 @@ impl ListId {
     }
 }
 
+/// Cache-line aligned: an entry (64 bytes for `u32` chunk handles) never straddles two lines.
+#[repr(align(64))]
 pub struct ArcEntry<C> {
     key: KeyBuf,
     links: Links,
@@ -589,6 +591,12 @@ impl<C> ArcPolicy<C> {
 mod tests {
     use super::*;
     use crate::chunk::{SelfCounted, TestChunk};
+
+    #[test]
+    fn an_entry_fills_exactly_one_cache_line() {
+        assert_eq!(std::mem::size_of::<ArcEntry<u32>>(), 64);
+        assert_eq!(std::mem::align_of::<ArcEntry<u32>>(), 64);
+    }
 
     fn keys<'a>(p: &ArcPolicy<TestChunk>, raw: &'a [&'a [u8]]) -> Vec<Key<'a>> {
         raw.iter().map(|k| p.key(k)).collect()

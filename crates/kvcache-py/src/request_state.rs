@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyWeakrefReference;
+use pyo3::types::{PyDict, PyType, PyWeakrefReference};
 
 use crate::conversion::type_name;
 use crate::exceptions::{exceptions, new_err};
@@ -154,6 +154,9 @@ pub struct Owner {
     recent: Vec<Recent>,
     /// Where the next context goes once `recent` is full (oldest first).
     next_slot: usize,
+    /// The last context type whose state methods are known `_state` dict operations, and
+    /// whether its instances have a `__dict__`.
+    state_type: Option<(Py<PyType>, bool)>,
 }
 
 impl Default for Owner {
@@ -165,6 +168,7 @@ impl Default for Owner {
             graveyard: Arc::default(),
             recent: Vec::new(),
             next_slot: 0,
+            state_type: None,
         }
     }
 }
@@ -196,6 +200,34 @@ pub fn require_context<'a, 'py>(
     }
 }
 
+/// Module names of the `ReqContext` classes whose `get_state`/`set_state` read and write a
+/// plain dict attribute `_state` keyed by type (vLLM's and ours).
+const KNOWN_STATE_MODULES: [&str; 2] = ["vllm.v1.kv_offload.base", "kvcache._context"];
+
+fn known_state_methods(ty: &Bound<'_, PyType>) -> PyResult<bool> {
+    for (name, qualname) in [
+        ("get_state", "ReqContext.get_state"),
+        ("set_state", "ReqContext.set_state"),
+    ] {
+        let Some(func) = ty.getattr_opt(name)? else {
+            return Ok(false);
+        };
+        let module = func.getattr_opt("__module__")?;
+        let qual = func.getattr_opt("__qualname__")?;
+        let (Some(module), Some(qual)) = (module, qual) else {
+            return Ok(false);
+        };
+        let known = module
+            .extract::<String>()
+            .is_ok_and(|m| KNOWN_STATE_MODULES.contains(&m.as_str()))
+            && qual.extract::<String>().is_ok_and(|q| q == qualname);
+        if !known {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 impl Owner {
     /// The owner's token on `ctx`, made valid by `validate` (which returns the current token,
     /// allocating one if the stored token is missing or stale). Every Python call happens
@@ -207,16 +239,28 @@ impl Owner {
     ) -> PyResult<Token> {
         let py = ctx.py();
         let state_type = py.get_type::<RequestState>();
-        let get_state = ctx
-            .getattr(intern!(py, "get_state"))
-            .map_err(|_| context_error(ctx, "no get_state"))?;
-        let existing = get_state.call1((&state_type,))?;
+        let direct = self.state_dict(ctx)?;
+        let existing = match &direct {
+            Some(dict) => dict
+                .get_item(&state_type)?
+                .unwrap_or_else(|| py.None().into_bound(py)),
+            None => ctx
+                .getattr(intern!(py, "get_state"))
+                .map_err(|_| context_error(ctx, "no get_state"))?
+                .call1((&state_type,))?,
+        };
         let state = if existing.is_none() {
             let fresh = Bound::new(py, RequestState::default())?;
-            let set_state = ctx
-                .getattr(intern!(py, "set_state"))
-                .map_err(|_| context_error(ctx, "no set_state"))?;
-            set_state.call1((&fresh,))?;
+            match &direct {
+                // `set_state` keys the value by its type.
+                Some(dict) => dict.set_item(&state_type, &fresh)?,
+                None => {
+                    let set_state = ctx
+                        .getattr(intern!(py, "set_state"))
+                        .map_err(|_| context_error(ctx, "no set_state"))?;
+                    set_state.call1((&fresh,))?;
+                }
+            }
             fresh
         } else {
             existing
@@ -230,6 +274,42 @@ impl Owner {
         }
         self.remember(ctx, token);
         Ok(token)
+    }
+
+    /// The `_state` dict of vLLM's or kvcache's own `ReqContext`, whose `get_state` and
+    /// `set_state` are plain operations on it: using it directly saves two Python calls per
+    /// request. `None` for any other context (or one whose instance shadows the methods).
+    fn state_dict<'py>(&mut self, ctx: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let ty = ctx.get_type();
+        let has_dict = match &self.state_type {
+            Some((known, has_dict)) if known.bind(ctx.py()).is(&ty) => *has_dict,
+            _ => {
+                if !known_state_methods(&ty)? {
+                    return Ok(None);
+                }
+                // `__dictoffset__` is 0 when instances have no `__dict__` (`__slots__` only).
+                let has_dict = ty
+                    .getattr_opt("__dictoffset__")?
+                    .and_then(|o| o.extract::<isize>().ok())
+                    .is_none_or(|offset| offset != 0);
+                self.state_type = Some((ty.unbind(), has_dict));
+                has_dict
+            }
+        };
+        if has_dict {
+            if let Some(d) = ctx.getattr_opt("__dict__")? {
+                let shadowed = d.cast::<PyDict>().map_or(true, |d| {
+                    d.contains("get_state").unwrap_or(true)
+                        || d.contains("set_state").unwrap_or(true)
+                });
+                if shadowed {
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(ctx
+            .getattr_opt(intern!(ctx.py(), "_state"))?
+            .and_then(|d| d.cast_into_exact::<PyDict>().ok()))
     }
 
     fn remember(&mut self, ctx: &Bound<'_, PyAny>, token: Token) {
@@ -267,15 +347,21 @@ impl Owner {
     }
 
     /// The owner's token on `ctx` if it has one (no state is created).
-    pub fn existing_token(&self, ctx: &Bound<'_, PyAny>) -> PyResult<Option<Token>> {
+    pub fn existing_token(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<Option<Token>> {
         let py = ctx.py();
         if let Some(token) = self.cached(ctx) {
             return Ok(Some(token));
         }
-        let get_state = ctx
-            .getattr(intern!(py, "get_state"))
-            .map_err(|_| context_error(ctx, "no get_state"))?;
-        let existing = get_state.call1((py.get_type::<RequestState>(),))?;
+        let state_type = py.get_type::<RequestState>();
+        let existing = match self.state_dict(ctx)? {
+            Some(dict) => dict
+                .get_item(&state_type)?
+                .unwrap_or_else(|| py.None().into_bound(py)),
+            None => ctx
+                .getattr(intern!(py, "get_state"))
+                .map_err(|_| context_error(ctx, "no get_state"))?
+                .call1((&state_type,))?,
+        };
         Ok(existing
             .cast::<RequestState>()
             .ok()

@@ -182,7 +182,7 @@ impl ResultTypes {
     pub fn spec<'py>(&self, py: Python<'py>, ids: &[ChunkId]) -> PyResult<Bound<'py, PyAny>> {
         // Chunk ids fit: the manager holds at most 2**31 - 1 chunks.
         let ids: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
-        let array = PyArray1::from_vec(py, ids);
+        let array = PyArray1::from_slice(py, &ids);
         match &self.foreign {
             None => Ok(Bound::new(
                 py,

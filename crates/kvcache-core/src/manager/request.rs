@@ -23,6 +23,8 @@ pub(crate) const INSERTED: u8 = 1;
 pub(crate) const REUSED: u8 = 2;
 pub(crate) const STORE_MISS: u8 = 4;
 
+/// Cache-line aligned (64 bytes): an entry never straddles two lines.
+#[repr(align(64))]
 pub(crate) struct SeenKey {
     pub key: KeyBuf,
     /// Kept so that finishing the request hashes no key again.
