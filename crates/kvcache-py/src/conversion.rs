@@ -25,6 +25,14 @@ pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
 /// A key must be `bytes` (vLLM's `OffloadKey`).
 #[inline]
 pub fn as_key<'py>(obj: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    // SAFETY: `obj` is a live object, so its type pointer is readable; `PyBytes_Type` is a
+    // static. Exact `bytes` (every key vLLM makes) is recognised by this compare alone; under
+    // the stable ABI the general check below is a function call.
+    let exact = unsafe { ffi::Py_TYPE(obj.as_ptr()) == &raw mut ffi::PyBytes_Type };
+    if exact {
+        // SAFETY: just checked that `obj` is a `bytes`.
+        return Ok(unsafe { obj.cast_into_unchecked::<PyBytes>() });
+    }
     match obj.cast_into::<PyBytes>() {
         Ok(b) => Ok(b),
         Err(e) => {
@@ -36,6 +44,20 @@ pub fn as_key<'py>(obj: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
                 format!("keys must be bytes, got {}", type_name(&obj)),
             ))
         }
+    }
+}
+
+/// The bytes of a key, with one call into Python (the stable ABI has no inline accessor).
+#[inline]
+pub fn key_bytes<'a>(key: &'a Bound<'_, PyBytes>) -> &'a [u8] {
+    let mut data: *mut std::ffi::c_char = std::ptr::null_mut();
+    let mut len: ffi::Py_ssize_t = 0;
+    // SAFETY: `key` is a live `bytes` object, for which this call cannot fail; the buffer it
+    // returns lives as long as the object, which outlives the borrow of `key`.
+    unsafe {
+        let rc = ffi::PyBytes_AsStringAndSize(key.as_ptr(), &mut data, &mut len);
+        debug_assert_eq!(rc, 0);
+        std::slice::from_raw_parts(data.cast::<u8>(), len as usize)
     }
 }
 
@@ -302,7 +324,7 @@ pub fn order_request_keys<'py>(
             keys.len(),
             foldhash::fast::RandomState::default(),
         );
-        keys.iter().all(|k| seen.insert(k.as_bytes()))
+        keys.iter().all(|k| seen.insert(key_bytes(k)))
     };
     if !distinct {
         return Ok(keys);

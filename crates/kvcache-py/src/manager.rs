@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
 use crate::chunk::{fill_record_view, release_record_view};
-use crate::conversion::{as_key, collect_keys, count, ContextTypeCache, Positions};
+use crate::conversion::{as_key, collect_keys, count, key_bytes, ContextTypeCache, Positions};
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::request_state::{require_context, Owner};
@@ -96,7 +96,7 @@ impl PyManager {
     }
 
     fn keys<'a>(&self, keys: &'a [Bound<'_, PyBytes>]) -> Vec<Key<'a>> {
-        keys.iter().map(|k| self.key(k.as_bytes())).collect()
+        keys.iter().map(|k| self.key(key_bytes(k))).collect()
     }
 
     /// Token positions of `keys`; only LRU reads them while a request runs.
@@ -259,7 +259,7 @@ impl PyManager {
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = req_context;
         let key = as_key(key)?;
-        let result = with_manager!(&self.inner, m => m.lookup(m.key(key.as_bytes())));
+        let result = with_manager!(&self.inner, m => m.lookup(m.key(key_bytes(&key))));
         Ok(self.types.lookup(py, result))
     }
 

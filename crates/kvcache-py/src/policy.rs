@@ -14,7 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::chunk::PyChunk;
 use crate::conversion::{
-    as_key, collect_keys, count, order_request_keys, ContextTypeCache, Positions,
+    as_key, collect_keys, count, key_bytes, order_request_keys, ContextTypeCache, Positions,
 };
 use crate::errors::IntoPyResult;
 use crate::request_state::{require_context, Owner};
@@ -53,7 +53,7 @@ impl BaseCachePolicy {
     }
 
     fn keys<'a>(&self, keys: &'a [Bound<'_, PyBytes>]) -> Vec<Key<'a>> {
-        keys.iter().map(|k| self.key(k.as_bytes())).collect()
+        keys.iter().map(|k| self.key(key_bytes(k))).collect()
     }
 
     fn get_chunk(&self, key: Key<'_>) -> Option<&PyChunk> {
@@ -111,13 +111,13 @@ impl BaseCachePolicy {
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let key = as_key(key)?;
         Ok(self
-            .get_chunk(self.key(key.as_bytes()))
+            .get_chunk(self.key(key_bytes(&key)))
             .map(|c| c.object(py)))
     }
 
     fn __contains__(&self, key: Bound<'_, PyAny>) -> PyResult<bool> {
         let key = as_key(key)?;
-        Ok(self.get_chunk(self.key(key.as_bytes())).is_some())
+        Ok(self.get_chunk(self.key(key_bytes(&key))).is_some())
     }
 
     /// Always true: an empty policy is still a policy (truth tests must not depend on `len`).
@@ -144,7 +144,7 @@ impl BaseCachePolicy {
     ) -> PyResult<()> {
         let key = as_key(key)?;
         let chunk = PyChunk::extract(&chunk)?;
-        let k = self.key(key.as_bytes());
+        let k = self.key(key_bytes(&key));
         match &mut self.inner {
             Inner::Arc(p) => p.insert(k, chunk).py_err(),
             Inner::Lru(p) => {
@@ -171,7 +171,7 @@ impl BaseCachePolicy {
     /// Drops a chunk whose store failed.
     fn remove(&mut self, key: Bound<'_, PyAny>) -> PyResult<()> {
         let key = as_key(key)?;
-        let k = self.key(key.as_bytes());
+        let k = self.key(key_bytes(&key));
         let removed = match &mut self.inner {
             Inner::Lru(p) => p.remove(k),
             Inner::Arc(p) => p.remove(k),
@@ -229,7 +229,7 @@ impl BaseCachePolicy {
         let positions = Positions::new(ctx, &mut self.contexts)?;
         let mut observed = Vec::with_capacity(keys.len());
         for key in &keys {
-            let k = p.key(key.as_bytes());
+            let k = p.key(key_bytes(&key));
             // Non-resident keys cannot change rank: skip their position lookups.
             if p.get(k).is_some() {
                 observed.push((k, positions.get(key)?));
@@ -251,11 +251,11 @@ impl BaseCachePolicy {
         let ordered = order_request_keys(&key_groups, &positions)?;
         match &mut self.inner {
             Inner::Lru(p) => {
-                let ks: Vec<Key<'_>> = ordered.iter().map(|k| p.key(k.as_bytes())).collect();
+                let ks: Vec<Key<'_>> = ordered.iter().map(|k| p.key(key_bytes(k))).collect();
                 p.touch(&ks);
             }
             Inner::Arc(p) => {
-                let ks: Vec<Key<'_>> = ordered.iter().map(|k| p.key(k.as_bytes())).collect();
+                let ks: Vec<Key<'_>> = ordered.iter().map(|k| p.key(key_bytes(k))).collect();
                 let entries = p.resolve(&ks);
                 let mut accesses = Vec::with_capacity(ordered.len());
                 for (key, idx) in ordered.iter().zip(entries) {
@@ -290,11 +290,11 @@ impl BaseCachePolicy {
         let evicted = match &mut self.inner {
             Inner::Lru(p) => {
                 bury_dead(p, &self.owner);
-                let guard = p.protect(protected.iter().map(|k| p.key(k.as_bytes())));
+                let guard = p.protect(protected.iter().map(|k| p.key(key_bytes(k))));
                 p.evict(n, &guard, &SelfCounted)
             }
             Inner::Arc(p) => {
-                let guard = p.protect(protected.iter().map(|k| p.key(k.as_bytes())));
+                let guard = p.protect(protected.iter().map(|k| p.key(key_bytes(k))));
                 p.evict(n, &guard, &SelfCounted)
             }
         };
@@ -329,7 +329,7 @@ impl BaseCachePolicy {
     /// The chunk's `ref_cnt` went to 0. ARC reads `ref_cnt` itself and only checks the key.
     fn mark_evictable(&mut self, key: Bound<'_, PyAny>) -> PyResult<()> {
         let key = as_key(key)?;
-        let k = self.key(key.as_bytes());
+        let k = self.key(key_bytes(&key));
         match &mut self.inner {
             Inner::Lru(p) => p.mark_evictable(k).py_err(),
             Inner::Arc(p) => p.check_resident(k).py_err(),
@@ -339,7 +339,7 @@ impl BaseCachePolicy {
     /// The chunk's `ref_cnt` left 0. LRU requires the key to be evictable now.
     fn mark_non_evictable(&mut self, key: Bound<'_, PyAny>) -> PyResult<()> {
         let key = as_key(key)?;
-        let k = self.key(key.as_bytes());
+        let k = self.key(key_bytes(&key));
         match &mut self.inner {
             Inner::Lru(p) => p.mark_non_evictable(k).py_err(),
             Inner::Arc(p) => p.check_resident(k).py_err(),
