@@ -61,6 +61,71 @@ pub fn key_bytes<'a>(key: &'a Bound<'_, PyBytes>) -> &'a [u8] {
     }
 }
 
+/// The keys of an exact `list` or `tuple`, read in place: no new reference per key and one
+/// pass that also hashes them (`make`). `Ok(None)` for any other iterable (use
+/// [`collect_keys`]); a non-`bytes` element raises as [`as_key`] does.
+///
+/// # Safety
+/// The returned keys borrow the container's items without owning references to them. The
+/// caller must not run any Python code while they are alive: Python code could mutate the
+/// list and free the items.
+pub unsafe fn borrowed_keys<'a, K>(
+    obj: &'a Bound<'_, PyAny>,
+    make: impl Fn(&'a [u8]) -> K,
+) -> PyResult<Option<Vec<K>>> {
+    let ptr = obj.as_ptr();
+    // SAFETY: `obj` is live; its type pointer is readable and the two types are statics.
+    let (is_list, is_tuple) = unsafe {
+        let ty = ffi::Py_TYPE(ptr);
+        (
+            ty == &raw mut ffi::PyList_Type,
+            ty == &raw mut ffi::PyTuple_Type,
+        )
+    };
+    if !is_list && !is_tuple {
+        return Ok(None);
+    }
+    // SAFETY: `ptr` is an exact list or tuple; the size calls cannot fail for them.
+    let n = unsafe {
+        if is_list {
+            ffi::PyList_Size(ptr)
+        } else {
+            ffi::PyTuple_Size(ptr)
+        }
+    };
+    let mut keys = Vec::with_capacity(n.max(0) as usize);
+    for i in 0..n {
+        // SAFETY: `i` is in bounds (no Python code runs in this loop, so the size holds);
+        // the item is a borrowed reference kept alive by the container.
+        let item = unsafe {
+            if is_list {
+                ffi::PyList_GetItem(ptr, i)
+            } else {
+                ffi::PyTuple_GetItem(ptr, i)
+            }
+        };
+        // SAFETY: `item` is a live object (see above).
+        let exact = unsafe { ffi::Py_TYPE(item) == &raw mut ffi::PyBytes_Type };
+        // SAFETY: as above; `PyBytes_Check` only reads the type's flags.
+        if !exact && unsafe { ffi::PyBytes_Check(item) } == 0 {
+            // SAFETY: `item` is live; this takes a new reference to build the error.
+            let owned = unsafe { Bound::from_borrowed_ptr(obj.py(), item) };
+            return Err(as_key(owned).expect_err("not bytes"));
+        }
+        let mut data: *mut std::ffi::c_char = std::ptr::null_mut();
+        let mut len: ffi::Py_ssize_t = 0;
+        // SAFETY: `item` is a `bytes`, for which this cannot fail; its buffer lives as long as
+        // the item, which the caller keeps alive by running no Python code (see # Safety).
+        let bytes: &'a [u8] = unsafe {
+            let rc = ffi::PyBytes_AsStringAndSize(item, &mut data, &mut len);
+            debug_assert_eq!(rc, 0);
+            std::slice::from_raw_parts(data.cast::<u8>(), len as usize)
+        };
+        keys.push(make(bytes));
+    }
+    Ok(Some(keys))
+}
+
 /// Collects an iterable of keys (lists and tuples without the iterator protocol).
 pub fn collect_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     if let Ok(list) = obj.cast::<PyList>() {

@@ -10,14 +10,16 @@ use std::ffi::c_int;
 use std::ptr;
 
 use kvcache_core::manager::{ChunkId, Event, Manager, ManagerConfig};
-use kvcache_core::{ArcPolicy, Key, ListId, LruPolicy};
+use kvcache_core::{ArcPolicy, Key, KeyHasher, ListId, LruPolicy};
 use pyo3::exceptions::{PyAssertionError, PyBufferError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
 use crate::chunk::{fill_record_view, release_record_view};
-use crate::conversion::{as_key, collect_keys, count, key_bytes, ContextTypeCache, Positions};
+use crate::conversion::{
+    as_key, borrowed_keys, collect_keys, count, key_bytes, ContextTypeCache, Positions,
+};
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::request_state::{require_context, Owner};
@@ -50,6 +52,7 @@ pub struct PyManager {
     types: ResultTypes,
     owner: Owner,
     contexts: ContextTypeCache,
+    hasher: KeyHasher,
     /// Per live request (by token id): the key objects it observed, in the order the core
     /// recorded them, so finishing reads their positions without building new bytes objects.
     observed: hashbrown::HashMap<u64, Vec<Py<PyBytes>>, foldhash::fast::RandomState>,
@@ -97,6 +100,24 @@ impl PyManager {
 
     fn keys<'a>(&self, keys: &'a [Bound<'_, PyBytes>]) -> Vec<Key<'a>> {
         keys.iter().map(|k| self.key(key_bytes(k))).collect()
+    }
+
+    /// Runs a core call on `keys` (an iterable of bytes). Lists and tuples are read in place
+    /// (no new reference per key); `call` must not run Python code.
+    fn with_keys<R>(
+        &mut self,
+        keys: &Bound<'_, PyAny>,
+        call: impl FnOnce(&mut Inner, &[Key<'_>]) -> R,
+    ) -> PyResult<R> {
+        let hasher = self.hasher.clone();
+        // SAFETY: while the borrowed keys live, only `call` runs, and it runs core code only
+        // (the callers pass closures over `Manager` methods, which never call into Python).
+        if let Some(ks) = unsafe { borrowed_keys(keys, |b| Key::new(&hasher, b)) }? {
+            return Ok(call(&mut self.inner, &ks));
+        }
+        let owned = collect_keys(keys)?;
+        let ks = self.keys(&owned);
+        Ok(call(&mut self.inner, &ks))
     }
 
     /// Token positions of `keys`; only LRU reads them while a request runs.
@@ -197,6 +218,7 @@ impl PyManager {
             types: ResultTypes::from_class(cls)?,
             owner: Owner::default(),
             contexts: ContextTypeCache::default(),
+            hasher: KeyHasher::global(),
             observed: Default::default(),
         })
     }
@@ -290,10 +312,7 @@ impl PyManager {
         req_context: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        let keys = collect_keys(&keys)?;
-        let ks = self.keys(&keys);
-        with_manager!(&mut self.inner, m => m.touch(&ks));
-        Ok(())
+        self.with_keys(&keys, |inner, ks| with_manager!(inner, m => m.touch(ks)))
     }
 
     /// Unpins chunks whose loads finished.
@@ -304,9 +323,11 @@ impl PyManager {
         req_context: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        let keys = collect_keys(&keys)?;
-        let ks = self.keys(&keys);
-        with_manager!(&mut self.inner, m => m.complete_load(&ks)).py_err()
+        self.with_keys(
+            &keys,
+            |inner, ks| with_manager!(inner, m => m.complete_load(ks)),
+        )?
+        .py_err()
     }
 
     /// Decides which keys to store and where, evicting to make room. Returns an object with
@@ -346,10 +367,10 @@ impl PyManager {
         success: bool,
     ) -> PyResult<()> {
         let _ = req_context;
-        let keys = collect_keys(&keys)?;
-        let ks = self.keys(&keys);
-        with_manager!(&mut self.inner, m => m.complete_store(&ks, success));
-        Ok(())
+        self.with_keys(
+            &keys,
+            |inner, ks| with_manager!(inner, m => m.complete_store(ks, success)),
+        )
     }
 
     /// Starts tracking a request.

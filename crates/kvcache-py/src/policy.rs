@@ -14,7 +14,8 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::chunk::PyChunk;
 use crate::conversion::{
-    as_key, collect_keys, count, key_bytes, order_request_keys, ContextTypeCache, Positions,
+    as_key, borrowed_keys, collect_keys, count, key_bytes, order_request_keys, ContextTypeCache,
+    Positions,
 };
 use crate::errors::IntoPyResult;
 use crate::request_state::{require_context, Owner};
@@ -54,6 +55,27 @@ impl BaseCachePolicy {
 
     fn keys<'a>(&self, keys: &'a [Bound<'_, PyBytes>]) -> Vec<Key<'a>> {
         keys.iter().map(|k| self.key(key_bytes(k))).collect()
+    }
+
+    /// Runs a policy call on `keys` (an iterable of bytes). Lists and tuples are read in place
+    /// (no new reference per key); `call` must not run Python code.
+    fn with_keys<R>(
+        &mut self,
+        keys: &Bound<'_, PyAny>,
+        call: impl FnOnce(&mut Inner, &[Key<'_>]) -> R,
+    ) -> PyResult<R> {
+        let hasher = match &self.inner {
+            Inner::Lru(p) => p.hasher().clone(),
+            Inner::Arc(p) => p.hasher().clone(),
+        };
+        // SAFETY: while the borrowed keys live, only `call` runs: the callers pass policy
+        // methods, which read chunk records from memory and never call into Python.
+        if let Some(ks) = unsafe { borrowed_keys(keys, |b| Key::new(&hasher, b)) }? {
+            return Ok(call(&mut self.inner, &ks));
+        }
+        let owned = collect_keys(keys)?;
+        let ks = self.keys(&owned);
+        Ok(call(&mut self.inner, &ks))
     }
 
     fn get_chunk(&self, key: Key<'_>) -> Option<&PyChunk> {
@@ -187,13 +209,10 @@ impl BaseCachePolicy {
         req_context: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        let keys = collect_keys(&keys)?;
-        let ks = self.keys(&keys);
-        match &mut self.inner {
-            Inner::Lru(p) => p.touch(&ks),
-            Inner::Arc(p) => p.touch(&ks, &SelfCounted),
-        }
-        Ok(())
+        self.with_keys(&keys, |inner, ks| match inner {
+            Inner::Lru(p) => p.touch(ks),
+            Inner::Arc(p) => p.touch(ks, &SelfCounted),
+        })
     }
 
     /// Store misses before insertion: ARC adapts to ghost hits; LRU treats them as a touch
@@ -205,13 +224,10 @@ impl BaseCachePolicy {
         req_context: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        let keys = collect_keys(&keys)?;
-        let ks = self.keys(&keys);
-        match &mut self.inner {
-            Inner::Lru(p) => p.touch(&ks),
-            Inner::Arc(p) => p.on_store_miss(&ks),
-        }
-        Ok(())
+        self.with_keys(&keys, |inner, ks| match inner {
+            Inner::Lru(p) => p.touch(ks),
+            Inner::Arc(p) => p.on_store_miss(ks),
+        })
     }
 
     /// A request's first observation of keys: LRU gives resident ones the request's rank at
@@ -229,7 +245,7 @@ impl BaseCachePolicy {
         let positions = Positions::new(ctx, &mut self.contexts)?;
         let mut observed = Vec::with_capacity(keys.len());
         for key in &keys {
-            let k = p.key(key_bytes(&key));
+            let k = p.key(key_bytes(key));
             // Non-resident keys cannot change rank: skip their position lookups.
             if p.get(k).is_some() {
                 observed.push((k, positions.get(key)?));
