@@ -216,3 +216,33 @@ def test_state_survives_many_interleaved_contexts() -> None:
     gc.collect()
     assert m.num_requests == 0
     m.validate()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_evicted_keys_is_a_read_only_sequence_of_bytes(policy: str) -> None:
+    from collections.abc import Sequence
+
+    m = kvcache.OffloadingManager(2, policy)
+    stored(m, KEYS[:2])
+    ctx = kvcache.ReqContext("evicting")
+    m.on_new_request(ctx)
+    out = m.prepare_store(KEYS[2:4], ctx)
+    assert out is not None
+    evicted = out.evicted_keys
+    assert isinstance(evicted, Sequence)
+    assert len(evicted) == 2 and bool(evicted)
+    assert sorted(evicted) == sorted(KEYS[:2])
+    assert evicted == list(evicted) and evicted != KEYS[5:7]
+    assert evicted[0] in evicted and evicted[-1] == list(evicted)[-1]
+    assert evicted[0:1] == [evicted[0]]
+    assert evicted.index(evicted[1]) == 1 and evicted.count(evicted[0]) == 1
+    assert list(reversed(evicted)) == list(evicted)[::-1]
+    assert evicted[0] is evicted[0]  # made once, then kept
+    assert repr(evicted) == repr(list(evicted))
+    with pytest.raises(IndexError):
+        evicted[2]
+    with pytest.raises(TypeError):
+        evicted[0] = b"x"  # type: ignore[index]
+    none_evicted = m.prepare_store([], ctx)
+    assert none_evicted is not None and len(none_evicted.evicted_keys) == 0
+    assert not none_evicted.evicted_keys and none_evicted.evicted_keys == []

@@ -24,7 +24,13 @@ from kvcache._core import (
     __version__,
     order_request_keys,
 )
-from kvcache._types import LoadStoreSpec, LookupResult, OffloadingEvent, PrepareStoreOutput
+from kvcache._types import (
+    EvictedKeys,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    PrepareStoreOutput,
+)
 from kvcache.manager import ManagerStats, OffloadingManager
 
 __all__ = [
@@ -32,6 +38,7 @@ __all__ = [
     "BaseCachePolicy",
     "ChunkStatus",
     "DuplicateKeyError",
+    "EvictedKeys",
     "InvalidArgumentError",
     "InvalidChunkError",
     "InvalidKeyError",

@@ -1,7 +1,7 @@
 """Type stubs of the Rust extension ``kvcache._core``."""
 
-from collections.abc import Iterable, Sequence
-from typing import Any, final
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -88,13 +88,26 @@ class LoadStoreSpec:
     def __len__(self) -> int: ...
 
 @final
+class EvictedKeys(Sequence[bytes]):
+    """Keys a ``prepare_store`` evicted; ``bytes`` objects are made on first use."""
+
+    def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+    def __iter__(self) -> Iterator[bytes]: ...
+    def __contains__(self, key: object) -> bool: ...
+    def __eq__(self, other: object) -> bool: ...
+
+@final
 class PrepareStoreOutput:
     @property
     def keys_to_store(self) -> list[bytes]: ...
     @property
     def store_spec(self) -> Any: ...
     @property
-    def evicted_keys(self) -> list[bytes]: ...
+    def evicted_keys(self) -> EvictedKeys: ...
 
 @final
 class OffloadingEvent:

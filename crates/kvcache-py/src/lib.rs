@@ -28,6 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::ChunkTableView>()?;
     m.add_class::<results::LoadStoreSpec>()?;
     m.add_class::<results::PrepareStoreOutput>()?;
+    m.add_class::<results::EvictedKeys>()?;
     m.add_class::<results::OffloadingEvent>()?;
     m.add_function(wrap_pyfunction!(policy::order_request_keys_py, m)?)?;
     exceptions::register(m)?;

@@ -350,11 +350,9 @@ impl PyManager {
         let Some(out) = out else { return Ok(None) };
         let stored = PyList::new(py, out.stored.iter().map(|&i| &keys[i]))?;
         let spec = self.types.spec(py, &out.chunk_ids)?;
-        let evicted = PyList::new(
-            py,
-            out.evicted.iter().map(|k| PyBytes::new(py, k.as_slice())),
-        )?;
-        self.types.store_output(py, stored, spec, evicted).map(Some)
+        self.types
+            .store_output(py, stored, spec, out.evicted)
+            .map(Some)
     }
 
     /// Completes stores: on success the chunks become readable and evictable; on failure the

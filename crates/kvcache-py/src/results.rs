@@ -8,9 +8,12 @@
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyType};
+use pyo3::pyclass::CompareOp;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyIterator, PyList, PyType};
 
 use kvcache_core::manager::{ChunkId, LookupResult};
+use kvcache_core::KeyBuf;
 
 /// Chunk ids of a load or store: `block_ids` is an `np.int32` array (as vLLM's spec).
 #[pyclass(name = "LoadStoreSpec", module = "kvcache._core", frozen)]
@@ -56,6 +59,97 @@ impl LoadStoreSpec {
     }
 }
 
+/// The keys a `prepare_store` evicted: a read-only sequence of `bytes`. Its length is known
+/// at once; the `bytes` objects are made on first use (indexing, iteration, comparison) and
+/// kept. vLLM 0.33's scheduler never reads `evicted_keys`, so a manager that evicts on most
+/// stores would otherwise allocate a Python object per eviction for nobody.
+#[pyclass(name = "EvictedKeys", module = "kvcache._core", frozen, sequence)]
+pub struct EvictedKeys {
+    keys: Vec<KeyBuf>,
+    list: PyOnceLock<Py<PyList>>,
+}
+
+impl EvictedKeys {
+    pub fn new(keys: Vec<KeyBuf>) -> Self {
+        EvictedKeys {
+            keys,
+            list: PyOnceLock::new(),
+        }
+    }
+
+    fn list<'py>(&self, py: Python<'py>) -> PyResult<&Bound<'py, PyList>> {
+        let list = self.list.get_or_try_init(py, || {
+            PyList::new(py, self.keys.iter().map(|k| PyBytes::new(py, k.as_slice())))
+                .map(Bound::unbind)
+        })?;
+        Ok(list.bind(py))
+    }
+}
+
+#[pymethods]
+impl EvictedKeys {
+    fn __len__(&self) -> usize {
+        self.keys.len()
+    }
+
+    fn __getitem__<'py>(
+        &self,
+        py: Python<'py>,
+        index: Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.list(py)?.as_any().get_item(index)
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyIterator>> {
+        self.list(py)?.as_any().try_iter()
+    }
+
+    fn __contains__(&self, py: Python<'_>, key: Bound<'_, PyAny>) -> PyResult<bool> {
+        self.list(py)?.contains(key)
+    }
+
+    fn __reversed__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.list(py)?
+            .as_any()
+            .call_method0(pyo3::intern!(py, "__reversed__"))
+    }
+
+    fn index(&self, py: Python<'_>, key: Bound<'_, PyAny>) -> PyResult<usize> {
+        self.list(py)?.index(key)
+    }
+
+    fn count(&self, py: Python<'_>, key: Bound<'_, PyAny>) -> PyResult<usize> {
+        self.list(py)?
+            .as_any()
+            .call_method1(pyo3::intern!(py, "count"), (key,))?
+            .extract()
+    }
+
+    /// Equal to another `EvictedKeys` with the same keys, or to a list of the same keys (as
+    /// vLLM's `list` field would be).
+    fn __richcmp__<'py>(
+        &self,
+        py: Python<'py>,
+        other: Bound<'py, PyAny>,
+        op: CompareOp,
+    ) -> PyResult<Py<PyAny>> {
+        let equal = match other.cast::<EvictedKeys>() {
+            Ok(o) => Some(self.keys == o.get().keys),
+            Err(_) if other.is_instance_of::<PyList>() => Some(self.list(py)?.as_any().eq(&other)?),
+            Err(_) => None,
+        };
+        Ok(match (equal, op) {
+            (Some(e), CompareOp::Eq) => e.into_pyobject(py)?.to_owned().into_any().unbind(),
+            (Some(e), CompareOp::Ne) => (!e).into_pyobject(py)?.to_owned().into_any().unbind(),
+            _ => py.NotImplemented(),
+        })
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.list(py)?.repr()?.to_string())
+    }
+}
+
 /// What `prepare_store` decided: keys to store, where (`store_spec`), and keys evicted.
 #[pyclass(name = "PrepareStoreOutput", module = "kvcache._core", frozen)]
 pub struct PrepareStoreOutput {
@@ -64,7 +158,7 @@ pub struct PrepareStoreOutput {
     #[pyo3(get)]
     store_spec: Py<PyAny>,
     #[pyo3(get)]
-    evicted_keys: Py<PyList>,
+    evicted_keys: Py<EvictedKeys>,
 }
 
 #[pymethods]
@@ -205,8 +299,9 @@ impl ResultTypes {
         py: Python<'py>,
         keys_to_store: Bound<'py, PyList>,
         spec: Bound<'py, PyAny>,
-        evicted_keys: Bound<'py, PyList>,
+        evicted_keys: Vec<KeyBuf>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let evicted_keys = Bound::new(py, EvictedKeys::new(evicted_keys))?;
         match &self.foreign {
             None => Ok(Bound::new(
                 py,
