@@ -1,7 +1,10 @@
-//! The replay driver's semantics (`python -m kvcache replay`) in pure Rust, to time and profile
-//! the manager without Python: `cargo run --release --example replay_core -- FILE arc|lru CHUNKS`.
-//! FILE: u32 request count, u32 block tokens, then per request a u32 key count and 36-byte keys
-//! (little-endian).
+//! The replay driver's semantics (`python -m kvcache replay`, lag 8, every store succeeds) in
+//! pure Rust, to time and profile the manager without Python:
+//! `cargo run --release --example replay_core -- FILE arc|lru CHUNKS [REPEATS]`.
+//! FILE comes from `bench/dump_workload.py` (u32 request count, u32 block tokens, then per
+//! request a u32 key count and 36-byte keys, little-endian). Prints ns per key visit for each
+//! repeat, and to stderr the split by phase (per key visit; each request's keys are hashed
+//! twice, once per phase that takes them, as the bindings do).
 
 use std::collections::VecDeque;
 use std::time::Instant;

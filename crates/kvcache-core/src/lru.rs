@@ -504,6 +504,44 @@ impl<C> LruPolicy<C> {
         self.walk_limit = steps;
     }
 
+    /// [`request_rank`](Self::request_rank) with the request's group: `current` (a rank and
+    /// the group it had) is checked against the group itself, no rank lookup needed.
+    pub fn request_group(&mut self, current: Option<(RequestRank, u32)>) -> (RequestRank, u32) {
+        if let Some((rr, gid)) = current {
+            let live = rr.generation == self.generation
+                && self
+                    .groups
+                    .try_get(gid)
+                    .is_some_and(|g| g.alive && g.rank == rr.rank);
+            if live {
+                return (rr, gid);
+            }
+        }
+        let rr = self.request_rank(current.map(|(rr, _)| rr));
+        let gid = self.group_id(rr).expect("a fresh or live rank has a group");
+        (rr, gid)
+    }
+
+    /// [`insert_absent`](Self::insert_absent) into a live request group from
+    /// [`request_group`](Self::request_group) (pending: not evictable).
+    pub fn insert_absent_in_group(&mut self, key: Key<'_>, chunk: C, gid: u32, pos: i64) -> u32 {
+        debug_assert!(self.index.find(&self.slab, key).is_none());
+        debug_assert!(self.groups.get(gid).alive);
+        self.bump();
+        let idx = self.slab.insert(LruEntry {
+            key: KeyBuf::new(key.bytes),
+            links: Links::default(),
+            rank: 0,
+            pos: 0,
+            group: NIL,
+            flags: 0,
+            chunk: Some(chunk),
+        });
+        self.index.insert(&self.slab, &self.hasher, key, idx);
+        self.attach_to_group(idx, gid, pos);
+        idx
+    }
+
     fn check_request_rank(&self, rr: RequestRank) -> CoreResult<u32> {
         self.group_id(rr).ok_or_else(|| {
             CoreError::InvalidArgument("request rank is stale (released or cleared)".into())

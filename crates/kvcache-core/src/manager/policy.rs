@@ -77,7 +77,8 @@ pub trait ManagerPolicy {
 }
 
 impl ManagerPolicy for LruPolicy<ChunkId> {
-    type RequestState = Option<RequestRank>;
+    /// The request's rank and its group (checked before each use).
+    type RequestState = Option<(RequestRank, u32)>;
 
     fn new(capacity: usize) -> Self {
         LruPolicy::new(capacity)
@@ -129,16 +130,17 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
         position: Option<i64>,
     ) -> CoreResult<u32> {
         debug_assert_eq!(entry, NIL, "LRU resolves only resident keys");
-        let rank = match position {
-            None => InsertRank::Fresh,
-            Some(pos) => {
-                let rank = self.request_rank(*state);
-                *state = Some(rank);
-                InsertRank::Request(rank, pos)
-            }
-        };
         // A new chunk is pending (ref_cnt −1), so never evictable yet.
-        LruPolicy::insert_absent(self, key, chunk, rank, false)
+        match position {
+            None => LruPolicy::insert_absent(self, key, chunk, InsertRank::Fresh, false),
+            Some(pos) => {
+                let (rank, gid) = self.request_group(*state);
+                *state = Some((rank, gid));
+                Ok(LruPolicy::insert_absent_in_group(
+                    self, key, chunk, gid, pos,
+                ))
+            }
+        }
     }
 
     fn remove_at(&mut self, handle: u32) -> ChunkId {
@@ -159,8 +161,8 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
         state: &mut Self::RequestState,
         entries: &[(u32, Option<i64>)],
     ) {
-        let rank = self.request_rank(*state);
-        *state = Some(rank);
+        let (rank, gid) = self.request_group(*state);
+        *state = Some((rank, gid));
         LruPolicy::on_request_access_at(self, rank, entries)
             .expect("a fresh request rank is valid");
     }
@@ -191,7 +193,7 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
     }
 
     fn release_request(&mut self, state: Self::RequestState) {
-        if let Some(rank) = state {
+        if let Some((rank, _)) = state {
             self.release_request_rank(rank);
         }
     }
