@@ -230,12 +230,16 @@ def test_evicted_keys_is_a_read_only_sequence_of_bytes(policy: str) -> None:
     assert out is not None
     evicted = out.evicted_keys
     assert isinstance(evicted, Sequence)
-    assert len(evicted) == 2 and bool(evicted)
+    assert len(evicted) == 2
+    assert bool(evicted)
     assert sorted(evicted) == sorted(KEYS[:2])
-    assert evicted == list(evicted) and evicted != KEYS[5:7]
-    assert evicted[0] in evicted and evicted[-1] == list(evicted)[-1]
+    assert evicted == list(evicted)
+    assert evicted != KEYS[5:7]
+    assert evicted[0] in evicted
+    assert evicted[-1] == list(evicted)[-1]
     assert evicted[0:1] == [evicted[0]]
-    assert evicted.index(evicted[1]) == 1 and evicted.count(evicted[0]) == 1
+    assert evicted.index(evicted[1]) == 1
+    assert evicted.count(evicted[0]) == 1
     assert list(reversed(evicted)) == list(evicted)[::-1]
     assert evicted[0] is evicted[0]  # made once, then kept
     assert repr(evicted) == repr(list(evicted))
@@ -244,5 +248,7 @@ def test_evicted_keys_is_a_read_only_sequence_of_bytes(policy: str) -> None:
     with pytest.raises(TypeError):
         evicted[0] = b"x"  # type: ignore[index]
     none_evicted = m.prepare_store([], ctx)
-    assert none_evicted is not None and len(none_evicted.evicted_keys) == 0
-    assert not none_evicted.evicted_keys and none_evicted.evicted_keys == []
+    assert none_evicted is not None
+    assert len(none_evicted.evicted_keys) == 0
+    assert not none_evicted.evicted_keys
+    assert none_evicted.evicted_keys == []
