@@ -247,6 +247,8 @@ def test_evicted_keys_is_a_read_only_sequence_of_bytes(policy: str) -> None:
         evicted[2]
     with pytest.raises(TypeError):
         evicted[0] = b"x"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        hash(evicted)
     none_evicted = m.prepare_store([], ctx)
     assert none_evicted is not None
     assert len(none_evicted.evicted_keys) == 0

@@ -148,6 +148,11 @@ impl EvictedKeys {
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(self.list(py)?.repr()?.to_string())
     }
+
+    /// Unhashable, like the list it stands for (it compares equal to one by value).
+    fn __hash__(&self) -> PyResult<isize> {
+        Err(PyTypeError::new_err("unhashable type: 'EvictedKeys'"))
+    }
 }
 
 /// What `prepare_store` decided: keys to store, where (`store_spec`), and keys evicted.
