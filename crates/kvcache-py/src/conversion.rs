@@ -228,14 +228,22 @@ fn dict_position<'py>(
             None => Ok(None),
         };
     }
-    // SAFETY: `value` is a valid borrowed reference; this takes a strong one at once.
-    let value = unsafe { Bound::from_borrowed_ptr(py, value) };
-    if value.is_exact_instance_of::<PyInt>() {
-        // A plain int (the scheduler's case): no bool or subclass checks needed.
-        if let Ok(v) = value.extract::<i64>() {
-            return Ok(Some(v));
+    // A plain int (the scheduler's case) is read through the borrowed reference: no bool or
+    // subclass checks are needed, and no Python code runs before the read.
+    // SAFETY: `value` is a live borrowed reference (the dict holds it; nothing has run since
+    // the lookup); for an exact int `PyLong_AsLongLong` runs no Python code and fails only on
+    // overflow, which the slow path below reports.
+    unsafe {
+        if ffi::Py_TYPE(value) == &raw mut ffi::PyLong_Type {
+            let v = ffi::PyLong_AsLongLong(value);
+            if v != -1 || ffi::PyErr_Occurred().is_null() {
+                return Ok(Some(v));
+            }
+            ffi::PyErr_Clear();
         }
     }
+    // SAFETY: `value` is a valid borrowed reference; this takes a strong one at once.
+    let value = unsafe { Bound::from_borrowed_ptr(py, value) };
     position_value(value)
 }
 
