@@ -11,6 +11,13 @@
 //! load that was never prepared, new keys after a request finished), the call returns
 //! [`CoreError`] instead and changes nothing. One offer may not name the same key twice
 //! (vLLM would allocate it twice and leak a chunk).
+//!
+//! Cost: the work is memory-bound, so each call looks its keys up in the policy once, in one
+//! batched pass ([`ManagerPolicy::resolve_entries`]) whose cache misses overlap, and passes the
+//! handles on (ARC's ghost handles reach `on_store_miss` and `insert`). A request's table
+//! remembers each key's handle, so finishing it probes no index; handles are checked against
+//! their key before use, since entries come and go. Request tables are pooled. Per key visit:
+//! O(1) expected, plus O(log n) for an LRU insertion into the middle of a large request group.
 
 pub mod policy;
 pub mod request;
