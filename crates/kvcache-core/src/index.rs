@@ -22,7 +22,7 @@ pub struct KeyIndex {
 const MAX_PRESIZE: usize = 1 << 22;
 
 impl KeyIndex {
-    /// An index with room for `expected` keys (capped at [`MAX_PRESIZE`]), so a cache filling up
+    /// An index with room for `expected` keys (capped at 4 Mi), so a cache filling up
     /// to its capacity never stops to rehash.
     pub fn with_capacity(expected: usize) -> Self {
         KeyIndex {

@@ -1,7 +1,7 @@
 //! `kvcache._core`: the Python bindings of kvcache-core.
 //!
-//! Conversions live in [`conversion`], errors in [`errors`] and [`exceptions`]; this file only
-//! assembles the module. The module relies on the GIL (see the `SAFETY` notes in [`chunk`]), so
+//! Conversions live in `conversion`, errors in `errors` and `exceptions`; this file only
+//! assembles the module. The module relies on the GIL (see the `SAFETY` notes in `chunk`), so
 //! it is built for the stable ABI of GIL builds (abi3, CPython ≥ 3.11).
 
 use pyo3::prelude::*;
