@@ -23,14 +23,12 @@ pub trait ManagerPolicy {
     fn get(&self, key: Key<'_>) -> Option<ChunkId> {
         self.find(key).map(|h| self.chunk_at(h))
     }
-    /// The handle of any entry the policy keeps for `key` (ARC: ghosts too), else `NIL`: what
-    /// [`insert_resolved`](Self::insert_resolved) and
-    /// [`on_store_miss_resolved`](Self::on_store_miss_resolved) take.
-    fn resolve_entry(&self, key: Key<'_>) -> u32;
-    /// [`resolve_entry`](Self::resolve_entry) for a batch: the lookups overlap their cache
-    /// misses.
+    /// The handle of any entry the policy keeps for each key (ARC: ghosts too), else `NIL`:
+    /// what [`insert_resolved`](Self::insert_resolved) and
+    /// [`on_store_miss_resolved`](Self::on_store_miss_resolved) take. One batched pass, so the
+    /// lookups overlap their cache misses.
     fn resolve_entries(&self, keys: &[Key<'_>]) -> Vec<u32>;
-    /// Whether a handle from [`resolve_entry`](Self::resolve_entry) names a resident entry.
+    /// Whether a handle from [`resolve_entries`](Self::resolve_entries) names a resident entry.
     fn is_resident_at(&self, handle: u32) -> bool;
     /// Whether `handle` still names the resident entry of `key` (handles go stale when their
     /// entry is removed and the slot reused).
@@ -40,7 +38,7 @@ pub trait ManagerPolicy {
         self.len() == 0
     }
     /// A new pending chunk for a non-resident key; `entry` is what
-    /// [`resolve_entry`](Self::resolve_entry) returned for it (possibly stale since: checked).
+    /// [`resolve_entries`](Self::resolve_entries) returned for it (possibly stale since: checked).
     /// `position` is the key's token position in the storing request. Returns the new
     /// entry's handle.
     fn insert_resolved(
@@ -53,7 +51,7 @@ pub trait ManagerPolicy {
     ) -> CoreResult<u32>;
     fn remove_at(&mut self, handle: u32) -> ChunkId;
     fn touch(&mut self, keys: &[Key<'_>], table: &ChunkTable);
-    /// Store misses, resolved with [`resolve_entry`](Self::resolve_entry) (so never resident),
+    /// Store misses, resolved with [`resolve_entries`](Self::resolve_entries) (so never resident),
     /// in offer order.
     fn on_store_miss_resolved(&mut self, entries: &[u32]);
     /// Keys a request observes for the first time, resolved (`NIL`: not resident).
@@ -96,11 +94,6 @@ impl ManagerPolicy for LruPolicy<ChunkId> {
     #[inline]
     fn chunk_at(&self, handle: u32) -> ChunkId {
         *LruPolicy::chunk_at(self, handle)
-    }
-
-    #[inline]
-    fn resolve_entry(&self, key: Key<'_>) -> u32 {
-        LruPolicy::find(self, key).unwrap_or(NIL)
     }
 
     fn resolve_entries(&self, keys: &[Key<'_>]) -> Vec<u32> {
@@ -231,11 +224,6 @@ impl ManagerPolicy for ArcPolicy<ChunkId> {
     #[inline]
     fn chunk_at(&self, handle: u32) -> ChunkId {
         *ArcPolicy::chunk_at(self, handle).expect("handles name resident entries")
-    }
-
-    #[inline]
-    fn resolve_entry(&self, key: Key<'_>) -> u32 {
-        ArcPolicy::find(self, key).unwrap_or(NIL)
     }
 
     fn resolve_entries(&self, keys: &[Key<'_>]) -> Vec<u32> {
