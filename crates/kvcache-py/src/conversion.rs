@@ -3,6 +3,7 @@
 //! Every batch call converts and validates all of its input before the core is touched, so a
 //! bad element anywhere raises with nothing changed.
 
+use kvcache_core::{Key, KeyHasher};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
@@ -124,6 +125,30 @@ pub unsafe fn borrowed_keys<'a, K>(
         keys.push(make(bytes));
     }
     Ok(Some(keys))
+}
+
+/// Runs `call` on `target` with the keys of `keys` (an iterable of bytes) hashed by `hasher`:
+/// lists and tuples read in place ([`borrowed_keys`]), anything else collected first.
+///
+/// # Safety
+/// `call` must not run Python code (see [`borrowed_keys`]).
+pub unsafe fn with_hashed_keys<T, R>(
+    target: &mut T,
+    keys: &Bound<'_, PyAny>,
+    hasher: &KeyHasher,
+    call: impl FnOnce(&mut T, &[Key<'_>]) -> R,
+) -> PyResult<R> {
+    // SAFETY: only `call` runs while the borrowed keys live, and the caller guarantees it runs
+    // no Python code.
+    if let Some(ks) = unsafe { borrowed_keys(keys, |b| Key::new(hasher, b)) }? {
+        return Ok(call(target, &ks));
+    }
+    let owned = collect_keys(keys)?;
+    let ks: Vec<Key<'_>> = owned
+        .iter()
+        .map(|k| Key::new(hasher, key_bytes(k)))
+        .collect();
+    Ok(call(target, &ks))
 }
 
 /// Collects an iterable of keys (lists and tuples without the iterator protocol).

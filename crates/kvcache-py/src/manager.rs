@@ -18,7 +18,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
 use crate::chunk::{fill_record_view, release_record_view};
 use crate::conversion::{
-    as_key, borrowed_keys, collect_keys, count, key_bytes, ContextTypeCache, Positions,
+    as_key, collect_keys, count, key_bytes, with_hashed_keys, ContextTypeCache, Positions,
 };
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
@@ -109,15 +109,9 @@ impl PyManager {
         keys: &Bound<'_, PyAny>,
         call: impl FnOnce(&mut Inner, &[Key<'_>]) -> R,
     ) -> PyResult<R> {
-        let hasher = self.hasher.clone();
-        // SAFETY: while the borrowed keys live, only `call` runs, and it runs core code only
-        // (the callers pass closures over `Manager` methods, which never call into Python).
-        if let Some(ks) = unsafe { borrowed_keys(keys, |b| Key::new(&hasher, b)) }? {
-            return Ok(call(&mut self.inner, &ks));
-        }
-        let owned = collect_keys(keys)?;
-        let ks = self.keys(&owned);
-        Ok(call(&mut self.inner, &ks))
+        // SAFETY: the callers pass closures over `Manager` methods, which never call into
+        // Python.
+        unsafe { with_hashed_keys(&mut self.inner, keys, &self.hasher, call) }
     }
 
     /// Token positions of `keys`; only LRU reads them while a request runs.

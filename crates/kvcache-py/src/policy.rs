@@ -14,7 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::chunk::PyChunk;
 use crate::conversion::{
-    as_key, borrowed_keys, collect_keys, count, key_bytes, order_request_keys, ContextTypeCache,
+    as_key, collect_keys, count, key_bytes, order_request_keys, with_hashed_keys, ContextTypeCache,
     Positions,
 };
 use crate::errors::IntoPyResult;
@@ -53,10 +53,6 @@ impl BaseCachePolicy {
         }
     }
 
-    fn keys<'a>(&self, keys: &'a [Bound<'_, PyBytes>]) -> Vec<Key<'a>> {
-        keys.iter().map(|k| self.key(key_bytes(k))).collect()
-    }
-
     /// Runs a policy call on `keys` (an iterable of bytes). Lists and tuples are read in place
     /// (no new reference per key); `call` must not run Python code.
     fn with_keys<R>(
@@ -68,14 +64,9 @@ impl BaseCachePolicy {
             Inner::Lru(p) => p.hasher().clone(),
             Inner::Arc(p) => p.hasher().clone(),
         };
-        // SAFETY: while the borrowed keys live, only `call` runs: the callers pass policy
-        // methods, which read chunk records from memory and never call into Python.
-        if let Some(ks) = unsafe { borrowed_keys(keys, |b| Key::new(&hasher, b)) }? {
-            return Ok(call(&mut self.inner, &ks));
-        }
-        let owned = collect_keys(keys)?;
-        let ks = self.keys(&owned);
-        Ok(call(&mut self.inner, &ks))
+        // SAFETY: the callers pass policy methods, which read chunk records from memory and
+        // never call into Python.
+        unsafe { with_hashed_keys(&mut self.inner, keys, &hasher, call) }
     }
 
     fn get_chunk(&self, key: Key<'_>) -> Option<&PyChunk> {
