@@ -40,6 +40,13 @@ macro_rules! with_manager {
     };
 }
 
+/// A request call's keys, their token positions and the request's state.
+type RequestCall<'py> = (
+    Vec<Bound<'py, PyBytes>>,
+    Vec<Option<i64>>,
+    kvcache_core::RequestToken,
+);
+
 /// vLLM's default bound of the `store_threshold` access tracker.
 const DEFAULT_MAX_TRACKER_SIZE: usize = 64_000;
 
@@ -125,6 +132,20 @@ impl PyManager {
         }
         let positions = Positions::new(Some(ctx), &mut self.contexts)?;
         keys.iter().map(|k| positions.get(k)).collect()
+    }
+
+    /// What `prepare_load` and `prepare_store` start with: the keys (checked), their token
+    /// positions, and the request's state (in that order: the checks come before any change).
+    fn request_call<'py>(
+        &mut self,
+        req_context: &Bound<'py, PyAny>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<RequestCall<'py>> {
+        let ctx = require_context(Some(req_context))?;
+        let keys = collect_keys(keys)?;
+        let positions = self.positions(ctx, &keys)?;
+        let token = self.request(ctx)?;
+        Ok((keys, positions, token))
     }
 
     /// The manager's request state for `ctx` (created on first sight, as vLLM does).
@@ -286,10 +307,7 @@ impl PyManager {
         keys: Bound<'py, PyAny>,
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let ctx = require_context(Some(&req_context))?;
-        let keys = collect_keys(&keys)?;
-        let positions = self.positions(ctx, &keys)?;
-        let token = self.request(ctx)?;
+        let (keys, positions, token) = self.request_call(&req_context, &keys)?;
         let ks = self.keys(&keys);
         let mut observed = Vec::new();
         let ids = with_manager!(&mut self.inner, m => m.prepare_load(token, &ks, &positions, &mut observed))
@@ -332,10 +350,7 @@ impl PyManager {
         keys: Bound<'py, PyAny>,
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let ctx = require_context(Some(&req_context))?;
-        let keys = collect_keys(&keys)?;
-        let positions = self.positions(ctx, &keys)?;
-        let token = self.request(ctx)?;
+        let (keys, positions, token) = self.request_call(&req_context, &keys)?;
         let ks = self.keys(&keys);
         let mut observed = Vec::new();
         let out = with_manager!(&mut self.inner, m => m.prepare_store(token, &ks, &positions, &mut observed))
