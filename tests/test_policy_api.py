@@ -142,6 +142,22 @@ def test_order_request_keys_sorts_only_when_every_key_has_one_position() -> None
     assert kvcache.order_request_keys([[a, b], [a]], ctx) == [a, b, a]  # a repeats
 
 
+class _ContextWithDict(kvcache.ReqContext):
+    """A ReqContext subclass whose instances have a ``__dict__`` (no ``__slots__``)."""
+
+
+def test_positions_honour_a_method_shadowed_on_the_instance() -> None:
+    # Known context classes have their position dict read directly, unless the instance
+    # shadows get_offload_key_position: then the override is called.
+    a, b = make_key(1), make_key(2)
+    ctx = _ContextWithDict("r")
+    ctx.set_offload_key_position(a, 16)
+    ctx.set_offload_key_position(b, 32)
+    assert kvcache.order_request_keys([[b, a]], ctx) == [a, b]
+    ctx.get_offload_key_position = lambda key: {a: 32, b: 16}[key]  # type: ignore[method-assign]
+    assert kvcache.order_request_keys([[a, b]], ctx) == [b, a]
+
+
 def test_lru_request_state_belongs_to_each_policy_and_dies_with_the_context() -> None:
     first, second = kvcache.LRUCachePolicy(8), kvcache.LRUCachePolicy(8)
     ctx = kvcache.ReqContext("shared")

@@ -10,10 +10,10 @@ use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
 use crate::exceptions::{exceptions, new_err};
 
-/// Module names of the `ReqContext` classes whose positions live in a plain dict attribute
-/// `_offload_key_positions` read by `get_offload_key_position` (vLLM's and ours).
+/// Module names of the `ReqContext` classes (vLLM's and ours) whose methods are plain
+/// operations on dict attributes (`_offload_key_positions`, `_state`), which kvcache then reads
+/// directly instead of calling the methods.
 const KNOWN_CONTEXT_MODULES: [&str; 2] = ["vllm.v1.kv_offload.base", "kvcache._context"];
-const CONTEXT_METHOD_QUALNAME: &str = "ReqContext.get_offload_key_position";
 
 /// The name of `obj`'s type, for error messages.
 pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
@@ -282,56 +282,86 @@ pub enum Positions<'py> {
     Method(Bound<'py, PyAny>),
 }
 
-/// Remembers the last context type that qualified for the dict fast path, and whether its
-/// instances have a `__dict__` (a slotted class's cannot shadow the method).
-#[derive(Default)]
+/// Whether some methods of a request context may be bypassed (their dict read directly): its
+/// type defines each of them as one of the known `ReqContext` classes does, and the instance
+/// does not shadow them. Remembers the last type that qualified, and whether its instances
+/// have a `__dict__`.
 pub struct ContextTypeCache {
+    methods: &'static [&'static str],
     fast: Option<(Py<PyType>, bool)>,
 }
 
-/// Whether a context type qualifies for the dict fast path.
-enum Qualifies {
-    No,
-    /// Yes; its instances may have a `__dict__` that shadows the method.
-    Yes {
-        has_dict: bool,
-    },
-}
-
 impl ContextTypeCache {
-    fn qualifies(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<Qualifies> {
+    /// For contexts whose `methods` (names on `ReqContext`) are to be bypassed.
+    pub const fn new(methods: &'static [&'static str]) -> Self {
+        ContextTypeCache {
+            methods,
+            fast: None,
+        }
+    }
+
+    /// For the position dict read by `get_offload_key_position`.
+    pub const fn positions() -> Self {
+        Self::new(&["get_offload_key_position"])
+    }
+
+    /// Whether `ctx`'s methods may be bypassed (see the type's docs).
+    pub fn bypassable(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<bool> {
         let ty = ctx.get_type();
-        if let Some((fast, has_dict)) = &self.fast {
-            if fast.bind(ctx.py()).is(&ty) {
-                return Ok(Qualifies::Yes {
-                    has_dict: *has_dict,
+        let has_dict = match &self.fast {
+            Some((fast, has_dict)) if fast.bind(ctx.py()).is(&ty) => *has_dict,
+            _ => {
+                if !self.known_type(&ty)? {
+                    return Ok(false);
+                }
+                // `__dictoffset__` is 0 when instances have no `__dict__` (`__slots__` only).
+                let has_dict = ty
+                    .getattr_opt("__dictoffset__")?
+                    .and_then(|o| o.extract::<isize>().ok())
+                    .is_none_or(|offset| offset != 0);
+                self.fast = Some((ty.unbind(), has_dict));
+                has_dict
+            }
+        };
+        // An instance attribute could shadow a method: then honour it. (Asking a slotted
+        // instance for `__dict__` would raise and catch an AttributeError.)
+        if has_dict {
+            if let Some(d) = ctx.getattr_opt("__dict__")? {
+                let shadowed = d.cast::<PyDict>().map_or(true, |d| {
+                    self.methods
+                        .iter()
+                        .any(|name| d.contains(*name).unwrap_or(true))
                 });
+                if shadowed {
+                    return Ok(false);
+                }
             }
         }
-        let Some(func) = ty.getattr_opt("get_offload_key_position")? else {
-            return Ok(Qualifies::No);
-        };
-        let module = func.getattr_opt("__module__")?;
-        let qualname = func.getattr_opt("__qualname__")?;
-        let (Some(module), Some(qualname)) = (module, qualname) else {
-            return Ok(Qualifies::No);
-        };
-        let known = module
-            .extract::<String>()
-            .is_ok_and(|m| KNOWN_CONTEXT_MODULES.contains(&m.as_str()))
-            && qualname
+        Ok(true)
+    }
+
+    /// Whether `ty` defines every method as a known `ReqContext` class does.
+    fn known_type(&self, ty: &Bound<'_, PyType>) -> PyResult<bool> {
+        for name in self.methods {
+            let Some(func) = ty.getattr_opt(*name)? else {
+                return Ok(false);
+            };
+            let module = func.getattr_opt("__module__")?;
+            let qualname = func.getattr_opt("__qualname__")?;
+            let (Some(module), Some(qualname)) = (module, qualname) else {
+                return Ok(false);
+            };
+            let known = module
                 .extract::<String>()
-                .is_ok_and(|q| q == CONTEXT_METHOD_QUALNAME);
-        if !known {
-            return Ok(Qualifies::No);
+                .is_ok_and(|m| KNOWN_CONTEXT_MODULES.contains(&m.as_str()))
+                && qualname
+                    .extract::<String>()
+                    .is_ok_and(|q| q.strip_prefix("ReqContext.") == Some(*name));
+            if !known {
+                return Ok(false);
+            }
         }
-        // `__dictoffset__` is 0 when instances have no `__dict__` (e.g. `__slots__` only).
-        let has_dict = ty
-            .getattr_opt("__dictoffset__")?
-            .and_then(|o| o.extract::<isize>().ok())
-            .is_none_or(|offset| offset != 0);
-        self.fast = Some((ty.unbind(), has_dict));
-        Ok(Qualifies::Yes { has_dict })
+        Ok(true)
     }
 }
 
@@ -341,25 +371,10 @@ impl<'py> Positions<'py> {
         let Some(ctx) = ctx.filter(|c| !c.is_none()) else {
             return Ok(Positions::Absent);
         };
-        if let Qualifies::Yes { has_dict } = cache.qualifies(ctx)? {
-            // An instance attribute could shadow the method: then honour it. (Asking a
-            // slotted instance for `__dict__` would raise and catch an AttributeError.)
-            let instance_dict = if has_dict {
-                ctx.getattr_opt("__dict__")?
-            } else {
-                None
-            };
-            let shadowed = match instance_dict {
-                Some(d) => d
-                    .cast::<PyDict>()
-                    .is_ok_and(|d| d.contains("get_offload_key_position").unwrap_or(true)),
-                None => false,
-            };
-            if !shadowed {
-                if let Some(dict) = ctx.getattr_opt("_offload_key_positions")? {
-                    if let Ok(dict) = dict.cast_into_exact::<PyDict>() {
-                        return Ok(Positions::Dict(dict));
-                    }
+        if cache.bypassable(ctx)? {
+            if let Some(dict) = ctx.getattr_opt("_offload_key_positions")? {
+                if let Ok(dict) = dict.cast_into_exact::<PyDict>() {
+                    return Ok(Positions::Dict(dict));
                 }
             }
         }

@@ -232,7 +232,7 @@ impl PyManager {
             inner,
             types: ResultTypes::from_class(cls)?,
             owner: Owner::default(),
-            contexts: ContextTypeCache::default(),
+            contexts: ContextTypeCache::positions(),
             hasher: KeyHasher::global(),
             observed: Default::default(),
         })

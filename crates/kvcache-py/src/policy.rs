@@ -42,7 +42,7 @@ impl BaseCachePolicy {
         BaseCachePolicy {
             inner,
             owner: Owner::default(),
-            contexts: ContextTypeCache::default(),
+            contexts: ContextTypeCache::positions(),
         }
     }
 
@@ -441,6 +441,6 @@ pub fn order_request_keys_py<'py>(
     key_groups: Bound<'py, PyAny>,
     req_context: Bound<'py, PyAny>,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-    let positions = Positions::new(Some(&req_context), &mut ContextTypeCache::default())?;
+    let positions = Positions::new(Some(&req_context), &mut ContextTypeCache::positions())?;
     order_request_keys(&key_groups, &positions)
 }

@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyType, PyWeakrefReference};
+use pyo3::types::{PyDict, PyWeakrefReference};
 
-use crate::conversion::type_name;
+use crate::conversion::{type_name, ContextTypeCache};
 use crate::exceptions::{exceptions, new_err};
 
 /// Names an owner's state for one request in one cache generation.
@@ -154,9 +154,8 @@ pub struct Owner {
     recent: Vec<Recent>,
     /// Where the next context goes once `recent` is full (oldest first).
     next_slot: usize,
-    /// The last context type whose state methods are known `_state` dict operations, and
-    /// whether its instances have a `__dict__`.
-    state_type: Option<(Py<PyType>, bool)>,
+    /// Which contexts' `get_state`/`set_state` are plain `_state` dict operations.
+    state_type: ContextTypeCache,
 }
 
 impl Default for Owner {
@@ -168,7 +167,7 @@ impl Default for Owner {
             graveyard: Arc::default(),
             recent: Vec::new(),
             next_slot: 0,
-            state_type: None,
+            state_type: ContextTypeCache::new(&["get_state", "set_state"]),
         }
     }
 }
@@ -198,34 +197,6 @@ pub fn require_context<'a, 'py>(
             ))
         }),
     }
-}
-
-/// Module names of the `ReqContext` classes whose `get_state`/`set_state` read and write a
-/// plain dict attribute `_state` keyed by type (vLLM's and ours).
-const KNOWN_STATE_MODULES: [&str; 2] = ["vllm.v1.kv_offload.base", "kvcache._context"];
-
-fn known_state_methods(ty: &Bound<'_, PyType>) -> PyResult<bool> {
-    for (name, qualname) in [
-        ("get_state", "ReqContext.get_state"),
-        ("set_state", "ReqContext.set_state"),
-    ] {
-        let Some(func) = ty.getattr_opt(name)? else {
-            return Ok(false);
-        };
-        let module = func.getattr_opt("__module__")?;
-        let qual = func.getattr_opt("__qualname__")?;
-        let (Some(module), Some(qual)) = (module, qual) else {
-            return Ok(false);
-        };
-        let known = module
-            .extract::<String>()
-            .is_ok_and(|m| KNOWN_STATE_MODULES.contains(&m.as_str()))
-            && qual.extract::<String>().is_ok_and(|q| q == qualname);
-        if !known {
-            return Ok(false);
-        }
-    }
-    Ok(true)
 }
 
 impl Owner {
@@ -280,32 +251,8 @@ impl Owner {
     /// `set_state` are plain operations on it: using it directly saves two Python calls per
     /// request. `None` for any other context (or one whose instance shadows the methods).
     fn state_dict<'py>(&mut self, ctx: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let ty = ctx.get_type();
-        let has_dict = match &self.state_type {
-            Some((known, has_dict)) if known.bind(ctx.py()).is(&ty) => *has_dict,
-            _ => {
-                if !known_state_methods(&ty)? {
-                    return Ok(None);
-                }
-                // `__dictoffset__` is 0 when instances have no `__dict__` (`__slots__` only).
-                let has_dict = ty
-                    .getattr_opt("__dictoffset__")?
-                    .and_then(|o| o.extract::<isize>().ok())
-                    .is_none_or(|offset| offset != 0);
-                self.state_type = Some((ty.unbind(), has_dict));
-                has_dict
-            }
-        };
-        if has_dict {
-            if let Some(d) = ctx.getattr_opt("__dict__")? {
-                let shadowed = d.cast::<PyDict>().map_or(true, |d| {
-                    d.contains("get_state").unwrap_or(true)
-                        || d.contains("set_state").unwrap_or(true)
-                });
-                if shadowed {
-                    return Ok(None);
-                }
-            }
+        if !self.state_type.bypassable(ctx)? {
+            return Ok(None);
         }
         Ok(ctx
             .getattr_opt(intern!(ctx.py(), "_state"))?
