@@ -190,22 +190,8 @@ impl<C> ArcPolicy<C> {
             Some(idx) if self.slab.get(idx).list.is_resident() => {
                 Err(CoreError::DuplicateKey(KeyBuf::new(key.bytes)))
             }
-            Some(idx) => {
-                self.bump();
-                self.slab.get_mut(idx).chunk = Some(chunk);
-                self.move_to(idx, ListId::T1);
-                Ok(())
-            }
-            None => {
-                self.bump();
-                let idx = self.slab.insert(ArcEntry {
-                    key: KeyBuf::new(key.bytes),
-                    links: Links::default(),
-                    list: ListId::T1,
-                    chunk: Some(chunk),
-                });
-                self.index.insert(&self.slab, &self.hasher, key, idx);
-                self.lists[ListId::T1 as usize].push_back(&mut self.slab, idx);
+            found => {
+                self.insert_resolved(found.unwrap_or(NIL), key, chunk);
                 Ok(())
             }
         }
@@ -216,12 +202,7 @@ impl<C> ArcPolicy<C> {
     /// it was resolved (its ghost was trimmed) is detected by key and treated as absent. Returns the entry's handle.
     pub fn insert_resolved(&mut self, entry: u32, key: Key<'_>, chunk: C) -> u32 {
         self.bump();
-        let ghost = self
-            .slab
-            .try_get(entry)
-            .filter(|e| !e.list.is_resident() && key_eq(e.key(), key.bytes))
-            .is_some();
-        if ghost {
+        if self.handle_matches(entry, key.bytes) && !self.slab.get(entry).list.is_resident() {
             self.slab.get_mut(entry).chunk = Some(chunk);
             self.move_to(entry, ListId::T1);
             return entry;
