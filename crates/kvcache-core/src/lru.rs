@@ -525,8 +525,15 @@ impl<C> LruPolicy<C> {
     /// [`insert_absent`](Self::insert_absent) into a live request group from
     /// [`request_group`](Self::request_group) (pending: not evictable).
     pub fn insert_absent_in_group(&mut self, key: Key<'_>, chunk: C, gid: u32, pos: i64) -> u32 {
-        debug_assert!(self.index.find(&self.slab, key).is_none());
         debug_assert!(self.groups.get(gid).alive);
+        let idx = self.add_entry(key, chunk, false);
+        self.attach_to_group(idx, gid, pos);
+        idx
+    }
+
+    /// A new, unattached entry for an absent key, indexed.
+    fn add_entry(&mut self, key: Key<'_>, chunk: C, evictable: bool) -> u32 {
+        debug_assert!(self.index.find(&self.slab, key).is_none());
         self.bump();
         let idx = self.slab.insert(LruEntry {
             key: KeyBuf::new(key.bytes),
@@ -534,11 +541,10 @@ impl<C> LruPolicy<C> {
             rank: 0,
             pos: 0,
             group: NIL,
-            flags: 0,
+            flags: if evictable { EVICTABLE } else { 0 },
             chunk: Some(chunk),
         });
         self.index.insert(&self.slab, &self.hasher, key, idx);
-        self.attach_to_group(idx, gid, pos);
         idx
     }
 
@@ -571,22 +577,11 @@ impl<C> LruPolicy<C> {
         rank: InsertRank,
         evictable: bool,
     ) -> CoreResult<u32> {
-        debug_assert!(self.index.find(&self.slab, key).is_none());
         let group = match rank {
             InsertRank::Request(rr, pos) => Some((self.check_request_rank(rr)?, pos)),
             InsertRank::Fresh => None,
         };
-        self.bump();
-        let idx = self.slab.insert(LruEntry {
-            key: KeyBuf::new(key.bytes),
-            links: Links::default(),
-            rank: 0,
-            pos: 0,
-            group: NIL,
-            flags: if evictable { EVICTABLE } else { 0 },
-            chunk: Some(chunk),
-        });
-        self.index.insert(&self.slab, &self.hasher, key, idx);
+        let idx = self.add_entry(key, chunk, evictable);
         match group {
             None => self.attach_fresh(idx),
             Some((gid, pos)) => self.attach_to_group(idx, gid, pos),
