@@ -142,6 +142,31 @@ BAD_CALLS = [
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize(
+    ("last", "error"),
+    [
+        (KEYS[0], kvcache.InvalidStateError),  # pinned once, unpinned twice
+        (KEYS[3], kvcache.InvalidStateError),  # never pinned
+        (make_key(99), kvcache.KeyNotFoundError),
+    ],
+    ids=["twice", "idle", "absent"],
+)
+def test_failed_complete_load_undoes_the_unpins_before_it(
+    policy: str, last: bytes, error: type
+) -> None:
+    m = kvcache.OffloadingManager(8, policy)
+    stored(m, KEYS[:5])
+    ctx = kvcache.ReqContext("load")
+    m.prepare_load(KEYS[:2], ctx)
+    before = snapshot(m)
+    with pytest.raises(error):
+        m.complete_load([KEYS[0], KEYS[1], last], ctx)
+    assert snapshot(m) == before
+    m.complete_load(KEYS[:2], ctx)
+    assert m.num_evictable == 5
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
 @pytest.mark.parametrize(("name", "call", "error"), BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
 def test_bad_calls_raise_typed_errors_and_change_nothing(
     policy: str, name: str, call, error: type

@@ -209,11 +209,13 @@ impl<C> ArcPolicy<C> {
         }
         debug_assert!(self.index.find(&self.slab, key).is_none());
         let idx = self.slab.insert(ArcEntry {
-            key: KeyBuf::new(key.bytes),
+            key: KeyBuf::EMPTY,
             links: Links::default(),
             list: ListId::T1,
             chunk: Some(chunk),
         });
+        // Written in place (see `KeyBuf::assign`), before the index may rehash it.
+        self.slab.get_mut(idx).key.assign(key.bytes);
         self.index.insert(&self.slab, &self.hasher, key, idx);
         self.lists[ListId::T1 as usize].push_back(&mut self.slab, idx);
         idx

@@ -536,7 +536,7 @@ impl<C> LruPolicy<C> {
         debug_assert!(self.index.find(&self.slab, key).is_none());
         self.bump();
         let idx = self.slab.insert(LruEntry {
-            key: KeyBuf::new(key.bytes),
+            key: KeyBuf::EMPTY,
             links: Links::default(),
             rank: 0,
             pos: 0,
@@ -544,6 +544,8 @@ impl<C> LruPolicy<C> {
             flags: if evictable { EVICTABLE } else { 0 },
             chunk: Some(chunk),
         });
+        // Written in place (see `KeyBuf::assign`), before the index may rehash it.
+        self.slab.get_mut(idx).key.assign(key.bytes);
         self.index.insert(&self.slab, &self.hasher, key, idx);
         idx
     }

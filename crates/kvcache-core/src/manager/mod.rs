@@ -139,8 +139,6 @@ pub struct Manager<P: ManagerPolicy> {
 struct Scratch {
     /// Offer indices by key hash, to find a key named twice in one offer.
     offer: hashbrown::HashTable<u32>,
-    /// Loads still to complete per chunk, while `complete_load` checks its input.
-    loads: hashbrown::HashMap<ChunkId, i32, foldhash::fast::FixedState>,
 }
 
 impl<P: ManagerPolicy> Manager<P> {
@@ -366,32 +364,36 @@ impl<P: ManagerPolicy> Manager<P> {
 
     /// Unpins chunks after their loads finished.
     pub fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
-        let mut entries = Vec::with_capacity(keys.len());
-        let pending = &mut self.scratch.loads;
-        pending.clear();
+        // Checked and applied in one pass, undone if a key fails: a key named twice unpins
+        // twice, and must have been pinned twice. `zeroed`: this unpin made the count 0.
+        let mut done: Vec<(u32, ChunkId, bool)> = Vec::with_capacity(keys.len());
+        let undo = |table: &ChunkTable, done: &[(u32, ChunkId, bool)]| {
+            for &(_, chunk, _) in done.iter().rev() {
+                let record = table.record(chunk);
+                record.set_ref_cnt(record.ref_cnt() + 1);
+            }
+        };
         let resolved = self.policy.resolve_entries(keys);
         for (&key, &handle) in keys.iter().zip(&resolved) {
             if handle == NIL || !self.policy.is_resident_at(handle) {
+                undo(&self.table, &done);
                 return Err(CoreError::KeyNotFound(KeyBuf::new(key.bytes)));
             }
             let chunk = self.policy.chunk_at(handle);
-            let left = pending
-                .entry(chunk)
-                .or_insert_with(|| self.table.record(chunk).ref_cnt());
-            if *left <= 0 {
+            let record = self.table.record(chunk);
+            let cnt = record.ref_cnt();
+            if cnt <= 0 {
+                undo(&self.table, &done);
                 return Err(CoreError::InvalidState(format!(
                     "chunk of {:?} has no load to complete",
                     KeyBuf::new(key.bytes)
                 )));
             }
-            *left -= 1;
-            entries.push((handle, chunk));
+            record.set_ref_cnt(cnt - 1);
+            done.push((handle, chunk, cnt == 1));
         }
-        for (handle, chunk) in entries {
-            let record = self.table.record(chunk);
-            let cnt = record.ref_cnt() - 1;
-            record.set_ref_cnt(cnt);
-            if cnt == 0 {
+        for (handle, _, zeroed) in done {
+            if zeroed {
                 self.num_evictable += 1;
                 self.policy.mark_evictable_at(handle);
             }

@@ -72,13 +72,15 @@ impl<S> RequestAccess<S> {
         let (idx, new) = self
             .index
             .find_or_insert(&mut self.seen, hasher, key, || SeenKey {
-                key: KeyBuf::new(key.bytes),
+                key: KeyBuf::EMPTY,
                 hash: key.hash,
                 group: group_index(key.bytes),
                 flags: 0,
                 handle,
             });
-        if !new && handle != NIL {
+        if new {
+            self.seen.get_mut(idx).key.assign(key.bytes);
+        } else if handle != NIL {
             self.seen.get_mut(idx).handle = handle;
         }
         (idx, new)
