@@ -128,9 +128,6 @@ impl<T> Slab<T> {
             };
             *slot = Slot::Occupied(value);
             self.free_head = next_free;
-            // The next insert reads that slot's link first: a vacated slot is usually cold, and
-            // loading it now takes the miss off the next insert's critical path.
-            self.prefetch(next_free);
             return idx;
         }
         assert!(self.used < NIL, "slab holds at most u32::MAX - 1 entries");
