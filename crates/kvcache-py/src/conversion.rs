@@ -288,6 +288,8 @@ pub enum Positions<'py> {
 /// have a `__dict__`.
 pub struct ContextTypeCache {
     methods: &'static [&'static str],
+    /// `methods` as Python strings, made once: this check runs on every request call.
+    names: Vec<Py<PyString>>,
     fast: Option<(Py<PyType>, bool)>,
 }
 
@@ -296,6 +298,7 @@ impl ContextTypeCache {
     pub const fn new(methods: &'static [&'static str]) -> Self {
         ContextTypeCache {
             methods,
+            names: Vec::new(),
             fast: None,
         }
     }
@@ -326,11 +329,19 @@ impl ContextTypeCache {
         // An instance attribute could shadow a method: then honour it. (Asking a slotted
         // instance for `__dict__` would raise and catch an AttributeError.)
         if has_dict {
-            if let Some(d) = ctx.getattr_opt("__dict__")? {
-                let shadowed = d.cast::<PyDict>().map_or(true, |d| {
-                    self.methods
+            let py = ctx.py();
+            if let Some(d) = ctx.getattr_opt(pyo3::intern!(py, "__dict__"))? {
+                if self.names.is_empty() {
+                    self.names = self
+                        .methods
                         .iter()
-                        .any(|name| d.contains(*name).unwrap_or(true))
+                        .map(|name| PyString::intern(py, name).unbind())
+                        .collect();
+                }
+                let shadowed = d.cast::<PyDict>().map_or(true, |d| {
+                    self.names
+                        .iter()
+                        .any(|name| d.contains(name.bind(py)).unwrap_or(true))
                 });
                 if shadowed {
                     return Ok(false);
@@ -371,25 +382,27 @@ impl<'py> Positions<'py> {
         let Some(ctx) = ctx.filter(|c| !c.is_none()) else {
             return Ok(Positions::Absent);
         };
+        let py = ctx.py();
         if cache.bypassable(ctx)? {
-            if let Some(dict) = ctx.getattr_opt("_offload_key_positions")? {
+            if let Some(dict) = ctx.getattr_opt(pyo3::intern!(py, "_offload_key_positions"))? {
                 if let Ok(dict) = dict.cast_into_exact::<PyDict>() {
                     return Ok(Positions::Dict(dict));
                 }
             }
         }
-        let method = ctx.getattr("get_offload_key_position").map_err(|_| {
-            let py = ctx.py();
-            new_err(
-                py,
-                &exceptions(py).invalid_type,
-                format!(
-                    "req_context must have vLLM's ReqContext methods; {} has no \
+        let method = ctx
+            .getattr(pyo3::intern!(py, "get_offload_key_position"))
+            .map_err(|_| {
+                new_err(
+                    py,
+                    &exceptions(py).invalid_type,
+                    format!(
+                        "req_context must have vLLM's ReqContext methods; {} has no \
                      get_offload_key_position",
-                    type_name(ctx)
-                ),
-            )
-        })?;
+                        type_name(ctx)
+                    ),
+                )
+            })?;
         Ok(Positions::Method(method))
     }
 
