@@ -204,6 +204,23 @@ mod tests {
     }
 
     #[test]
+    fn assign_writes_every_length_in_place() {
+        let long: Vec<u8> = (0..100u8).map(|i| i.wrapping_mul(37)).collect();
+        for len in 0..=INLINE_KEY_BYTES + 2 {
+            let key = &long[..len];
+            assert_eq!(KeyBuf::new(key).as_slice(), key, "new, length {len}");
+            // Over a longer key, a shorter one, the empty key and a spilled one alike.
+            for before in [&long[..INLINE_KEY_BYTES], &long[..3], &[][..], &long[..]] {
+                let mut buf = KeyBuf::new(before);
+                buf.assign(key);
+                assert_eq!(buf.as_slice(), key, "assign {len} over {}", before.len());
+                assert_eq!(buf, KeyBuf::new(key));
+            }
+        }
+        assert_eq!(KeyBuf::EMPTY.as_slice(), b"");
+    }
+
+    #[test]
     fn key_eq_matches_slice_equality() {
         for n in [0usize, 1, 7, 8, 9, 15, 16, 17, 35, 36, 37, 64] {
             let a: Vec<u8> = (0..n as u8).collect();
