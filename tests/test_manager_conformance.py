@@ -87,3 +87,43 @@ def test_workload_replay_decides_identically(
     ref, ours = replay_both(run, policy, num_chunks, fail_every, groups, threshold)
     assert any(e[0] == "lookup" and "HIT_PENDING" in e[2] for e in ref)
     assert_same_decisions(ref, ours)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_positions_read_alike_whatever_the_order_and_key_objects(policy: str) -> None:
+    """kvcache reads positions by walking the context's position dict alongside the keys when
+    they come in recording order, as the very same objects; keys out of order, equal copies of
+    the recorded objects and positions changed between calls must read exactly as vLLM's
+    lookups do (the decisions and the whole state are compared after every call)."""
+    require_oracle()
+    pair = ManagerPair(policy, num_chunks=6, num_blocks=12)
+    # Fill the cache so that later stores evict by rank.
+    for blocks in ([0, 1, 2], [3, 4, 5]):
+        request = pair.new_request(blocks, [0])
+        pair.store(request, request.keys)
+        pair.complete_store(0, True, [])
+        pair.finish(request)
+        pair.check()
+    request = pair.new_request([6, 7, 8, 9, 10, 11], [0])
+    keys = request.keys
+    copies = [bytes(bytearray(k)) for k in keys]  # equal, not identical
+    assert all(c == k and c is not k for c, k in zip(copies, keys, strict=True))
+    pair.store(request, [keys[1], copies[0], keys[3]])  # out of order, one copy
+    pair.check()
+    request.ctx.set_offload_key_position(keys[3], 1)  # moved before the others
+    pair.load(request, [keys[3], keys[1]])
+    pair.check()
+    pair.store(request, [copies[5], keys[4], keys[2]])
+    pair.check()
+    while pair.stores:
+        pair.complete_store(0, True, [])
+        pair.check()
+    while pair.loads:
+        pair.complete_load(0)
+        pair.check()
+    pair.finish(request)
+    pair.check()
+    later = pair.new_request([0, 1, 2, 3], [0])
+    pair.store(later, later.keys)  # evicts in the order the finish above left
+    pair.check()
+    pair.events()

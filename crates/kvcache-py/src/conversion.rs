@@ -3,7 +3,10 @@
 //! Every batch call converts and validates all of its input before the core is touched, so a
 //! bad element anywhere raises with nothing changed.
 
+use std::ptr;
+
 use kvcache_core::{Key, KeyHasher};
+
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
@@ -253,11 +256,19 @@ fn dict_position<'py>(
             None => Ok(None),
         };
     }
-    // A plain int (the scheduler's case) is read through the borrowed reference: no bool or
-    // subclass checks are needed, and no Python code runs before the read.
-    // SAFETY: `value` is a live borrowed reference (the dict holds it; nothing has run since
-    // the lookup); for an exact int `PyLong_AsLongLong` runs no Python code and fails only on
-    // overflow, which the slow path below reports.
+    // SAFETY: `value` was just returned by the dict, and nothing has run since.
+    unsafe { borrowed_position(py, value) }
+}
+
+/// Converts a position the dict holds, through the borrowed reference for a plain int (the
+/// scheduler's case: no bool or subclass checks, no Python code before the read).
+///
+/// # Safety
+/// `value` must be a live borrowed reference that no Python code has run since obtaining.
+#[inline]
+unsafe fn borrowed_position(py: Python<'_>, value: *mut ffi::PyObject) -> PyResult<Option<i64>> {
+    // SAFETY: the caller passes a live `value`; for an exact int `PyLong_AsLongLong` runs no
+    // Python code and fails only on overflow, which the slow path below reports.
     unsafe {
         if ffi::Py_TYPE(value) == &raw mut ffi::PyLong_Type {
             let v = ffi::PyLong_AsLongLong(value);
@@ -267,9 +278,63 @@ fn dict_position<'py>(
             ffi::PyErr_Clear();
         }
     }
-    // SAFETY: `value` is a valid borrowed reference; this takes a strong one at once.
+    // SAFETY: `value` is live (the caller's contract); this takes a strong reference at once.
     let value = unsafe { Bound::from_borrowed_ptr(py, value) };
     position_value(value)
+}
+
+/// Reads token positions for keys that mostly arrive in the order their positions were
+/// recorded, which is how the scheduler works: it records a request's keys in prefix order
+/// (`set_offload_key_position`) and then offers, loads and finishes them in that order, passing
+/// the very same key objects. Walking the position dict's items alongside the keys then finds
+/// each key as the next item by identity, without hashing or probing; a key that is not among
+/// the next few items is looked up as usual. Identity makes the two reads agree: the item whose
+/// key *is* the key object is the one a lookup would find.
+pub struct PositionWalk<'py> {
+    positions: Positions<'py>,
+    /// `PyDict_Next`'s position after the last key found by walking.
+    cursor: isize,
+}
+
+/// Items a walk looks ahead for a key before looking it up (the scheduler's keys skip few).
+const WALK_AHEAD: usize = 2;
+
+impl<'py> PositionWalk<'py> {
+    /// A walk from the first recorded position, or from `cursor` (from [`Self::cursor`] of an
+    /// earlier walk over the same dict).
+    pub fn new(positions: Positions<'py>, cursor: isize) -> Self {
+        PositionWalk { positions, cursor }
+    }
+
+    /// Where the walk stands, to resume a later walk over the same request's keys.
+    pub fn cursor(&self) -> isize {
+        self.cursor
+    }
+
+    #[inline]
+    pub fn get(&mut self, key: &Bound<'py, PyBytes>) -> PyResult<Option<i64>> {
+        if let Positions::Dict(dict) = &self.positions {
+            let mut pos = self.cursor;
+            for _ in 0..WALK_AHEAD {
+                let mut item_key = ptr::null_mut();
+                let mut value = ptr::null_mut();
+                // SAFETY: `dict` is a live dict we hold; `PyDict_Next` accepts any position
+                // (it bounds-checks) and returns borrowed references, used before any Python
+                // code runs.
+                let more =
+                    unsafe { ffi::PyDict_Next(dict.as_ptr(), &mut pos, &mut item_key, &mut value) };
+                if more == 0 {
+                    break;
+                }
+                if item_key == key.as_ptr() {
+                    self.cursor = pos;
+                    // SAFETY: `value` came from `PyDict_Next` just now.
+                    return unsafe { borrowed_position(dict.py(), value) };
+                }
+            }
+        }
+        self.positions.get(key)
+    }
 }
 
 /// Where a request's token positions come from.

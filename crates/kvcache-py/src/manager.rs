@@ -18,7 +18,8 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
 use crate::chunk::{fill_record_view, release_record_view};
 use crate::conversion::{
-    as_key, collect_keys, count, key_bytes, with_hashed_keys, ContextTypeCache, Positions,
+    as_key, collect_keys, count, key_bytes, with_hashed_keys, ContextTypeCache, PositionWalk,
+    Positions,
 };
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
@@ -40,12 +41,25 @@ macro_rules! with_manager {
     };
 }
 
-/// A request call's keys, their token positions and the request's state.
+/// A request call's keys, their token positions, where the walk over the position dict
+/// stopped, and the request's state.
 type RequestCall<'py> = (
     Vec<Bound<'py, PyBytes>>,
     Vec<Option<i64>>,
+    isize,
     kvcache_core::RequestToken,
 );
+
+/// What the bindings keep per live request.
+#[derive(Default)]
+struct Observed {
+    /// The key objects the request observed, in the order the core recorded them, so
+    /// finishing reads their positions without building new bytes objects.
+    keys: Vec<Py<PyBytes>>,
+    /// Where the last walk over the request's position dict stopped ([`PositionWalk`]): the
+    /// next call's keys usually come next.
+    cursor: isize,
+}
 
 /// vLLM's default bound of the `store_threshold` access tracker.
 const DEFAULT_MAX_TRACKER_SIZE: usize = 64_000;
@@ -60,9 +74,8 @@ pub struct PyManager {
     owner: Owner,
     contexts: ContextTypeCache,
     hasher: KeyHasher,
-    /// Per live request (by token id): the key objects it observed, in the order the core
-    /// recorded them, so finishing reads their positions without building new bytes objects.
-    observed: hashbrown::HashMap<u64, Vec<Py<PyBytes>>, foldhash::fast::RandomState>,
+    /// Per live request (by token id): its key objects and position-walk cursor.
+    observed: hashbrown::HashMap<u64, Observed, foldhash::fast::RandomState>,
 }
 
 fn policy_kind(cache_policy: &str, module_path: Option<&str>) -> Option<&'static str> {
@@ -84,17 +97,19 @@ impl PyManager {
         }
     }
 
-    /// Remembers the key objects a call showed the request for the first time.
+    /// Remembers the key objects a call showed the request for the first time, and where its
+    /// position walk stopped.
     fn remember(
         &mut self,
         token: kvcache_core::RequestToken,
         keys: &[Bound<'_, PyBytes>],
         observed: &[usize],
+        cursor: isize,
     ) {
-        if !observed.is_empty() {
-            let seen = self.observed.entry(token.id).or_default();
-            seen.extend(observed.iter().map(|&i| keys[i].clone().unbind()));
-        }
+        let seen = self.observed.entry(token.id).or_default();
+        seen.keys
+            .extend(observed.iter().map(|&i| keys[i].clone().unbind()));
+        seen.cursor = cursor;
     }
 
     fn is_lru(&self) -> bool {
@@ -121,17 +136,25 @@ impl PyManager {
         unsafe { with_hashed_keys(&mut self.inner, keys, &self.hasher, call) }
     }
 
-    /// Token positions of `keys`; only LRU reads them while a request runs.
+    /// Token positions of `keys` (only LRU reads them while a request runs), and where the
+    /// walk over the position dict stopped. The walk resumes where the request's previous
+    /// call left it, found without side effects (a context not seen recently starts over).
     fn positions(
         &mut self,
         ctx: &Bound<'_, PyAny>,
         keys: &[Bound<'_, PyBytes>],
-    ) -> PyResult<Vec<Option<i64>>> {
+    ) -> PyResult<(Vec<Option<i64>>, isize)> {
+        let start = self
+            .owner
+            .cached(ctx)
+            .and_then(|token| self.observed.get(&token.id))
+            .map_or(0, |o| o.cursor);
         if !self.is_lru() {
-            return Ok(vec![None; keys.len()]);
+            return Ok((vec![None; keys.len()], start));
         }
-        let positions = Positions::new(Some(ctx), &mut self.contexts)?;
-        keys.iter().map(|k| positions.get(k)).collect()
+        let mut walk = PositionWalk::new(Positions::new(Some(ctx), &mut self.contexts)?, start);
+        let positions = keys.iter().map(|k| walk.get(k)).collect::<PyResult<_>>()?;
+        Ok((positions, walk.cursor()))
     }
 
     /// What `prepare_load` and `prepare_store` start with: the keys (checked), their token
@@ -143,9 +166,9 @@ impl PyManager {
     ) -> PyResult<RequestCall<'py>> {
         let ctx = require_context(Some(req_context))?;
         let keys = collect_keys(keys)?;
-        let positions = self.positions(ctx, &keys)?;
+        let (positions, cursor) = self.positions(ctx, &keys)?;
         let token = self.request(ctx)?;
-        Ok((keys, positions, token))
+        Ok((keys, positions, cursor, token))
     }
 
     /// The manager's request state for `ctx` (created on first sight, as vLLM does).
@@ -307,12 +330,12 @@ impl PyManager {
         keys: Bound<'py, PyAny>,
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (keys, positions, token) = self.request_call(&req_context, &keys)?;
+        let (keys, positions, cursor, token) = self.request_call(&req_context, &keys)?;
         let ks = self.keys(&keys);
         let mut observed = Vec::new();
         let ids = with_manager!(&mut self.inner, m => m.prepare_load(token, &ks, &positions, &mut observed))
             .py_err()?;
-        self.remember(token, &keys, &observed);
+        self.remember(token, &keys, &observed, cursor);
         self.types.spec(py, &ids)
     }
 
@@ -350,12 +373,12 @@ impl PyManager {
         keys: Bound<'py, PyAny>,
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let (keys, positions, token) = self.request_call(&req_context, &keys)?;
+        let (keys, positions, cursor, token) = self.request_call(&req_context, &keys)?;
         let ks = self.keys(&keys);
         let mut observed = Vec::new();
         let out = with_manager!(&mut self.inner, m => m.prepare_store(token, &ks, &positions, &mut observed))
             .py_err()?;
-        self.remember(token, &keys, &observed);
+        self.remember(token, &keys, &observed, cursor);
         let Some(out) = out else { return Ok(None) };
         let stored = PyList::new(py, out.stored.iter().map(|&i| &keys[i]))?;
         let spec = self.types.spec(py, &out.chunk_ids)?;
@@ -401,15 +424,16 @@ impl PyManager {
             return Ok(());
         };
         let positions = Positions::new(Some(&req_context), &mut self.contexts)?;
+        let mut walk = PositionWalk::new(positions, 0);
         let seen = self
             .observed
             .get(&token.id)
-            .map(Vec::as_slice)
+            .map(|o| o.keys.as_slice())
             .unwrap_or_default();
         with_manager!(&mut self.inner, m => {
             m.finish_request(token.into(), |i, key| match seen.get(i) {
-                Some(object) => positions.get(object.bind(py)),
-                None => positions.get(&PyBytes::new(py, key)),
+                Some(object) => walk.get(object.bind(py)),
+                None => walk.get(&PyBytes::new(py, key)),
             })
         })?;
         // A finished request observes no new key: its key objects are no longer needed.
