@@ -192,3 +192,48 @@ def test_hypothesis_state_machine_matches_vllm(machine: type[PolicyMachine]) -> 
     require_oracle()
     machine.TestCase.settings = MACHINE_SETTINGS
     machine.TestCase().runTest()
+
+
+@st.composite
+def _key_groups(draw: st.DrawFn) -> tuple[list[list[bytes]], list[tuple[int, int | None]]]:
+    """Key groups over a few blocks (repeats allowed) and the positions to record, in a drawn
+    order: most blocks get one (so sorting is common), positions often tie."""
+    blocks = draw(st.integers(1, 6))
+    block = st.integers(0, blocks - 1)
+    groups = [
+        [b.to_bytes(32, "big") + bytes(4) for b in draw(st.lists(block, max_size=6))]
+        for _ in range(draw(st.integers(0, 3)))
+    ]
+    order = draw(st.permutations(range(blocks)))
+    positions = draw(st.lists(st.integers(-1, 4), min_size=blocks, max_size=blocks))
+    recorded = [(b, None if positions[b] < 0 else positions[b]) for b in order]
+    return groups, recorded
+
+
+@pytest.mark.parametrize("same_objects", [True, False])
+def test_order_request_keys_matches_vllm(same_objects: bool) -> None:
+    """kvcache.order_request_keys (which walks the position dict by key identity and checks
+    repeats only among equal positions) orders exactly as vLLM's does."""
+    require_oracle()
+    from hypothesis import given
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.cpu.policies.base import order_request_keys
+
+    import kvcache
+
+    @settings(max_examples=300, deadline=None)
+    @given(_key_groups())
+    def check(case: tuple[list[list[bytes]], list[tuple[int, int | None]]]) -> None:
+        groups, recorded = case
+        ctx = ReqContext(req_id="r")
+        by_block = {k[:32]: k for group in groups for k in group}
+        for block, position in recorded:
+            key = block.to_bytes(32, "big") + bytes(4)
+            if same_objects:
+                key = by_block.get(key[:32], key)
+            if position is not None:
+                ctx.set_offload_key_position(key, position)
+        expected = order_request_keys([list(g) for g in groups], ctx)
+        assert kvcache.order_request_keys(groups, ctx) == expected
+
+    check()

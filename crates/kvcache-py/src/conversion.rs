@@ -486,7 +486,7 @@ impl<'py> Positions<'py> {
 /// size of its position dict with the number of keys).
 pub fn order_request_keys<'py>(
     key_groups: &Bound<'py, PyAny>,
-    positions: &Positions<'py>,
+    positions: Positions<'py>,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     let mut keys = Vec::new();
     let groups = key_groups.try_iter().map_err(|_| {
@@ -503,24 +503,31 @@ pub fn order_request_keys<'py>(
     for group in groups {
         keys.extend(collect_keys(&group?)?);
     }
+    let mut walk = PositionWalk::new(positions, 0);
     let mut ranked = Vec::with_capacity(keys.len());
     for key in &keys {
-        match positions.get(key)? {
+        match walk.get(key)? {
             Some(p) => ranked.push(p),
             None => return Ok(keys),
         }
     }
-    let distinct = {
-        let mut seen = hashbrown::HashSet::with_capacity_and_hasher(
-            keys.len(),
-            foldhash::fast::RandomState::default(),
-        );
-        keys.iter().all(|k| seen.insert(key_bytes(k)))
-    };
-    if !distinct {
-        return Ok(keys);
-    }
     let mut order: Vec<usize> = (0..keys.len()).collect();
     order.sort_by_key(|&i| ranked[i]);
+    // A repeated key has one position, so repeats can only sit in a run of equal positions
+    // (usually one key long): no key needs hashing to rule them out.
+    for run in order.chunk_by(|&a, &b| ranked[a] == ranked[b]) {
+        if run.len() > 1 && has_repeat(run.iter().map(|&i| key_bytes(&keys[i]))) {
+            return Ok(keys);
+        }
+    }
     Ok(order.into_iter().map(|i| keys[i].clone()).collect())
+}
+
+/// Whether any byte string occurs twice.
+fn has_repeat<'a>(keys: impl ExactSizeIterator<Item = &'a [u8]>) -> bool {
+    let mut seen = hashbrown::HashSet::with_capacity_and_hasher(
+        keys.len(),
+        foldhash::fast::RandomState::default(),
+    );
+    !keys.into_iter().all(|k| seen.insert(k))
 }

@@ -255,7 +255,7 @@ impl BaseCachePolicy {
         req_context: Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let positions = Positions::new(Some(&req_context), &mut self.contexts)?;
-        let ordered = order_request_keys(&key_groups, &positions)?;
+        let ordered = order_request_keys(&key_groups, positions)?;
         match &mut self.inner {
             Inner::Lru(p) => {
                 let ks: Vec<Key<'_>> = ordered.iter().map(|k| p.key(key_bytes(k))).collect();
@@ -442,5 +442,5 @@ pub fn order_request_keys_py<'py>(
     req_context: Bound<'py, PyAny>,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     let positions = Positions::new(Some(&req_context), &mut ContextTypeCache::positions())?;
-    order_request_keys(&key_groups, &positions)
+    order_request_keys(&key_groups, positions)
 }
