@@ -512,7 +512,10 @@ pub fn order_request_keys<'py>(
         }
     }
     let mut order: Vec<usize> = (0..keys.len()).collect();
-    order.sort_by_key(|&i| ranked[i]);
+    // Keys usually come in prefix order already; a stable sort would leave them as they are.
+    if !ranked.is_sorted() {
+        order.sort_by_key(|&i| ranked[i]);
+    }
     // A repeated key has one position, so repeats can only sit in a run of equal positions
     // (usually one key long): no key needs hashing to rule them out.
     for run in order.chunk_by(|&a, &b| ranked[a] == ranked[b]) {

@@ -10,7 +10,7 @@ use kvcache_core::{
 };
 use pyo3::exceptions::PyAssertionError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
 
 use crate::chunk::PyChunk;
 use crate::conversion::{
@@ -264,14 +264,16 @@ impl BaseCachePolicy {
             Inner::Arc(p) => {
                 let ks: Vec<Key<'_>> = ordered.iter().map(|k| p.key(key_bytes(k))).collect();
                 let entries = p.resolve(&ks);
+                let insertion_only = KeySet::new(&insertion_only_keys);
+                let reused = KeySet::new(&reused_keys);
                 let mut accesses = Vec::with_capacity(ordered.len());
                 for (key, idx) in ordered.iter().zip(entries) {
                     // Only resident keys can move: classify just those.
                     let access = if !p.is_resident(idx) {
                         Access::Other
-                    } else if insertion_only_keys.contains(key)? {
+                    } else if insertion_only.contains(key)? {
                         Access::InsertionOnly
-                    } else if reused_keys.contains(key)? {
+                    } else if reused.contains(key)? {
                         Access::Reused
                     } else {
                         Access::Other
@@ -431,6 +433,29 @@ impl ArcCachePolicy {
         match &slf.as_super().inner {
             Inner::Arc(p) => p.target_t1_size(),
             Inner::Lru(_) => unreachable!("ARCCachePolicy always wraps an ARC policy"),
+        }
+    }
+}
+
+/// A collection of keys tested for membership once per key: a `set` (what vLLM's manager
+/// passes) is asked directly, anything else through the container protocol.
+enum KeySet<'a, 'py> {
+    Set(Bound<'py, PySet>),
+    Other(&'a Bound<'py, PyAny>),
+}
+
+impl<'a, 'py> KeySet<'a, 'py> {
+    fn new(keys: &'a Bound<'py, PyAny>) -> Self {
+        match keys.cast::<PySet>() {
+            Ok(set) => KeySet::Set(set.clone()),
+            Err(_) => KeySet::Other(keys),
+        }
+    }
+
+    fn contains(&self, key: &Bound<'py, PyBytes>) -> PyResult<bool> {
+        match self {
+            KeySet::Set(set) => set.contains(key),
+            KeySet::Other(keys) => keys.contains(key),
         }
     }
 }

@@ -621,7 +621,10 @@ impl<P: ManagerPolicy> Manager<P> {
             });
         }
         if all_positioned {
-            ordered.sort_by_key(|f| (f.position, f.group));
+            // Usually in prefix order already (then the stable sort would change nothing).
+            if !ordered.is_sorted_by_key(|f| (f.position, f.group)) {
+                ordered.sort_by_key(|f| (f.position, f.group));
+            }
         } else {
             if !one_group {
                 ordered.sort_by_key(|f| f.group);
