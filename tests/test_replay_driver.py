@@ -17,7 +17,9 @@ from kvcache.replay import (
     Workload,
     make_key,
     null_backend,
+    parse_capacities,
     replay,
+    run_grid,
     time_backend,
     time_backends,
 )
@@ -286,3 +288,24 @@ def test_time_backends_interleaves_repeats() -> None:
     assert order == ["a", "b", "a", "b"]
     assert [run.backend for run, _ in results] == ["a", "b"]
     assert all(timing.repeat == 2 for _, timing in results)
+
+
+def test_grid_warms_up_each_backend_and_policy_before_timing() -> None:
+    wl = workload(*[[i, i + 1] for i in range(0, 600, 2)])  # 300 requests, 600 blocks
+    made: list[tuple[str, int, FakeManager]] = []
+
+    def backend(name: str) -> Backend:
+        def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> FakeManager:
+            manager = FakeManager()
+            made.append((policy, num_chunks, manager))
+            return manager
+
+        return Backend(name=name, make=make, hit="HIT", req_context=FakeContext)
+
+    rows = run_grid(wl, backend("a"), policies=["lru", "arc"], capacities=parse_capacities("50%"))
+    requests_seen = [sum(c[0] == "new" for c in m.calls) for _, _, m in made]
+    # First the warm-up, untimed: the first 200 requests, at the grid's largest capacity (50 %
+    # of the whole workload's 600 blocks); then the timed runs over all 300 requests.
+    assert [(p, n) for p, n, _ in made] == [("lru", 300), ("arc", 300), ("lru", 300), ("arc", 300)]
+    assert requests_seen == [200, 200, 300, 300]
+    assert [r.run.requests for r in rows] == [300, 300]

@@ -13,6 +13,10 @@ Both are measured with ``time.perf_counter_ns`` around the request loop only, af
 ``gc.collect()`` and with the pre-existing heap frozen (``gc.freeze``, as vLLM does after start-up)
 so that a collection of the workload itself does not land in one run and not the other.
 
+Before anything is timed, :func:`run_grid` replays the first requests of the workload once per
+backend and policy, untimed: lazy imports (numpy, on the first store spec), first calls through
+each code path and the allocator's first growth would otherwise land in the first timed row.
+
 Capacities are given as chunk counts (``4096``) or as percentages of the workload's unique blocks
 (``10%``: ``round(0.10 * unique_blocks)`` chunks).
 """
@@ -42,7 +46,11 @@ __all__ = [
     "run_grid",
     "time_backend",
     "time_backends",
+    "warm_up",
 ]
+
+#: Requests of the workload's head that the warm-up replays (see the module docstring).
+WARM_UP_REQUESTS = 200
 
 #: ``progress_for(label)`` returns a ``progress(done, total)`` callback, or None for no progress.
 ProgressFactory = Callable[[str], Callable[[int, int], None] | None]
@@ -316,6 +324,13 @@ def run_grid(
         "lag": lag,
         "fail_store_every": fail_store_every,
     }
+    warm_up(
+        [backend] if reference is None else [backend, reference],
+        workload,
+        policies,
+        num_chunks=max(n for _, n in resolved),
+        **common,
+    )
     for policy in policies:
         for spec, num_chunks in resolved:
             timed = time_backends(
@@ -349,6 +364,35 @@ def run_grid(
                 )
             rows.append(row)
     return rows
+
+
+def warm_up(
+    backends: Sequence[Backend],
+    workload: Workload,
+    policies: Sequence[str],
+    *,
+    num_chunks: int,
+    lag: int = 8,
+    fail_store_every: int = 0,
+) -> None:
+    """Replay the workload's first :data:`WARM_UP_REQUESTS` requests once per backend and
+    policy, untimed, with ``num_chunks`` chunks (the grid's largest capacity: a manager sizes
+    its tables by it, so the allocator grows once, here)."""
+    head = Workload.from_requests(
+        f"{workload.name} (warm-up)",
+        workload.requests[:WARM_UP_REQUESTS],
+        block_tokens=workload.block_tokens,
+    )
+    for backend in backends:
+        for policy in policies:
+            replay(
+                backend,
+                head,
+                policy=policy,
+                num_chunks=num_chunks,
+                lag=lag,
+                fail_store_every=fail_store_every,
+            )
 
 
 def compare_backends(
