@@ -338,3 +338,23 @@ def test_an_empty_policy_is_truthy(cls: type) -> None:
     policy = cls(4)
     assert len(policy) == 0
     assert policy
+
+
+def test_arc_on_request_finished_honours_a_set_subclass_membership() -> None:
+    """vLLM's sets are asked directly; a subclass's own ``__contains__`` is honoured."""
+
+    class Nothing(set):
+        def __contains__(self, key: object) -> bool:
+            return False
+
+    policy = kvcache.ARCCachePolicy(cache_capacity=4)
+    ctx = kvcache.ReqContext("r")
+    keys = [make_key(i) for i in range(2)]
+    for i, k in enumerate(keys):
+        policy.insert(k, ready(i))
+    # Claiming no member, `reused` promotes nothing; as a plain set it promotes both keys to
+    # T2, walked tail to head.
+    policy.on_request_finished([keys], set(), Nothing(keys), ctx)
+    assert policy._debug_state()["t2"] == []
+    policy.on_request_finished([keys], set(), set(keys), ctx)
+    assert policy._debug_state()["t2"] == keys[::-1]

@@ -437,8 +437,9 @@ impl ArcCachePolicy {
     }
 }
 
-/// A collection of keys tested for membership once per key: a `set` (what vLLM's manager
-/// passes) is asked directly, anything else through the container protocol.
+/// A collection of keys tested for membership once per key: an exact `set` (what vLLM's
+/// manager passes) is asked directly, anything else (a subclass may override `__contains__`)
+/// through the container protocol.
 enum KeySet<'a, 'py> {
     Set(Bound<'py, PySet>),
     Other(&'a Bound<'py, PyAny>),
@@ -446,7 +447,7 @@ enum KeySet<'a, 'py> {
 
 impl<'a, 'py> KeySet<'a, 'py> {
     fn new(keys: &'a Bound<'py, PyAny>) -> Self {
-        match keys.cast::<PySet>() {
+        match keys.cast_exact::<PySet>() {
             Ok(set) => KeySet::Set(set.clone()),
             Err(_) => KeySet::Other(keys),
         }
