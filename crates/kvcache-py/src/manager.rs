@@ -144,14 +144,14 @@ impl PyManager {
         ctx: &Bound<'_, PyAny>,
         keys: &[Bound<'_, PyBytes>],
     ) -> PyResult<(Vec<Option<i64>>, isize)> {
+        if !self.is_lru() {
+            return Ok((vec![None; keys.len()], 0));
+        }
         let start = self
             .owner
             .cached(ctx)
             .and_then(|token| self.observed.get(&token.id))
             .map_or(0, |o| o.cursor);
-        if !self.is_lru() {
-            return Ok((vec![None; keys.len()], start));
-        }
         let mut walk = PositionWalk::new(Positions::new(Some(ctx), &mut self.contexts)?, start);
         let positions = keys.iter().map(|k| walk.get(k)).collect::<PyResult<_>>()?;
         Ok((positions, walk.cursor()))
