@@ -199,6 +199,25 @@ pub fn require_context<'a, 'py>(
     }
 }
 
+/// `ctx.get_state(_RequestState)`: read from the context's `_state` dict when `direct` is it
+/// (see [`Owner::state_dict`]), else through the method. None when the context has none.
+fn stored_state<'py>(
+    ctx: &Bound<'py, PyAny>,
+    direct: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = ctx.py();
+    let state_type = py.get_type::<RequestState>();
+    match direct {
+        Some(dict) => Ok(dict
+            .get_item(&state_type)?
+            .unwrap_or_else(|| py.None().into_bound(py))),
+        None => ctx
+            .getattr(intern!(py, "get_state"))
+            .map_err(|_| context_error(ctx, "no get_state"))?
+            .call1((&state_type,)),
+    }
+}
+
 impl Owner {
     /// The owner's token on `ctx`, made valid by `validate` (which returns the current token,
     /// allocating one if the stored token is missing or stale). Every Python call happens
@@ -211,15 +230,7 @@ impl Owner {
         let py = ctx.py();
         let state_type = py.get_type::<RequestState>();
         let direct = self.state_dict(ctx)?;
-        let existing = match &direct {
-            Some(dict) => dict
-                .get_item(&state_type)?
-                .unwrap_or_else(|| py.None().into_bound(py)),
-            None => ctx
-                .getattr(intern!(py, "get_state"))
-                .map_err(|_| context_error(ctx, "no get_state"))?
-                .call1((&state_type,))?,
-        };
+        let existing = stored_state(ctx, direct.as_ref())?;
         let state = if existing.is_none() {
             let fresh = Bound::new(py, RequestState::default())?;
             match &direct {
@@ -295,20 +306,11 @@ impl Owner {
 
     /// The owner's token on `ctx` if it has one (no state is created).
     pub fn existing_token(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<Option<Token>> {
-        let py = ctx.py();
         if let Some(token) = self.cached(ctx) {
             return Ok(Some(token));
         }
-        let state_type = py.get_type::<RequestState>();
-        let existing = match self.state_dict(ctx)? {
-            Some(dict) => dict
-                .get_item(&state_type)?
-                .unwrap_or_else(|| py.None().into_bound(py)),
-            None => ctx
-                .getattr(intern!(py, "get_state"))
-                .map_err(|_| context_error(ctx, "no get_state"))?
-                .call1((&state_type,))?,
-        };
+        let direct = self.state_dict(ctx)?;
+        let existing = stored_state(ctx, direct.as_ref())?;
         Ok(existing
             .cast::<RequestState>()
             .ok()
