@@ -106,6 +106,10 @@ impl PyManager {
         observed: &[usize],
         cursor: isize,
     ) {
+        // Nothing new and no walk (ARC never walks while a request runs): no entry to touch.
+        if observed.is_empty() && cursor == 0 {
+            return;
+        }
         let seen = self.observed.entry(token.id).or_default();
         seen.keys
             .extend(observed.iter().map(|&i| keys[i].clone().unbind()));
