@@ -17,13 +17,14 @@ $(VENV)/.installed: requirements/dev.txt requirements/oracle.txt requirements/co
 	$(PY) -m pip install -q --no-deps vllm==0.33.0
 	touch $@
 
-# Optimised build of the extension into .venv (what tests and benchmarks use).
+# Optimised build of the extension into .venv, with the invariant checks (`validate()`) the
+# tests call (what tests and benchmarks use; release wheels leave them out).
 build: install
-	$(VENV)/bin/maturin develop --release -q
+	$(VENV)/bin/maturin develop --release -q --features validate
 
 # Faster unoptimised build for iterating.
 build-dev: install
-	$(VENV)/bin/maturin develop -q
+	$(VENV)/bin/maturin develop -q --features validate
 
 wheel: install
 	$(VENV)/bin/maturin build --release -o dist

@@ -68,10 +68,14 @@ def test_chunk_status_is_writable_through_numpy_and_ctypes() -> None:
 
 def test_chunk_status_rejects_out_of_range_values() -> None:
     chunk = kvcache.ChunkStatus(1)
-    with pytest.raises(OverflowError):
+    with pytest.raises(kvcache.InvalidArgumentError, match="32-bit"):
         chunk.ref_cnt = 2**31
-    with pytest.raises(TypeError):
+    with pytest.raises(kvcache.InvalidTypeError):
         chunk.ref_cnt = "1"
+    with pytest.raises(kvcache.InvalidTypeError):
+        chunk.ref_cnt = True
+    with pytest.raises(kvcache.InvalidArgumentError, match="64-bit"):
+        kvcache.ChunkStatus(2**70)
     with pytest.raises(AttributeError):
         chunk.chunk_id = 3
     assert chunk.ref_cnt == -1

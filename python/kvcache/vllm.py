@@ -83,6 +83,27 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
         new_request=RequestOffloadingContext,
     )
 
+    def __new__(
+        cls,
+        num_chunks: int,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        info: Any = None,
+    ) -> CPUOffloadingManager:
+        # `info` is for __init__ (vLLM's config facts); the Rust base takes the rest.
+        return super().__new__(
+            cls,
+            num_chunks,
+            cache_policy,
+            cache_policy_module_path,
+            enable_events=enable_events,
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+        )
+
     def __init__(
         self,
         num_chunks: int,

@@ -4,9 +4,26 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use kvcache_core::chunk::{SelfCounted, TestChunk};
-use kvcache_core::manager::{Manager, ManagerConfig};
-use kvcache_core::{ArcPolicy, InsertRank, LruPolicy, Protected};
+use kvcache_core::manager::{ChunkId, Manager, ManagerConfig};
+use kvcache_core::{ArcPolicy, HasRefCnt, LruPolicy, Policy, Protected, SelfCounted};
+
+/// An idle chunk that knows its count, as the Python chunk objects do.
+struct Chunk {
+    _id: u64,
+    ref_cnt: i32,
+}
+
+impl Chunk {
+    fn new(id: u64, ref_cnt: i32) -> Self {
+        Chunk { _id: id, ref_cnt }
+    }
+}
+
+impl HasRefCnt for Chunk {
+    fn ref_cnt(&self) -> i32 {
+        self.ref_cnt
+    }
+}
 
 const ENTRIES: u64 = 100_000;
 const BATCH: usize = 256;
@@ -30,24 +47,25 @@ fn picks(n: usize, seed: u64) -> Vec<u64> {
         .collect()
 }
 
-fn filled_arc() -> ArcPolicy<TestChunk> {
+fn filled_arc() -> ArcPolicy<Chunk> {
     let mut p = ArcPolicy::new(ENTRIES as usize);
     for i in 0..ENTRIES {
         let k = key(i);
-        p.insert(p.key(&k), TestChunk::new(i, 0)).unwrap();
+        p.insert_key(&mut (), p.key(&k), Chunk::new(i, 0), None, true)
+            .unwrap();
     }
     // Half of the entries reused once: both T1 and T2 populated.
     let keys: Vec<Vec<u8>> = (0..ENTRIES).step_by(2).map(key).collect();
     let ks: Vec<_> = keys.iter().map(|k| p.key(k)).collect();
-    p.touch(&ks, &SelfCounted);
+    p.touch_keys(&ks, &SelfCounted);
     p
 }
 
-fn filled_lru() -> LruPolicy<TestChunk> {
+fn filled_lru() -> LruPolicy<Chunk> {
     let mut p = LruPolicy::new(ENTRIES as usize);
     for i in 0..ENTRIES {
         let k = key(i);
-        p.insert(p.key(&k), TestChunk::new(i, 0), InsertRank::Fresh, true)
+        p.insert_key(&mut None, p.key(&k), Chunk::new(i, 0), None, true)
             .unwrap();
     }
     p
@@ -66,7 +84,7 @@ fn policies(c: &mut Criterion) {
         b.iter(|| {
             round += 1;
             let ks: Vec<_> = batches[round % 64].iter().map(|k| arc.key(k)).collect();
-            arc.touch(&ks, &SelfCounted);
+            arc.touch_keys(&ks, &SelfCounted);
         })
     });
     let mut lru = filled_lru();
@@ -74,7 +92,7 @@ fn policies(c: &mut Criterion) {
         b.iter(|| {
             round += 1;
             let ks: Vec<_> = batches[round % 64].iter().map(|k| lru.key(k)).collect();
-            lru.touch(&ks);
+            lru.touch_keys(&ks, &SelfCounted);
         })
     });
     group.bench_function("arc get", |b| {
@@ -94,7 +112,8 @@ fn policies(c: &mut Criterion) {
             for e in out {
                 next += 1;
                 let k = key(next);
-                arc.insert(arc.key(&k), e.chunk).unwrap();
+                arc.insert_key(&mut (), arc.key(&k), e.chunk, None, true)
+                    .unwrap();
             }
         })
     });
@@ -104,7 +123,7 @@ fn policies(c: &mut Criterion) {
             for e in out {
                 next += 1;
                 let k = key(next);
-                lru.insert(lru.key(&k), e.chunk, InsertRank::Fresh, true)
+                lru.insert_key(&mut None, lru.key(&k), e.chunk, None, true)
                     .unwrap();
             }
         })
@@ -114,10 +133,10 @@ fn policies(c: &mut Criterion) {
 
 /// One request of 64 new keys through a full manager: store, complete, finish, release.
 fn manager(c: &mut Criterion) {
-    fn cycle<P: kvcache_core::manager::ManagerPolicy>(m: &mut Manager<P>, keys: &[Vec<u8>]) {
+    fn cycle<P: Policy<ChunkId>>(m: &mut Manager<P>, keys: &[Vec<u8>]) {
         let t = m.request(None);
         let ks: Vec<_> = keys.iter().map(|k| m.key(k)).collect();
-        let pos: Vec<_> = (0..ks.len() as i64).map(|j| Some(16 * (j + 1))).collect();
+        let pos: Vec<_> = (1..=64).map(|j| Some(16 * j)).take(ks.len()).collect();
         black_box(m.prepare_store(t, &ks, &pos, &mut Vec::new()).unwrap());
         m.complete_store(&ks, true);
         black_box(m.take_events());
@@ -135,8 +154,8 @@ fn manager(c: &mut Criterion) {
     let requests: Vec<Vec<Vec<u8>>> = (0..4_000u64)
         .map(|r| (0..64).map(|j| key(r * 64 + j)).collect())
         .collect();
-    let mut lru: Manager<LruPolicy<u32>> = Manager::new(config);
-    let mut arc: Manager<ArcPolicy<u32>> = Manager::new(config);
+    let mut lru: Manager<LruPolicy<u32>> = Manager::new(config).unwrap();
+    let mut arc: Manager<ArcPolicy<u32>> = Manager::new(config).unwrap();
     let mut r = 0usize;
     group.bench_function("lru request(64 new keys)", |b| {
         b.iter(|| {
@@ -152,7 +171,7 @@ fn manager(c: &mut Criterion) {
     });
     group.bench_function("lru fresh manager, 1000 requests", |b| {
         b.iter_batched(
-            || Manager::<LruPolicy<u32>>::new(config),
+            || Manager::<LruPolicy<u32>>::new(config).unwrap(),
             |mut m| {
                 for keys in &requests[..1000] {
                     cycle(&mut m, keys);

@@ -9,8 +9,8 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use kvcache_core::manager::{LookupResult, Manager, ManagerConfig, ManagerPolicy};
-use kvcache_core::{ArcPolicy, LruPolicy};
+use kvcache_core::manager::{ChunkId, LookupResult, Manager, ManagerConfig};
+use kvcache_core::{ArcPolicy, LruPolicy, Policy};
 
 fn read_u32(b: &[u8], at: &mut usize) -> u32 {
     let v = u32::from_le_bytes(b[*at..*at + 4].try_into().unwrap());
@@ -38,13 +38,14 @@ fn load(path: &str) -> (Vec<Vec<Vec<u8>>>, i64) {
     (reqs, bt)
 }
 
-fn run<P: ManagerPolicy>(reqs: &[Vec<Vec<u8>>], bt: i64, chunks: usize) -> (u128, usize, usize) {
+fn run<P: Policy<ChunkId>>(reqs: &[Vec<Vec<u8>>], bt: i64, chunks: usize) -> (u128, usize, usize) {
     let mut m: Manager<P> = Manager::new(ManagerConfig {
         num_chunks: chunks,
         enable_events: false,
         store_threshold: 1,
         max_tracker_size: 64_000,
-    });
+    })
+    .expect("a valid configuration");
     let mut pending = VecDeque::new();
     let mut hits = 0;
     let mut visits = 0;

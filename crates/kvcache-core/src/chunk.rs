@@ -16,7 +16,7 @@ pub trait RefCounts<C> {
         self.ref_cnt(chunk) >= 0
     }
 
-    /// Hints that `chunk`'s count will be read soon (see [`crate::slab::prefetch`]).
+    /// Hints that `chunk`'s count will be read soon (see [`crate::prefetch`]).
     #[inline]
     fn prefetch(&self, chunk: &C) {
         let _ = chunk;
@@ -48,13 +48,15 @@ impl<C: HasRefCnt> RefCounts<C> for SelfCounted {
     }
 }
 
-/// A plain chunk for tests and benchmarks: an id and a shared, mutable count.
+/// A plain chunk for tests and fuzzing: an id and a shared, mutable count.
+#[cfg(any(test, feature = "testing"))]
 #[derive(Clone, Debug)]
 pub struct TestChunk {
     pub id: u64,
     pub ref_cnt: std::rc::Rc<std::cell::Cell<i32>>,
 }
 
+#[cfg(any(test, feature = "testing"))]
 impl TestChunk {
     pub fn new(id: u64, ref_cnt: i32) -> Self {
         TestChunk {
@@ -67,6 +69,7 @@ impl TestChunk {
     }
 }
 
+#[cfg(any(test, feature = "testing"))]
 impl HasRefCnt for TestChunk {
     fn ref_cnt(&self) -> i32 {
         self.ref_cnt.get()

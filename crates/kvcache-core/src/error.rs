@@ -13,12 +13,20 @@ pub enum CoreError {
     DuplicateKey(KeyBuf),
     /// `mark_non_evictable` of a key that is not currently evictable.
     NotEvictable(KeyBuf),
-    /// An eviction plan was committed after the policy changed since it was made.
-    StalePlan,
-    /// An argument outside its domain (the message says which).
-    InvalidArgument(String),
-    /// A manager call that contradicts the chunk's state (e.g. loading a pending chunk).
-    InvalidState(String),
+    /// One `prepare_store` offer names the same key twice (vLLM would store it twice).
+    DuplicateInOffer(KeyBuf),
+    /// A request token from before a reset, or of a request already released.
+    StaleRequest,
+    /// New keys observed for a request after it finished.
+    RequestFinished,
+    /// A load of a chunk whose store is still in flight.
+    ChunkPending(KeyBuf),
+    /// `complete_load` of a chunk no load is reading.
+    NoLoadPending(KeyBuf),
+    /// A cache larger than the manager can address.
+    TooManyChunks { requested: usize, max: usize },
+    /// Memory for `what` could not be allocated.
+    OutOfMemory { what: &'static str },
 }
 
 impl fmt::Display for CoreError {
@@ -27,12 +35,25 @@ impl fmt::Display for CoreError {
             CoreError::KeyNotFound(k) => write!(f, "key not found: {k:?}"),
             CoreError::DuplicateKey(k) => write!(f, "key is already present: {k:?}"),
             CoreError::NotEvictable(k) => write!(f, "key is not evictable: {k:?}"),
-            CoreError::StalePlan => write!(
+            CoreError::DuplicateInOffer(k) => {
+                write!(f, "prepare_store names key {k:?} more than once")
+            }
+            CoreError::StaleRequest => write!(
                 f,
-                "eviction plan is stale: the policy changed since it was made"
+                "the request's state is gone (released, or from before a cache reset)"
             ),
-            CoreError::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
-            CoreError::InvalidState(m) => write!(f, "invalid state: {m}"),
+            CoreError::RequestFinished => {
+                write!(f, "new cache keys observed after the request finished")
+            }
+            CoreError::ChunkPending(k) => write!(
+                f,
+                "chunk of {k:?} is not ready for reading (its store is in flight)"
+            ),
+            CoreError::NoLoadPending(k) => write!(f, "chunk of {k:?} has no load to complete"),
+            CoreError::TooManyChunks { requested, max } => {
+                write!(f, "num_chunks {requested} exceeds the maximum {max}")
+            }
+            CoreError::OutOfMemory { what } => write!(f, "out of memory allocating {what}"),
         }
     }
 }

@@ -1,45 +1,27 @@
-//! Eviction as a transaction: `plan(&self, …) -> Option<EvictionPlan>`, then
-//! `commit(&mut self, plan)`.
+//! Eviction as a transaction, written once for every [`Policy`].
 //!
-//! Planning borrows the policy immutably, so "no plan" (fewer than `n` evictable entries)
-//! cannot have changed anything: the compiler enforces the atomicity vLLM's `evict` promises.
-//! A plan records the policy's mutation epoch; committing it after any other mutation is
-//! refused ([`CoreError::StalePlan`](crate::CoreError::StalePlan)) instead of evicting entries
-//! that may no longer qualify.
+//! [`evict`] plans on `&P` (so "no plan" cannot have changed anything: the compiler enforces
+//! the atomicity vLLM's `evict` promises) and only then commits on `&mut P`. A plan never
+//! leaves this module, so it cannot be applied to a policy that changed since it was made.
 
 use hashbrown::HashSet;
 
-/// Victims chosen by a policy's `plan_eviction`, in eviction order.
-#[derive(Debug)]
-#[must_use = "a plan does nothing until it is committed"]
-pub struct EvictionPlan {
-    pub(crate) victims: Vec<u32>,
-    pub(crate) epoch: u64,
-    pub(crate) policy_id: u64,
-}
+use crate::chunk::RefCounts;
+use crate::key::KeyBuf;
+use crate::policy::{EntryId, Policy};
 
-impl EvictionPlan {
-    pub fn len(&self) -> usize {
-        self.victims.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.victims.is_empty()
-    }
-}
-
-/// An evicted entry: its key and the chunk handle that was stored under it.
+/// An evicted entry: its key and the chunk that was stored under it.
 #[derive(Debug)]
 pub struct Evicted<C> {
-    pub key: crate::KeyBuf,
+    pub key: KeyBuf,
     pub chunk: C,
 }
 
-/// Entries (by slab index) that an eviction must skip: the keys the caller is about to use.
-/// Keys that are not resident need no entry, so the set is at most as large as the offer.
+/// Entries an eviction must skip: the resident keys the caller is about to use. Keys that
+/// are not resident need no entry, so the set is at most as large as the offer.
 #[derive(Default, Debug)]
 pub struct Protected {
-    entries: HashSet<u32, foldhash::fast::FixedState>,
+    entries: HashSet<EntryId, foldhash::fast::FixedState>,
 }
 
 impl Protected {
@@ -47,31 +29,15 @@ impl Protected {
         Self::default()
     }
 
-    pub fn with_capacity(n: usize) -> Self {
+    pub fn from_ids(ids: impl IntoIterator<Item = EntryId>) -> Self {
         Protected {
-            entries: HashSet::with_capacity_and_hasher(n, Default::default()),
+            entries: ids.into_iter().collect(),
         }
-    }
-
-    /// Protects the given entry handles (`NIL` entries, for absent keys, are skipped).
-    pub fn from_handles(handles: impl IntoIterator<Item = u32>) -> Self {
-        let handles = handles.into_iter();
-        let mut protected = Protected::with_capacity(handles.size_hint().0);
-        for h in handles {
-            if h != crate::slab::NIL {
-                protected.insert(h);
-            }
-        }
-        protected
-    }
-
-    pub(crate) fn insert(&mut self, entry: u32) {
-        self.entries.insert(entry);
     }
 
     #[inline]
-    pub(crate) fn contains(&self, entry: u32) -> bool {
-        !self.entries.is_empty() && self.entries.contains(&entry)
+    pub fn contains(&self, id: EntryId) -> bool {
+        !self.entries.is_empty() && self.entries.contains(&id)
     }
 
     pub fn len(&self) -> usize {
@@ -83,9 +49,55 @@ impl Protected {
     }
 }
 
-/// Gives every policy instance a distinct id, so a plan cannot be committed to another policy.
-pub(crate) fn next_policy_id() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
+/// Victims chosen by [`plan`], in eviction order.
+struct EvictionPlan {
+    victims: Vec<EntryId>,
+}
+
+/// Chooses exactly `n` victims without changing anything, or `None` if fewer than `n` resident
+/// chunks are idle (`ref_cnt == 0`) and unprotected. The victim list is sized by the policy's
+/// resident count, never by `n` alone.
+fn plan<C, P: Policy<C>>(
+    policy: &P,
+    n: usize,
+    protected: &Protected,
+    counts: &impl RefCounts<C>,
+) -> Option<EvictionPlan> {
+    if n > policy.len() {
+        return None;
+    }
+    let mut victims = Vec::with_capacity(n);
+    victims.extend(
+        policy
+            .victims(|id, chunk| counts.ref_cnt(chunk) == 0 && !protected.contains(id))
+            .take(n),
+    );
+    (victims.len() == n).then_some(EvictionPlan { victims })
+}
+
+/// Takes the planned victims out, in plan order, then lets the policy tidy up once.
+fn commit<C, P: Policy<C>>(policy: &mut P, plan: EvictionPlan) -> Vec<Evicted<C>> {
+    let evicted = plan
+        .victims
+        .into_iter()
+        .map(|id| policy.evict_entry(id))
+        .collect();
+    policy.after_eviction();
+    evicted
+}
+
+/// Evicts exactly `n` idle, unprotected chunks in the policy's order, or returns `None` and
+/// changes nothing.
+pub fn evict<C, P: Policy<C>>(
+    policy: &mut P,
+    n: usize,
+    protected: &Protected,
+    counts: &impl RefCounts<C>,
+) -> Option<Vec<Evicted<C>>> {
+    if n == 0 {
+        // vLLM's policies return at once; nothing to plan or tidy.
+        return Some(Vec::new());
+    }
+    let plan = plan(&*policy, n, protected, counts)?;
+    Some(commit(policy, plan))
 }

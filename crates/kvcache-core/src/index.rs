@@ -3,92 +3,78 @@
 
 use hashbrown::HashTable;
 
-use crate::eviction::Protected;
-use crate::key::{key_eq, Key, KeyHasher};
-use crate::slab::Slab;
+use crate::key::{key_eq, Key, KeyBuf, KeyHasher};
+use crate::slab::{Idx, Slab};
 
 /// A slab entry that carries its key.
 pub trait Keyed {
-    fn key(&self) -> &[u8];
+    fn key_buf(&self) -> &KeyBuf;
+    fn key_buf_mut(&mut self) -> &mut KeyBuf;
+
+    #[inline]
+    fn key(&self) -> &[u8] {
+        self.key_buf().as_slice()
+    }
 }
 
 /// 4 bytes plus one control byte per slot: the table holds slab indices, not keys.
 #[derive(Default)]
 pub struct KeyIndex {
-    table: HashTable<u32>,
+    table: HashTable<Idx>,
 }
 
-/// The most keys an index reserves room for up front (4 Mi keys: a 20 MiB table).
+/// The most keys an index reserves room for up front (4 Mi keys: a 40 MiB table). Beyond it a
+/// table grows by rehashing, which re-reads every key: presizing spares the scheduler those
+/// stalls while a cache fills, and the cap bounds what a mistaken capacity can cost.
 const MAX_PRESIZE: usize = 1 << 22;
 
 impl KeyIndex {
-    /// An index with room for `expected` keys (capped at 4 Mi), so a cache filling up
-    /// to its capacity never stops to rehash.
+    /// An index with room for `expected` keys (at most [`MAX_PRESIZE`]), so a cache filling up
+    /// to its capacity never stops to rehash. If the memory cannot be had, the index starts
+    /// small and grows as keys arrive.
     pub fn with_capacity(expected: usize) -> Self {
-        KeyIndex {
-            table: HashTable::with_capacity(expected.min(MAX_PRESIZE)),
-        }
+        let mut table = HashTable::new();
+        // Failure only means no head start; the table still grows on demand.
+        let _ = table.try_reserve(expected.min(MAX_PRESIZE), |_: &Idx| 0);
+        KeyIndex { table }
     }
 
     pub fn len(&self) -> usize {
         self.table.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.table.is_empty()
-    }
-
-    pub fn capacity(&self) -> usize {
-        self.table.capacity()
-    }
-
     #[inline]
-    pub fn find<T: Keyed>(&self, slab: &Slab<T>, key: Key<'_>) -> Option<u32> {
+    pub fn find<T: Keyed>(&self, slab: &Slab<T>, key: Key<'_>) -> Option<Idx> {
         self.table
             .find(key.hash.0, |&i| key_eq(slab.get(i).key(), key.bytes))
             .copied()
     }
 
-    /// Looks up a batch of keys before any of them is acted on ([`NIL`](crate::slab::NIL) for
-    /// absent ones). The lookups do not depend on each other, so the CPU overlaps their cache
+    /// Looks up a batch of keys before any of them is acted on (`None` for absent ones). The lookups do not depend on each other, so the CPU overlaps their cache
     /// misses instead of paying them one after another.
     ///
     /// Three passes: take each key's first candidate slot by hash alone (the table's 7-bit tags
     /// make a wrong candidate rare) without touching any entry; prefetch all candidate entries;
     /// then confirm each candidate's key, falling back to a full lookup when it differs.
-    pub fn find_many<T: Keyed>(&self, slab: &Slab<T>, keys: &[Key<'_>]) -> Vec<u32> {
-        let mut found: Vec<u32> = keys
+    pub fn find_many<T: Keyed>(&self, slab: &Slab<T>, keys: &[Key<'_>]) -> Vec<Option<Idx>> {
+        let mut found: Vec<Option<Idx>> = keys
             .iter()
-            .map(|k| {
-                self.table
-                    .find(k.hash.0, |_| true)
-                    .copied()
-                    .unwrap_or(crate::slab::NIL)
-            })
+            .map(|k| self.table.find(k.hash.0, |_| true).copied())
             .collect();
         for &idx in &found {
             slab.prefetch(idx);
         }
         for (idx, key) in found.iter_mut().zip(keys) {
-            if *idx != crate::slab::NIL && key_eq(slab.get(*idx).key(), key.bytes) {
+            if idx.is_some_and(|i| key_eq(slab.get(i).key(), key.bytes)) {
                 continue;
             }
-            *idx = self.find(slab, *key).unwrap_or(crate::slab::NIL);
+            *idx = self.find(slab, *key);
         }
         found
     }
 
-    /// Entries of `keys` an eviction must skip (absent keys need none).
-    pub fn protect<'k, T: Keyed>(
-        &self,
-        slab: &Slab<T>,
-        keys: impl IntoIterator<Item = Key<'k>>,
-    ) -> Protected {
-        Protected::from_handles(keys.into_iter().filter_map(|k| self.find(slab, k)))
-    }
-
     /// Adds `idx` under `key`; the caller guarantees the key is absent.
-    pub fn insert<T: Keyed>(&mut self, slab: &Slab<T>, hasher: &KeyHasher, key: Key<'_>, idx: u32) {
+    pub fn insert<T: Keyed>(&mut self, slab: &Slab<T>, hasher: &KeyHasher, key: Key<'_>, idx: Idx) {
         debug_assert!(self.find(slab, key).is_none());
         // Growing rehashes the stored keys (amortised O(1) per insert).
         self.table
@@ -103,7 +89,7 @@ impl KeyIndex {
         hasher: &KeyHasher,
         key: Key<'_>,
         make: impl FnOnce() -> T,
-    ) -> (u32, bool) {
+    ) -> (Idx, bool) {
         let entry = self.table.entry(
             key.hash.0,
             |&i| key_eq(slab.get(i).key(), key.bytes),
@@ -131,7 +117,7 @@ impl KeyIndex {
     }
 
     /// Removes the entry for `key` and returns its slab index.
-    pub fn remove<T: Keyed>(&mut self, slab: &Slab<T>, key: Key<'_>) -> Option<u32> {
+    pub fn remove<T: Keyed>(&mut self, slab: &Slab<T>, key: Key<'_>) -> Option<Idx> {
         match self
             .table
             .find_entry(key.hash.0, |&i| key_eq(slab.get(i).key(), key.bytes))
@@ -139,14 +125,6 @@ impl KeyIndex {
             Ok(entry) => Some(entry.remove().0),
             Err(_) => None,
         }
-    }
-
-    pub fn clear(&mut self) {
-        self.table = HashTable::new();
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        self.table.iter().copied()
     }
 
     /// Bytes allocated by the table (for memory accounting).

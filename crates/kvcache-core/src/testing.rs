@@ -1,381 +1,352 @@
-//! A model-checking harness shared by the property tests and the fuzz target.
+//! Model-checking harnesses shared by the property tests and the fuzz targets.
 //!
-//! An [`Op`] is one protocol call, shaped like the manager's use (keys from a small universe so
-//! they collide, reference counts changed only through the manager's transitions). [`Harness`]
-//! applies it to a policy and then checks: `validate()`; every evicted entry was resident, idle,
-//! unprotected (and, for LRU, marked evictable); a failed eviction changed nothing; LRU victims
-//! are the smallest ranks among the eligible entries.
+//! One generator makes the operation sequences for both: [`PolicyProgram`] and
+//! [`ManagerProgram`] implement [`arbitrary::Arbitrary`], so proptest feeds them random bytes
+//! (`from_bytes`) and cargo-fuzz feeds them its corpus, through the same code.
+//!
+//! [`PolicyHarness`] drives any [`Policy`] with manager-shaped calls (keys from a small universe
+//! so they collide, reference counts changed only through the manager's transitions) and then
+//! checks: `validate()`; the policy holds exactly the model's chunks; every evicted entry was
+//! resident, idle and unprotected; a failed eviction or a refused call changed nothing; victims
+//! of a ranking policy (LRU) are the smallest eligible ranks. [`ManagerHarness`] drives a
+//! [`Manager`] through requests (lookups, loads, stores, completions, finishes, releases,
+//! resets) with `validate()` after every step and the same "an error changes nothing" check.
 
 use std::collections::HashMap;
 
-use crate::arc::{Access, ArcPolicy, ListId};
+use arbitrary::{Arbitrary, Unstructured};
+
 use crate::chunk::{SelfCounted, TestChunk};
-use crate::lru::{InsertRank, LruPolicy, RequestRank};
+use crate::manager::{ChunkId, LookupResult, Manager, ManagerConfig};
+use crate::policy::{Access, Policy};
+use crate::registry::RequestToken;
 use crate::Key;
 
-/// Keys are `[k]` for k in `0..KEYS`.
+/// Policy keys are `[k]` for k in `0..KEYS`.
 pub const KEYS: u8 = 12;
+/// Request contexts a policy program uses.
 const REQUESTS: usize = 4;
+/// Distinct keys a manager program uses.
+const MANAGER_KEYS: u8 = 24;
+
+/// A key of the small universe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct K(pub u8);
+
+impl<'a> Arbitrary<'a> for K {
+    fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
+        Ok(K(u.int_in_range(0..=KEYS - 1)?))
+    }
+}
+
+/// Operations until the input runs out (a program is the whole input).
+fn ops<'a, T: Arbitrary<'a>>(u: &mut Unstructured<'a>) -> arbitrary::Result<Vec<T>> {
+    let mut ops = Vec::new();
+    while !u.is_empty() {
+        ops.push(u.arbitrary()?);
+    }
+    Ok(ops)
+}
+
+/// Up to five keys.
+fn keys(u: &mut Unstructured<'_>) -> arbitrary::Result<Vec<K>> {
+    let n = u.int_in_range(0..=5)?;
+    (0..n).map(|_| u.arbitrary()).collect()
+}
 
 #[derive(Clone, Debug)]
-pub enum Op {
-    /// Insert a pending chunk (ref_cnt −1); `request` gives LRU a request rank at `pos`.
+pub enum PolicyOp {
+    /// Insert a pending chunk (ref_cnt −1), for request `r` at position `pos` when given.
     Insert {
-        key: u8,
+        key: K,
         request: Option<(u8, i64)>,
     },
     /// The store completed (−1 → 0, mark_evictable) or failed (remove).
     FinishStore {
-        key: u8,
+        key: K,
         ok: bool,
     },
     /// A load pins (0 → 1 … mark_non_evictable) or unpins a ready chunk.
     Pin {
-        key: u8,
+        key: K,
         load: bool,
     },
     Touch {
-        keys: Vec<u8>,
+        keys: Vec<K>,
     },
     StoreMiss {
-        keys: Vec<u8>,
+        keys: Vec<K>,
     },
     Access {
         request: u8,
-        keys: Vec<(u8, i64)>,
+        keys: Vec<(K, i64)>,
     },
     Finish {
-        keys: Vec<u8>,
-        access: Vec<u8>,
+        keys: Vec<K>,
+        access: Vec<K>,
     },
     Evict {
         n: u8,
-        protected: Vec<u8>,
+        protected: Vec<K>,
     },
-    /// The request's state dies (LRU releases its rank).
+    /// The request's context dies.
     EndRequest {
         request: u8,
     },
     Clear,
 }
 
-impl Op {
-    /// Decodes ops from raw fuzzer bytes; every byte string is a valid program.
-    pub fn decode(mut data: &[u8]) -> Vec<Op> {
-        let mut next = move || -> Option<u8> {
-            let (&b, rest) = data.split_first()?;
-            data = rest;
-            Some(b)
-        };
-        let mut ops = Vec::new();
-        while let Some(tag) = next() {
-            let mut arg = || next().unwrap_or(0);
-            let key = |b: u8| b % KEYS;
-            let list = |bytes: &mut dyn FnMut() -> u8| -> Vec<u8> {
-                let n = bytes() % 6;
-                (0..n).map(|_| key(bytes())).collect()
-            };
-            let op = match tag % 10 {
-                0 => {
-                    let (k, r, p) = (key(arg()), arg(), arg());
-                    Op::Insert {
-                        key: k,
-                        request: (r % 2 == 0).then_some((r / 2 % 4, i64::from(p % 8))),
-                    }
-                }
-                1 => Op::FinishStore {
-                    key: key(arg()),
-                    ok: arg() % 4 != 0,
+impl<'a> Arbitrary<'a> for PolicyOp {
+    fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
+        let request = |u: &mut Unstructured<'_>| u.int_in_range(0..=REQUESTS as u8 - 1);
+        Ok(match u.int_in_range(0..=20)? {
+            0..=3 => PolicyOp::Insert {
+                key: u.arbitrary()?,
+                request: if u.arbitrary()? {
+                    Some((request(u)?, u.int_in_range(0..=7)?))
+                } else {
+                    None
                 },
-                2 => Op::Pin {
-                    key: key(arg()),
-                    load: arg() % 2 == 0,
-                },
-                3 => Op::Touch {
-                    keys: list(&mut arg),
-                },
-                4 => Op::StoreMiss {
-                    keys: list(&mut arg),
-                },
-                5 => {
-                    let request = arg() % 4;
-                    let keys = list(&mut arg)
-                        .into_iter()
-                        .map(|k| (k, i64::from(k % 5)))
-                        .collect();
-                    Op::Access { request, keys }
-                }
-                6 => Op::Finish {
-                    keys: list(&mut arg),
-                    access: list(&mut arg),
-                },
-                7 => Op::Evict {
-                    n: arg() % 5,
-                    protected: list(&mut arg),
-                },
-                8 => Op::EndRequest { request: arg() % 4 },
-                _ => {
-                    if arg() % 16 == 0 {
-                        Op::Clear
-                    } else {
-                        Op::Touch { keys: vec![] }
-                    }
-                }
-            };
-            ops.push(op);
-        }
-        ops
+            },
+            4..=6 => PolicyOp::FinishStore {
+                key: u.arbitrary()?,
+                ok: u.ratio(17, 20)?,
+            },
+            7..=8 => PolicyOp::Pin {
+                key: u.arbitrary()?,
+                load: u.arbitrary()?,
+            },
+            9..=10 => PolicyOp::Touch { keys: keys(u)? },
+            11 => PolicyOp::StoreMiss { keys: keys(u)? },
+            12..=13 => PolicyOp::Access {
+                request: request(u)?,
+                keys: keys(u)?
+                    .into_iter()
+                    .map(|k| Ok((k, u.int_in_range(0..=7)?)))
+                    .collect::<arbitrary::Result<_>>()?,
+            },
+            14..=15 => PolicyOp::Finish {
+                keys: keys(u)?,
+                access: keys(u)?,
+            },
+            16..=18 => PolicyOp::Evict {
+                n: u.int_in_range(0..=4)?,
+                protected: keys(u)?,
+            },
+            19 => PolicyOp::EndRequest {
+                request: request(u)?,
+            },
+            _ => PolicyOp::Clear,
+        })
     }
 }
 
-enum Policy {
-    Lru(LruPolicy<TestChunk>),
-    Arc(ArcPolicy<TestChunk>),
+/// A policy capacity and the operations to apply.
+#[derive(Clone, Debug)]
+pub struct PolicyProgram {
+    pub capacity: usize,
+    pub ops: Vec<PolicyOp>,
 }
 
-/// Drives one policy with [`Op`]s and checks it after each.
-pub struct Harness {
-    policy: Policy,
+impl<'a> Arbitrary<'a> for PolicyProgram {
+    fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
+        Ok(PolicyProgram {
+            capacity: u.int_in_range(1..=8)?,
+            ops: ops(u)?,
+        })
+    }
+}
+
+impl PolicyProgram {
+    /// The program these bytes decode to (every byte string decodes to one).
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        Self::arbitrary_take_rest(Unstructured::new(bytes)).unwrap_or(PolicyProgram {
+            capacity: 1,
+            ops: Vec::new(),
+        })
+    }
+
+    /// Runs the program on a fresh policy of type `P`; `Err` names the op and the violation.
+    pub fn run<P: Policy<TestChunk>>(&self) -> Result<(), String> {
+        let mut h = PolicyHarness::<P>::new(self.capacity);
+        for op in &self.ops {
+            h.apply(op).map_err(|e| format!("{op:?}: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+/// Drives one policy with [`PolicyOp`]s and checks it after each.
+pub struct PolicyHarness<P: Policy<TestChunk>> {
+    policy: P,
     chunks: HashMap<u8, TestChunk>,
-    requests: [Option<RequestRank>; REQUESTS],
+    requests: [P::Request; REQUESTS],
     next_id: u64,
 }
 
-fn bytes(k: u8) -> [u8; 1] {
-    [k]
-}
-
-impl Harness {
-    /// An LRU harness; small capacities also shrink the group walk so that position indexes
-    /// get built and exercised.
-    pub fn lru(capacity: usize) -> Self {
-        let mut policy = LruPolicy::new(capacity);
-        if capacity < 4 {
-            policy.set_walk_limit(capacity.saturating_sub(1));
-        }
-        Self::new(Policy::Lru(policy))
-    }
-
-    pub fn arc(capacity: usize) -> Self {
-        Self::new(Policy::Arc(ArcPolicy::new(capacity)))
-    }
-
-    fn new(policy: Policy) -> Self {
-        Harness {
-            policy,
+impl<P: Policy<TestChunk>> PolicyHarness<P> {
+    pub fn new(capacity: usize) -> Self {
+        PolicyHarness {
+            policy: P::new(capacity),
             chunks: HashMap::new(),
-            requests: [None; REQUESTS],
+            requests: std::array::from_fn(|_| P::Request::default()),
             next_id: 0,
         }
     }
 
-    fn key<'a>(&self, k: &'a [u8; 1]) -> Key<'a> {
-        match &self.policy {
-            Policy::Lru(p) => p.key(k),
-            Policy::Arc(p) => p.key(k),
-        }
+    pub fn policy_mut(&mut self) -> &mut P {
+        &mut self.policy
     }
 
     fn snapshot(&self) -> String {
-        match &self.policy {
-            Policy::Lru(p) => format!("{:?}", p.entries().collect::<Vec<_>>()),
-            Policy::Arc(p) => {
-                let lists: Vec<Vec<&[u8]>> = ListId::ALL
-                    .iter()
-                    .map(|&l| p.list_keys(l).collect())
-                    .collect();
-                format!("{lists:?} {}", p.target_t1_size())
-            }
-        }
-    }
-
-    fn request_rank(&mut self, r: u8) -> RequestRank {
-        let Policy::Lru(p) = &mut self.policy else {
-            unreachable!()
-        };
-        let slot = &mut self.requests[r as usize % REQUESTS];
-        let rank = p.request_rank(*slot);
-        *slot = Some(rank);
-        rank
+        format!("{:?}", self.policy.inspect())
     }
 
     /// Applies `op`; `Err` describes the first violated property.
-    pub fn apply(&mut self, op: &Op) -> Result<(), String> {
+    pub fn apply(&mut self, op: &PolicyOp) -> Result<(), String> {
+        let p = &mut self.policy;
         match op {
-            Op::Insert { key, request } => {
-                if self.chunks.contains_key(key) {
-                    return Ok(());
+            PolicyOp::Insert { key, request } => {
+                if self.chunks.contains_key(&key.0) {
+                    let before = format!("{:?}", p.inspect());
+                    let kb = [key.0];
+                    let k = p.key(&kb);
+                    let dup = p.insert_key(&mut P::Request::default(), k, chunk(0, 0), None, true);
+                    if dup.is_ok() || self.snapshot() != before {
+                        return Err("a duplicate insert was accepted or changed state".into());
+                    }
+                    return self.validate();
                 }
                 self.next_id += 1;
-                let chunk = TestChunk::new(self.next_id, -1);
-                let kb = bytes(*key);
-                let k = self.key(&kb);
-                match request {
-                    Some((r, pos)) if matches!(self.policy, Policy::Lru(_)) => {
-                        let rank = self.request_rank(*r);
-                        let Policy::Lru(p) = &mut self.policy else {
-                            unreachable!()
-                        };
-                        p.insert(k, chunk.clone(), InsertRank::Request(rank, *pos), false)
-                    }
-                    _ => match &mut self.policy {
-                        Policy::Lru(p) => p.insert(k, chunk.clone(), InsertRank::Fresh, false),
-                        Policy::Arc(p) => p.insert(k, chunk.clone()),
-                    },
-                }
-                .map_err(|e| e.to_string())?;
-                self.chunks.insert(*key, chunk);
-            }
-            Op::FinishStore { key, ok } => {
-                let Some(chunk) = self.chunks.get(key).filter(|c| c.ref_cnt.get() == -1) else {
-                    return Ok(());
+                let c = chunk(self.next_id, -1);
+                let kb = [key.0];
+                let k = p.key(&kb);
+                let mut none = P::Request::default();
+                let (req, pos) = match request {
+                    Some((r, pos)) => (&mut self.requests[usize::from(*r)], Some(*pos)),
+                    None => (&mut none, None),
                 };
-                let kb = bytes(*key);
-                let k = self.key(&kb);
-                if *ok {
-                    chunk.set(0);
-                    if let Policy::Lru(p) = &mut self.policy {
-                        p.mark_evictable(k).map_err(|e| e.to_string())?;
-                    }
-                } else {
-                    match &mut self.policy {
-                        Policy::Lru(p) => p.remove(k).map(drop),
-                        Policy::Arc(p) => p.remove(k).map(drop),
-                    }
+                p.insert_key(req, k, c.clone(), pos, false)
                     .map_err(|e| e.to_string())?;
-                    self.chunks.remove(key);
+                self.chunks.insert(key.0, c);
+            }
+            PolicyOp::FinishStore { key, ok } => {
+                let kb = [key.0];
+                let k = p.key(&kb);
+                let Some(c) = self.chunks.get(&key.0).filter(|c| c.ref_cnt.get() == -1) else {
+                    if !self.chunks.contains_key(&key.0) {
+                        let before = format!("{:?}", p.inspect());
+                        if p.remove_key(k).is_ok() || p.mark_evictable(k).is_ok() {
+                            return Err("a call on an absent key succeeded".into());
+                        }
+                        if self.snapshot() != before {
+                            return Err("a refused call changed state".into());
+                        }
+                    }
+                    return self.validate();
+                };
+                if *ok {
+                    c.set(0);
+                    p.mark_evictable(k).map_err(|e| e.to_string())?;
+                } else {
+                    p.remove_key(k).map_err(|e| e.to_string())?;
+                    self.chunks.remove(&key.0);
                 }
             }
-            Op::Pin { key, load } => {
-                let Some(chunk) = self.chunks.get(key) else {
-                    return Ok(());
+            PolicyOp::Pin { key, load } => {
+                let Some(c) = self.chunks.get(&key.0) else {
+                    return self.validate();
                 };
-                let cnt = chunk.ref_cnt.get();
-                let kb = bytes(*key);
-                let k = self.key(&kb);
+                let cnt = c.ref_cnt.get();
+                let kb = [key.0];
+                let k = p.key(&kb);
                 if *load && cnt >= 0 {
                     if cnt == 0 {
-                        if let Policy::Lru(p) = &mut self.policy {
-                            p.mark_non_evictable(k).map_err(|e| e.to_string())?;
-                        }
+                        p.mark_non_evictable(k).map_err(|e| e.to_string())?;
                     }
-                    chunk.set(cnt + 1);
+                    c.set(cnt + 1);
                 } else if !*load && cnt > 0 {
-                    chunk.set(cnt - 1);
+                    c.set(cnt - 1);
                     if cnt == 1 {
-                        if let Policy::Lru(p) = &mut self.policy {
-                            p.mark_evictable(k).map_err(|e| e.to_string())?;
-                        }
+                        p.mark_evictable(k).map_err(|e| e.to_string())?;
                     }
                 }
             }
-            Op::Touch { keys } | Op::StoreMiss { keys } => {
-                let kbs: Vec<[u8; 1]> = keys.iter().map(|&k| bytes(k)).collect();
-                let ks: Vec<Key<'_>> = kbs.iter().map(|k| self.key(k)).collect();
-                match (&mut self.policy, op) {
-                    (Policy::Lru(p), _) => p.touch(&ks),
-                    (Policy::Arc(p), Op::Touch { .. }) => p.touch(&ks, &SelfCounted),
-                    (Policy::Arc(p), _) => p.on_store_miss(&ks),
+            PolicyOp::Touch { keys } | PolicyOp::StoreMiss { keys } => {
+                let raw: Vec<[u8; 1]> = keys.iter().map(|k| [k.0]).collect();
+                let ks: Vec<Key<'_>> = raw.iter().map(|k| p.key(k)).collect();
+                if matches!(op, PolicyOp::Touch { .. }) {
+                    p.touch_keys(&ks, &SelfCounted);
+                } else {
+                    p.on_store_miss_keys(&ks, &SelfCounted);
                 }
             }
-            Op::Access { request, keys } => {
-                if matches!(self.policy, Policy::Lru(_)) {
-                    let rank = self.request_rank(*request);
-                    let kbs: Vec<([u8; 1], i64)> =
-                        keys.iter().map(|&(k, p)| (bytes(k), p)).collect();
-                    let ks: Vec<(Key<'_>, Option<i64>)> =
-                        kbs.iter().map(|(k, p)| (self.key(k), Some(*p))).collect();
-                    let Policy::Lru(p) = &mut self.policy else {
-                        unreachable!()
-                    };
-                    p.on_request_access(rank, &ks).map_err(|e| e.to_string())?;
-                }
+            PolicyOp::Access { request, keys } => {
+                let entries: Vec<_> = keys
+                    .iter()
+                    .map(|&(k, pos)| (p.find_resident(p.key(&[k.0])), Some(pos)))
+                    .collect();
+                p.on_request_access(&mut self.requests[usize::from(*request)], &entries);
             }
-            Op::Finish { keys, access } => {
-                let kbs: Vec<[u8; 1]> = keys.iter().map(|&k| bytes(k)).collect();
-                let ks: Vec<Key<'_>> = kbs.iter().map(|k| self.key(k)).collect();
-                match &mut self.policy {
-                    Policy::Lru(p) => p.touch(&ks),
-                    Policy::Arc(p) => {
-                        let entries = p.resolve(&ks);
-                        let accesses: Vec<(u32, Access)> = keys
-                            .iter()
-                            .zip(entries)
-                            .map(|(k, idx)| {
-                                let a = match access.iter().position(|x| x == k).map(|i| i % 2) {
-                                    Some(0) => Access::InsertionOnly,
-                                    Some(_) => Access::Reused,
-                                    None => Access::Other,
-                                };
-                                (idx, a)
-                            })
-                            .collect();
-                        p.on_request_finished(&accesses);
-                    }
-                }
+            PolicyOp::Finish { keys, access } => {
+                let raw: Vec<[u8; 1]> = keys.iter().map(|k| [k.0]).collect();
+                let ks: Vec<Key<'_>> = raw.iter().map(|k| p.key(k)).collect();
+                let ids = p.find_many(&ks);
+                let accesses: Vec<_> = keys
+                    .iter()
+                    .zip(ids)
+                    .map(|(k, id)| {
+                        let kind = match access.iter().position(|a| a == k).map(|i| i % 2) {
+                            Some(0) => Access::InsertionOnly,
+                            Some(_) => Access::Reused,
+                            None => Access::Other,
+                        };
+                        (id, kind)
+                    })
+                    .collect();
+                p.on_request_finished(&accesses);
             }
-            Op::Evict { n, protected } => self.evict(*n as usize, protected)?,
-            Op::EndRequest { request } => {
-                if let (Policy::Lru(p), Some(rank)) = (
-                    &mut self.policy,
-                    self.requests[*request as usize % REQUESTS].take(),
-                ) {
-                    p.release_request_rank(rank);
-                }
+            PolicyOp::Evict { n, protected } => self.evict(usize::from(*n), protected)?,
+            PolicyOp::EndRequest { request } => {
+                let state = std::mem::take(&mut self.requests[usize::from(*request)]);
+                p.release_request(state);
             }
-            Op::Clear => {
-                match &mut self.policy {
-                    Policy::Lru(p) => p.clear(),
-                    Policy::Arc(p) => p.clear(),
-                }
+            PolicyOp::Clear => {
+                p.clear();
                 self.chunks.clear();
             }
         }
         self.validate()
     }
 
-    fn evict(&mut self, n: usize, protected: &[u8]) -> Result<(), String> {
+    fn evict(&mut self, n: usize, protected: &[K]) -> Result<(), String> {
         let before = self.snapshot();
-        let pkbs: Vec<[u8; 1]> = protected.iter().map(|&k| bytes(k)).collect();
-        let pks: Vec<Key<'_>> = pkbs.iter().map(|k| self.key(k)).collect();
-        // For LRU, the expected victims: eligible entries in ascending (rank, -pos, key).
-        let expected: Option<Vec<Vec<u8>>> = match &self.policy {
-            Policy::Lru(p) => {
-                let mut eligible: Vec<_> = p
-                    .entries()
-                    .filter(|e| {
-                        e.evictable
-                            && !protected.contains(&e.key[0])
-                            && self.chunks[&e.key[0]].ref_cnt.get() == 0
-                    })
-                    .map(|e| (e.rank, std::cmp::Reverse(e.position), e.key.to_vec()))
-                    .collect();
-                eligible.sort();
-                Some(eligible.into_iter().take(n).map(|e| e.2).collect())
-            }
-            Policy::Arc(_) => None,
-        };
-        let evicted = match &mut self.policy {
-            Policy::Lru(p) => {
-                let guard = p.protect(pks.iter().copied());
-                p.evict(n, &guard, &SelfCounted)
-            }
-            Policy::Arc(p) => {
-                let guard = p.protect(pks.iter().copied());
-                p.evict(n, &guard, &SelfCounted)
-            }
-        };
-        let Some(evicted) = evicted else {
+        let is_protected = |k: u8| protected.iter().any(|p| p.0 == k);
+        let raw: Vec<[u8; 1]> = protected.iter().map(|k| [k.0]).collect();
+        let guard = self
+            .policy
+            .protect(raw.iter().map(|k| Key::new(self.policy.hasher(), k)));
+        // For a ranking policy, the expected victims: eligible keys in ascending
+        // (rank, -position, key).
+        let expected: Option<Vec<Vec<u8>>> = self.policy.inspect().ranks.map(|ranks| {
+            let mut eligible: Vec<_> = ranks
+                .into_iter()
+                .filter(|e| {
+                    e.evictable
+                        && !is_protected(e.key[0])
+                        && self.chunks[&e.key[0]].ref_cnt.get() == 0
+                })
+                .map(|e| (e.rank, std::cmp::Reverse(e.position), e.key.to_vec()))
+                .collect();
+            eligible.sort();
+            eligible.into_iter().take(n).map(|e| e.2).collect()
+        });
+        let Some(evicted) = self.policy.evict(n, &guard, &SelfCounted) else {
             if self.snapshot() != before {
                 return Err("a failed eviction changed the policy".into());
             }
-            if let Some(expected) = expected {
-                if expected.len() == n {
-                    return Err(format!(
-                        "eviction of {n} failed with {} eligible",
-                        expected.len()
-                    ));
-                }
+            if expected.is_some_and(|e| e.len() == n) {
+                return Err(format!("eviction of {n} failed with {n} eligible"));
             }
             return Ok(());
         };
@@ -384,7 +355,7 @@ impl Harness {
         }
         for e in &evicted {
             let k = e.key.as_slice()[0];
-            if protected.contains(&k) {
+            if is_protected(k) {
                 return Err(format!("evicted protected key {k}"));
             }
             if e.chunk.ref_cnt.get() != 0 {
@@ -400,40 +371,338 @@ impl Harness {
         if let Some(expected) = expected {
             let got: Vec<Vec<u8>> = evicted.iter().map(|e| e.key.as_slice().to_vec()).collect();
             if got != expected {
-                return Err(format!("LRU victims {got:?}, expected {expected:?}"));
+                return Err(format!("victims {got:?}, expected {expected:?}"));
             }
         }
         Ok(())
     }
 
     fn validate(&self) -> Result<(), String> {
-        let resident = match &self.policy {
-            Policy::Lru(p) => {
-                p.validate()?;
-                p.len()
-            }
-            Policy::Arc(p) => {
-                p.validate(&SelfCounted)?;
-                p.len()
-            }
-        };
-        if resident != self.chunks.len() {
+        self.policy.validate(&SelfCounted)?;
+        if self.policy.len() != self.chunks.len() {
             return Err(format!(
-                "policy holds {resident} chunks, the model {}",
+                "policy holds {} chunks, the model {}",
+                self.policy.len(),
                 self.chunks.len()
             ));
         }
-        for (k, chunk) in &self.chunks {
-            let kb = bytes(*k);
-            let got = match &self.policy {
-                Policy::Lru(p) => p.get(p.key(&kb)).map(|c| c.id),
-                Policy::Arc(p) => p.get(p.key(&kb)).map(|c| c.id),
-            };
-            if got != Some(chunk.id) {
-                return Err(format!("get({k}) = {got:?}, expected chunk {}", chunk.id));
+        for (k, c) in &self.chunks {
+            let got = self.policy.get(self.policy.key(&[*k])).map(|c| c.id);
+            if got != Some(c.id) {
+                return Err(format!("get({k}) = {got:?}, expected chunk {}", c.id));
             }
         }
         Ok(())
+    }
+}
+
+fn chunk(id: u64, ref_cnt: i32) -> TestChunk {
+    TestChunk::new(id, ref_cnt)
+}
+
+#[derive(Clone, Debug)]
+pub enum ManagerOp {
+    NewRequest,
+    /// Look up the request's keys, load the hit prefix and offer the rest for storing.
+    Step {
+        req: usize,
+        keys: Vec<u8>,
+    },
+    CompleteLoad {
+        req: usize,
+    },
+    /// Complete a request's pending stores; `twice` names every key two times.
+    CompleteStore {
+        req: usize,
+        success: bool,
+        twice: bool,
+    },
+    Finish {
+        req: usize,
+    },
+    Release {
+        req: usize,
+    },
+    Touch {
+        keys: Vec<u8>,
+    },
+    Reset,
+    TakeEvents,
+}
+
+impl<'a> Arbitrary<'a> for ManagerOp {
+    fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
+        let req = |u: &mut Unstructured<'_>| u.int_in_range(0..=3usize);
+        let keys = |u: &mut Unstructured<'_>| -> arbitrary::Result<Vec<u8>> {
+            let n = u.int_in_range(0..=7)?;
+            (0..n)
+                .map(|_| u.int_in_range(0..=MANAGER_KEYS - 1))
+                .collect()
+        };
+        Ok(match u.int_in_range(0..=15)? {
+            0 => ManagerOp::NewRequest,
+            1..=4 => ManagerOp::Step {
+                req: req(u)?,
+                keys: keys(u)?,
+            },
+            5..=6 => ManagerOp::CompleteLoad { req: req(u)? },
+            7..=9 => ManagerOp::CompleteStore {
+                req: req(u)?,
+                success: u.ratio(4, 5)?,
+                twice: u.ratio(1, 10)?,
+            },
+            10..=11 => ManagerOp::Finish { req: req(u)? },
+            12 => ManagerOp::Release { req: req(u)? },
+            13 => ManagerOp::Touch { keys: keys(u)? },
+            14 => ManagerOp::Reset,
+            _ => ManagerOp::TakeEvents,
+        })
+    }
+}
+
+/// A manager configuration and the operations to apply.
+#[derive(Clone, Debug)]
+pub struct ManagerProgram {
+    pub num_chunks: usize,
+    pub store_threshold: i64,
+    pub ops: Vec<ManagerOp>,
+}
+
+impl<'a> Arbitrary<'a> for ManagerProgram {
+    fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
+        Ok(ManagerProgram {
+            num_chunks: u.int_in_range(1..=11)?,
+            store_threshold: u.int_in_range(1..=2)?,
+            ops: ops(u)?,
+        })
+    }
+}
+
+impl ManagerProgram {
+    /// The program these bytes decode to (every byte string decodes to one).
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        Self::arbitrary_take_rest(Unstructured::new(bytes)).unwrap_or(ManagerProgram {
+            num_chunks: 1,
+            store_threshold: 1,
+            ops: Vec::new(),
+        })
+    }
+
+    /// Runs the program on a fresh manager over policy `P`.
+    pub fn run<P: Policy<ChunkId>>(&self) -> Result<(), String> {
+        let mut h = ManagerHarness::<P>::new(self.num_chunks, self.store_threshold);
+        for op in &self.ops {
+            h.apply(op).map_err(|e| format!("{op:?}: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+/// A manager key: 32 bytes of `k` and a 4-byte KV-cache group (two groups).
+pub fn manager_key(k: u8) -> Vec<u8> {
+    let mut b = vec![k; 32];
+    b.extend_from_slice(&u32::from(k % 2).to_be_bytes());
+    b
+}
+
+struct Req {
+    token: RequestToken,
+    loads: Vec<Vec<u8>>,
+    stores: Vec<Vec<u8>>,
+}
+
+/// Drives a [`Manager`] with [`ManagerOp`]s and validates it after each.
+pub struct ManagerHarness<P: Policy<ChunkId>> {
+    m: Manager<P>,
+    reqs: Vec<Req>,
+}
+
+impl<P: Policy<ChunkId>> ManagerHarness<P> {
+    pub fn new(num_chunks: usize, store_threshold: i64) -> Self {
+        let m = Manager::new(ManagerConfig {
+            num_chunks,
+            enable_events: true,
+            store_threshold,
+            max_tracker_size: 16,
+        })
+        .expect("a small manager");
+        ManagerHarness {
+            m,
+            reqs: Vec::new(),
+        }
+    }
+
+    /// Everything a refused call must leave as it was.
+    fn snapshot(&self) -> String {
+        let table: Vec<_> = self
+            .m
+            .table()
+            .records()
+            .iter()
+            .map(|r| (r.chunk_id(), r.ref_cnt()))
+            .collect();
+        format!(
+            "{:?} {table:?} {:?} {} {} {}",
+            self.m.policy().inspect(),
+            self.m.table().free_list(),
+            self.m.num_evictable(),
+            self.m.num_write_pending(),
+            self.m.num_requests(),
+        )
+    }
+
+    pub fn apply(&mut self, op: &ManagerOp) -> Result<(), String> {
+        let m = &mut self.m;
+        match op {
+            ManagerOp::NewRequest => {
+                let token = m.request(None);
+                self.reqs.push(Req {
+                    token,
+                    loads: Vec::new(),
+                    stores: Vec::new(),
+                });
+            }
+            ManagerOp::Step { req, keys } => {
+                let Some(r) = self.reqs.get_mut(*req) else {
+                    return self.validate();
+                };
+                r.token = m.request(Some(r.token));
+                let mut bytes: Vec<Vec<u8>> = Vec::new();
+                for &k in keys {
+                    let b = manager_key(k);
+                    if !bytes.contains(&b) {
+                        bytes.push(b);
+                    }
+                }
+                let ks: Vec<Key<'_>> = bytes.iter().map(|b| m.key(b)).collect();
+                let pos: Vec<Option<i64>> = (1..=ks.len())
+                    .map(|j| Some(16 * i64::try_from(j).expect("few keys")))
+                    .collect();
+                let hits = ks
+                    .iter()
+                    .take_while(|&&k| m.lookup(k) == LookupResult::Hit)
+                    .count();
+                // Calls may be refused (the request finished, its state is stale); a refused
+                // call must change nothing.
+                if hits > 0 {
+                    let before = self.snapshot();
+                    let r = &mut self.reqs[*req];
+                    let mut observed = Vec::new();
+                    match self
+                        .m
+                        .prepare_load(r.token, &ks[..hits], &pos[..hits], &mut observed)
+                    {
+                        Ok(ids) if ids.len() != hits => {
+                            return Err(format!("{} chunk ids for {hits} loads", ids.len()));
+                        }
+                        Ok(_) => r.loads.extend(bytes[..hits].iter().cloned()),
+                        Err(_) if self.snapshot() != before => {
+                            return Err("a refused prepare_load changed state".into());
+                        }
+                        Err(_) => {}
+                    }
+                }
+                if hits < ks.len() {
+                    let before = self.snapshot();
+                    let r = &mut self.reqs[*req];
+                    let mut observed = Vec::new();
+                    match self
+                        .m
+                        .prepare_store(r.token, &ks[hits..], &pos[hits..], &mut observed)
+                    {
+                        Ok(Some(out)) if out.stored.len() != out.chunk_ids.len() => {
+                            return Err("stored keys and chunk ids differ in number".into());
+                        }
+                        Ok(Some(out)) => r
+                            .stores
+                            .extend(out.stored.iter().map(|&i| bytes[hits + i].clone())),
+                        Ok(None) => {}
+                        Err(_) if self.snapshot() != before => {
+                            return Err("a refused prepare_store changed state".into());
+                        }
+                        Err(_) => {}
+                    }
+                }
+                // Offering a key twice is refused, and changes nothing.
+                if let Some(first) = ks.first() {
+                    let before = self.snapshot();
+                    let m = &mut self.m;
+                    let r = &self.reqs[*req];
+                    let twice = [*first, *first];
+                    if m.prepare_store(r.token, &twice, &[None, None], &mut Vec::new())
+                        .is_ok()
+                    {
+                        return Err("an offer naming a key twice was accepted".into());
+                    }
+                    if self.snapshot() != before {
+                        return Err("a refused prepare_store changed state".into());
+                    }
+                }
+            }
+            ManagerOp::CompleteLoad { req } => {
+                let Some(r) = self.reqs.get_mut(*req) else {
+                    return self.validate();
+                };
+                let loads = std::mem::take(&mut r.loads);
+                let ks: Vec<Key<'_>> = loads.iter().map(|b| m.key(b)).collect();
+                let before = self.snapshot();
+                // Loads of a reset cache are gone: an error, and nothing changes.
+                if self.m.complete_load(&ks).is_err() && self.snapshot() != before {
+                    return Err("a failed complete_load changed state".into());
+                }
+            }
+            ManagerOp::CompleteStore {
+                req,
+                success,
+                twice,
+            } => {
+                let Some(r) = self.reqs.get_mut(*req) else {
+                    return self.validate();
+                };
+                let mut stores = std::mem::take(&mut r.stores);
+                if *twice {
+                    stores.extend(stores.clone());
+                }
+                let ks: Vec<Key<'_>> = stores.iter().map(|b| m.key(b)).collect();
+                m.complete_store(&ks, *success);
+            }
+            ManagerOp::Finish { req } => {
+                let Some(r) = self.reqs.get(*req) else {
+                    return self.validate();
+                };
+                let position = |i: usize, _: &[u8]| {
+                    Ok::<_, ()>(Some(16 * (i64::try_from(i).expect("few keys") + 1)))
+                };
+                m.finish_request(r.token, position)
+                    .map_err(|()| "finish failed".to_string())?;
+            }
+            ManagerOp::Release { req } => {
+                if *req < self.reqs.len() {
+                    let r = self.reqs.remove(*req);
+                    m.release_request(r.token);
+                }
+            }
+            ManagerOp::Touch { keys } => {
+                let bytes: Vec<Vec<u8>> = keys.iter().map(|&k| manager_key(k)).collect();
+                let ks: Vec<Key<'_>> = bytes.iter().map(|b| m.key(b)).collect();
+                m.touch(&ks);
+            }
+            ManagerOp::Reset => {
+                m.reset();
+                for r in &mut self.reqs {
+                    r.loads.clear();
+                    r.stores.clear();
+                }
+            }
+            ManagerOp::TakeEvents => {
+                m.take_events();
+            }
+        }
+        self.validate()
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        self.m.validate()
     }
 }
 
@@ -442,68 +711,86 @@ mod proptests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::{ArcPolicy, LruPolicy};
 
-    fn key() -> impl Strategy<Value = u8> {
-        0..KEYS
+    fn program_bytes() -> impl Strategy<Value = Vec<u8>> {
+        prop::collection::vec(any::<u8>(), 0..1536)
     }
 
-    fn keys() -> impl Strategy<Value = Vec<u8>> {
-        prop::collection::vec(key(), 0..6)
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![
-            4 => (key(), prop::option::of((0..4u8, 0..8i64))).prop_map(|(key, request)| Op::Insert { key, request }),
-            3 => (key(), prop::bool::weighted(0.85)).prop_map(|(key, ok)| Op::FinishStore { key, ok }),
-            2 => (key(), any::<bool>()).prop_map(|(key, load)| Op::Pin { key, load }),
-            2 => keys().prop_map(|keys| Op::Touch { keys }),
-            1 => keys().prop_map(|keys| Op::StoreMiss { keys }),
-            2 => (0..4u8, prop::collection::vec((key(), 0..8i64), 0..6)).prop_map(|(request, keys)| Op::Access { request, keys }),
-            2 => (keys(), keys()).prop_map(|(keys, access)| Op::Finish { keys, access }),
-            3 => (0..5u8, keys()).prop_map(|(n, protected)| Op::Evict { n, protected }),
-            1 => (0..4u8).prop_map(|request| Op::EndRequest { request }),
-            1 => Just(Op::Clear),
-        ]
+    #[test]
+    fn programs_use_their_whole_input() {
+        let bytes: Vec<u8> = (0..1200u32).map(|i| (i * 97 % 251) as u8).collect();
+        assert!(PolicyProgram::from_bytes(&bytes).ops.len() > 100);
+        assert!(ManagerProgram::from_bytes(&bytes).ops.len() > 100);
     }
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
+        // Too slow for Miri (and proptest persists failures to files, which Miri's isolation
+        // forbids).
+        #[cfg_attr(miri, ignore)]
         #[test]
-        fn lru_keeps_its_invariants(capacity in 1usize..8, ops in prop::collection::vec(op(), 1..120)) {
-            let mut h = Harness::lru(capacity);
-            for op in &ops {
+        fn lru_keeps_its_invariants(bytes in program_bytes()) {
+            PolicyProgram::from_bytes(&bytes).run::<LruPolicy<TestChunk>>().map_err(TestCaseError::fail)?;
+        }
+
+        #[cfg_attr(miri, ignore)]
+        #[test]
+        fn lru_with_indexed_groups_keeps_its_invariants(bytes in program_bytes()) {
+            // A walk limit of 0 indexes every group as soon as an insertion lands mid-group.
+            let program = PolicyProgram::from_bytes(&bytes);
+            let mut h = PolicyHarness::<LruPolicy<TestChunk>>::new(program.capacity);
+            h.policy_mut().set_walk_limit(0);
+            for op in &program.ops {
                 h.apply(op).map_err(|e| TestCaseError::fail(format!("{op:?}: {e}")))?;
             }
         }
 
+        #[cfg_attr(miri, ignore)]
         #[test]
-        fn arc_keeps_its_invariants(capacity in 1usize..8, ops in prop::collection::vec(op(), 1..120)) {
-            let mut h = Harness::arc(capacity);
-            for op in &ops {
-                h.apply(op).map_err(|e| TestCaseError::fail(format!("{op:?}: {e}")))?;
-            }
+        fn arc_keeps_its_invariants(bytes in program_bytes()) {
+            PolicyProgram::from_bytes(&bytes).run::<ArcPolicy<TestChunk>>().map_err(TestCaseError::fail)?;
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[cfg_attr(miri, ignore)]
+        #[test]
+        fn lru_manager_keeps_its_invariants(bytes in program_bytes()) {
+            ManagerProgram::from_bytes(&bytes).run::<LruPolicy<ChunkId>>().map_err(TestCaseError::fail)?;
+        }
+
+        #[cfg_attr(miri, ignore)]
+        #[test]
+        fn arc_manager_keeps_its_invariants(bytes in program_bytes()) {
+            ManagerProgram::from_bytes(&bytes).run::<ArcPolicy<ChunkId>>().map_err(TestCaseError::fail)?;
+        }
+    }
+
+    /// A deterministic sweep of byte programs, as the fuzzers would feed them (also runs under
+    /// Miri, with fewer programs).
     #[test]
-    fn decoded_fuzz_programs_run_clean() {
-        // A deterministic sweep of byte programs, as the fuzzer would feed them.
+    fn decoded_byte_programs_run_clean() {
+        let programs = if cfg!(miri) { 4 } else { 300 };
         let mut state = 0x2545_f491_4f6c_dd1du64;
-        for _ in 0..300 {
-            let bytes: Vec<u8> = (0..200)
+        for _ in 0..programs {
+            let bytes: Vec<u8> = (0..400)
                 .map(|_| {
                     state ^= state << 13;
                     state ^= state >> 7;
                     state ^= state << 17;
-                    state as u8
+                    state.to_le_bytes()[0]
                 })
                 .collect();
-            for mut h in [Harness::lru(3), Harness::arc(3)] {
-                for op in Op::decode(&bytes) {
-                    h.apply(&op).unwrap_or_else(|e| panic!("{op:?}: {e}"));
-                }
-            }
+            let p = PolicyProgram::from_bytes(&bytes);
+            p.run::<LruPolicy<TestChunk>>().unwrap();
+            p.run::<ArcPolicy<TestChunk>>().unwrap();
+            let m = ManagerProgram::from_bytes(&bytes);
+            m.run::<LruPolicy<ChunkId>>().unwrap();
+            m.run::<ArcPolicy<ChunkId>>().unwrap();
         }
     }
 }

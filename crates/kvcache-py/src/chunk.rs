@@ -14,9 +14,10 @@ use std::sync::atomic::Ordering;
 use kvcache_core::manager::ChunkRecord;
 use kvcache_core::HasRefCnt;
 use pyo3::ffi;
+use pyo3::gc::{PyTraverseError, PyVisit};
 use pyo3::prelude::*;
 
-use crate::conversion::type_name;
+use crate::conversion::{int_in_range, type_name};
 use crate::exceptions::{exceptions, new_err};
 
 pub const CHUNK_STATUS_BYTES: usize = std::mem::size_of::<ChunkRecord>();
@@ -36,10 +37,11 @@ pub struct ChunkStatus {
 impl ChunkStatus {
     /// A new record starts "not ready" (`ref_cnt == -1`), like vLLM's.
     #[new]
-    fn new(chunk_id: i64) -> Self {
-        ChunkStatus {
+    fn new(chunk_id: Bound<'_, PyAny>) -> PyResult<Self> {
+        let chunk_id = int_in_range(&chunk_id, "chunk_id", "a 64-bit int")?;
+        Ok(ChunkStatus {
             raw: ChunkRecord::new(chunk_id, -1),
-        }
+        })
     }
 
     #[getter]
@@ -48,8 +50,10 @@ impl ChunkStatus {
     }
 
     #[setter]
-    fn set_ref_cnt(&self, value: i32) {
-        self.raw.ref_cnt.store(value, Ordering::Relaxed)
+    fn set_ref_cnt(&self, value: Bound<'_, PyAny>) -> PyResult<()> {
+        let value = int_in_range(&value, "ref_cnt", "a 32-bit int")?;
+        self.raw.ref_cnt.store(value, Ordering::Relaxed);
+        Ok(())
     }
 
     #[getter]
@@ -162,8 +166,9 @@ pub unsafe fn release_record_view(view: *mut ffi::Py_buffer) {
 /// A buffer export held for as long as a policy keeps a foreign chunk: the export keeps the
 /// object alive and its memory in place (e.g. a `bytearray` cannot resize while exported).
 pub struct ForeignChunk {
-    /// The exporter, kept alive by the export; stored inline so `get()` touches one line less.
-    obj: NonNull<ffi::PyObject>,
+    /// The exporter (the export holds a reference too); stored inline so `get()` touches one
+    /// line less.
+    obj: Py<PyAny>,
     ref_cnt: NonNull<i32>,
     view: Box<ffi::Py_buffer>,
 }
@@ -202,18 +207,19 @@ impl HasRefCnt for PyChunk {
     #[inline]
     fn prefetch(&self) {
         match self {
-            PyChunk::Native(c) => kvcache_core::slab::prefetch(c.get()),
+            PyChunk::Native(c) => kvcache_core::prefetch(c.get()),
             // SAFETY: as above, the exported memory is alive; the reference is only used as an
             // address to prefetch.
-            PyChunk::Foreign(f) => kvcache_core::slab::prefetch(unsafe { f.ref_cnt.as_ref() }),
+            PyChunk::Foreign(f) => kvcache_core::prefetch(unsafe { f.ref_cnt.as_ref() }),
         }
     }
 }
 
 impl PyChunk {
-    /// Accepts a `kvcache.ChunkStatus`, or any object exporting exactly 16 contiguous bytes
-    /// laid out like vLLM's ctypes `ChunkStatus`.
-    pub fn extract(obj: &Bound<'_, PyAny>) -> PyResult<PyChunk> {
+    /// Accepts a `kvcache.ChunkStatus`, or any object exporting exactly 16 contiguous,
+    /// writable bytes laid out like vLLM's ctypes `ChunkStatus` (the manager that owns a chunk
+    /// updates its `ref_cnt`, so a read-only buffer cannot be a chunk).
+    pub fn from_object(obj: &Bound<'_, PyAny>) -> PyResult<PyChunk> {
         if let Ok(native) = obj.cast::<ChunkStatus>() {
             return Ok(PyChunk::Native(native.clone().unbind()));
         }
@@ -232,21 +238,30 @@ impl PyChunk {
         // SAFETY: an all-zero Py_buffer is a valid "empty" value for PyObject_GetBuffer to fill.
         let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
         // SAFETY: `obj` is a live object and `view` is writable storage for the export.
-        let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, ffi::PyBUF_SIMPLE) };
+        let rc = unsafe {
+            ffi::PyObject_GetBuffer(
+                obj.as_ptr(),
+                &mut *view,
+                ffi::PyBUF_SIMPLE | ffi::PyBUF_WRITABLE,
+            )
+        };
         if rc != 0 {
             // Replace the exporter's error with ours, chained for context.
             let cause = PyErr::take(py).map(|e| e.to_string()).unwrap_or_default();
-            return Err(invalid(&format!("no buffer ({cause})")));
+            return Err(invalid(&format!("no writable buffer ({cause})")));
         }
         let len = view.len;
-        let (Some(ref_cnt), Some(obj)) =
-            (NonNull::new(view.buf.cast::<i32>()), NonNull::new(view.obj))
+        let (Some(ref_cnt), false) = (NonNull::new(view.buf.cast::<i32>()), view.obj.is_null())
         else {
             // SAFETY: the export succeeded; release it exactly once.
             unsafe { ffi::PyBuffer_Release(&mut *view) };
             return Err(invalid("the buffer has no memory or no owner"));
         };
-        let chunk = ForeignChunk { obj, ref_cnt, view };
+        let chunk = ForeignChunk {
+            obj: obj.clone().unbind(),
+            ref_cnt,
+            view,
+        };
         if len != CHUNK_STATUS_BYTES as ffi::Py_ssize_t {
             drop(chunk);
             return Err(invalid(&format!("buffer is {len} bytes")));
@@ -258,8 +273,27 @@ impl PyChunk {
     pub fn object<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
         match self {
             PyChunk::Native(c) => c.bind(py).clone().into_any(),
-            // SAFETY: the export we hold owns a strong reference to the exporter `obj`.
-            PyChunk::Foreign(f) => unsafe { Bound::from_borrowed_ptr(py, f.obj.as_ptr()) },
+            PyChunk::Foreign(f) => f.obj.bind(py).clone(),
         }
+    }
+
+    /// Reports the references a policy holds through this chunk to the garbage collector.
+    pub fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        match self {
+            PyChunk::Native(c) => visit.call(c),
+            // Two references to the exporter: ours and the export's.
+            PyChunk::Foreign(f) => {
+                visit.call(&f.obj)?;
+                visit.call(&f.obj)
+            }
+        }
+    }
+}
+
+impl<'py> FromPyObject<'_, 'py> for PyChunk {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        PyChunk::from_object(&obj)
     }
 }

@@ -2,7 +2,6 @@
 //! [`CoreError`] becomes.
 
 use kvcache_core::CoreError;
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
 use crate::exceptions::{exceptions, new_err};
@@ -22,15 +21,20 @@ impl From<Error> for PyErr {
         Python::attach(|py| {
             let ex = exceptions(py);
             let message = e.to_string();
-            match e {
-                CoreError::KeyNotFound(_) => new_err(py, &ex.key_not_found, message),
-                CoreError::DuplicateKey(_) => new_err(py, &ex.duplicate_key, message),
-                CoreError::NotEvictable(_) => new_err(py, &ex.not_evictable, message),
-                CoreError::InvalidArgument(_) => new_err(py, &ex.invalid_argument, message),
-                CoreError::InvalidState(_) => new_err(py, &ex.invalid_state, message),
-                // A plan is made and committed inside one call; staleness is a kvcache bug.
-                CoreError::StalePlan => PyRuntimeError::new_err(message),
-            }
+            let ty = match e {
+                CoreError::KeyNotFound(_) => &ex.key_not_found,
+                CoreError::DuplicateKey(_) => &ex.duplicate_key,
+                CoreError::NotEvictable(_) => &ex.not_evictable,
+                CoreError::DuplicateInOffer(_) | CoreError::TooManyChunks { .. } => {
+                    &ex.invalid_argument
+                }
+                CoreError::StaleRequest
+                | CoreError::RequestFinished
+                | CoreError::ChunkPending(_)
+                | CoreError::NoLoadPending(_) => &ex.invalid_state,
+                CoreError::OutOfMemory { .. } => &ex.out_of_memory,
+            };
+            new_err(py, ty, message)
         })
     }
 }

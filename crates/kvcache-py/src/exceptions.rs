@@ -7,7 +7,9 @@
 //! ours at once. Multiple inheritance is not expressible with `create_exception!`, so the
 //! classes are made once with `type(name, bases, namespace)` at import.
 
-use pyo3::exceptions::{PyException, PyKeyError, PyTypeError, PyValueError};
+use pyo3::exceptions::{
+    PyException, PyKeyError, PyMemoryError, PyRuntimeError, PyTypeError, PyValueError,
+};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -22,6 +24,8 @@ pub struct Exceptions {
     pub invalid_key: Py<PyType>,
     pub invalid_chunk: Py<PyType>,
     pub invalid_state: Py<PyType>,
+    pub reentrant_call: Py<PyType>,
+    pub out_of_memory: Py<PyType>,
 }
 
 static EXCEPTIONS: PyOnceLock<Exceptions> = PyOnceLock::new();
@@ -108,6 +112,19 @@ fn build(py: Python<'_>) -> PyResult<Exceptions> {
             "A call that contradicts the state of a chunk, e.g. loading a chunk still being stored.",
             &[b, &value_error],
         )?,
+        reentrant_call: make_type(
+            py,
+            "ReentrantCallError",
+            "Python code running inside a call (a request context method, a key iterator, a set's \
+             __contains__) called back into the same policy or manager.",
+            &[b, &py.get_type::<PyRuntimeError>()],
+        )?,
+        out_of_memory: make_type(
+            py,
+            "OutOfMemoryError",
+            "Memory kvcache needed could not be allocated; nothing was changed.",
+            &[b, &py.get_type::<PyMemoryError>()],
+        )?,
         invalid_type,
         base,
     })
@@ -126,6 +143,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         &e.invalid_key,
         &e.invalid_chunk,
         &e.invalid_state,
+        &e.reentrant_call,
+        &e.out_of_memory,
     ] {
         let ty = ty.bind(py);
         m.add(ty.name()?, ty)?;

@@ -1,15 +1,19 @@
 //! `kvcache._core`: the Python bindings of kvcache-core.
 //!
-//! Conversions live in `conversion`, errors in `errors` and `exceptions`; this file only
-//! assembles the module. The module relies on the GIL (see the `SAFETY` notes in `chunk`), so
+//! Conversions live in `conversion` (keys, counts) and `context` (request contexts), errors in
+//! `errors` and `exceptions`, the policies' list in `kinds`; this file only assembles the
+//! module. The module relies on the GIL (see the `SAFETY` notes in `chunk`), so
 //! it is built for the stable ABI of GIL builds (abi3, CPython ≥ 3.11).
 
 use pyo3::prelude::*;
 
 mod chunk;
+mod context;
 mod conversion;
 mod errors;
 mod exceptions;
+mod guard;
+mod kinds;
 mod manager;
 mod policy;
 mod request_state;
@@ -21,8 +25,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<chunk::ChunkStatus>()?;
     m.add_class::<policy::BaseCachePolicy>()?;
-    m.add_class::<policy::LruCachePolicy>()?;
-    m.add_class::<policy::ArcCachePolicy>()?;
+    kinds::register(m)?;
     m.add_class::<request_state::RequestState>()?;
     m.add_class::<manager::PyManager>()?;
     m.add_class::<manager::ChunkTableView>()?;

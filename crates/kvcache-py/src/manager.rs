@@ -5,40 +5,178 @@
 //! then runs its whole loop in Rust. Results are built from the Python types the subclass names
 //! in `_result_types`: kvcache's own (`kvcache.OffloadingManager`) or vLLM's
 //! (`kvcache.vllm.CPUOffloadingManager`), so each caller gets objects of the types it expects.
+//! Calls are serialised by the object's lock (see `guard`).
 
 use std::ffi::c_int;
 use std::ptr;
 
-use kvcache_core::manager::{ChunkId, Event, Manager, ManagerConfig};
-use kvcache_core::{ArcPolicy, Key, KeyHasher, ListId, LruPolicy};
-use pyo3::exceptions::{PyAssertionError, PyBufferError};
+use kvcache_core::manager::{
+    ChunkId, ChunkRecord, ChunkTable, Event, LookupResult, Manager, ManagerConfig, MemoryUsage,
+    Stats, StoreOutput, FREE,
+};
+use kvcache_core::{CoreError, CoreResult, Inspection, Key, KeyHasher, Policy, RequestToken};
+use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
+use pyo3::gc::{PyTraverseError, PyVisit};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
 use crate::chunk::{fill_record_view, release_record_view};
+use crate::context::{require_context, ContextTypeCache, PositionWalk, Positions};
 use crate::conversion::{
-    as_key, collect_keys, count, key_bytes, with_hashed_keys, ContextTypeCache, PositionWalk,
-    Positions,
+    collect_keys, count, int_in_range, key_bytes, with_hashed_keys, Flag, PyKey, Text,
 };
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
-use crate::request_state::{require_context, Owner};
+use crate::guard::Guarded;
+use crate::kinds::PolicyKind;
+use crate::policy::inspection_dict;
+use crate::request_state::Owner;
 use crate::results::ResultTypes;
 
-enum Inner {
-    Lru(Manager<LruPolicy<ChunkId>>),
-    Arc(Manager<ArcPolicy<ChunkId>>),
+/// Gives the token position of a finishing request's `i`-th observed key (see
+/// [`Manager::finish_request`]).
+pub type PositionOf<'a> = dyn FnMut(usize, &[u8]) -> PyResult<Option<i64>> + 'a;
+
+/// The Rust manager over any policy: its API with the policy type erased.
+pub trait ManagerOps: Send {
+    fn config(&self) -> &ManagerConfig;
+    fn reads_positions(&self) -> bool;
+    fn len(&self) -> usize;
+    fn num_evictable(&self) -> usize;
+    fn num_write_pending(&self) -> usize;
+    fn num_requests(&self) -> usize;
+    fn lookup(&self, key: Key<'_>) -> LookupResult;
+    fn request(&mut self, current: Option<RequestToken>) -> RequestToken;
+    fn is_live_request(&self, token: RequestToken) -> bool;
+    fn release_request(&mut self, token: RequestToken);
+    fn prepare_load(
+        &mut self,
+        token: RequestToken,
+        keys: &[Key<'_>],
+        positions: &[Option<i64>],
+        observed: &mut Vec<usize>,
+    ) -> CoreResult<Vec<ChunkId>>;
+    fn touch(&mut self, keys: &[Key<'_>]);
+    fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()>;
+    fn prepare_store(
+        &mut self,
+        token: RequestToken,
+        keys: &[Key<'_>],
+        positions: &[Option<i64>],
+        observed: &mut Vec<usize>,
+    ) -> CoreResult<Option<StoreOutput>>;
+    fn complete_store(&mut self, keys: &[Key<'_>], success: bool);
+    fn finish_request(
+        &mut self,
+        token: RequestToken,
+        position: &mut PositionOf<'_>,
+    ) -> PyResult<()>;
+    fn take_events(&mut self) -> Vec<Event>;
+    fn reset(&mut self);
+    fn take_stats(&mut self) -> Stats;
+    fn memory_usage(&self) -> MemoryUsage;
+    fn table(&self) -> &ChunkTable;
+    fn inspect(&self) -> Inspection<'_>;
+    /// Resident keys with their chunk ids.
+    fn chunks(&self) -> Vec<(&[u8], ChunkId)>;
+    #[cfg(feature = "validate")]
+    fn validate(&self) -> Result<(), String>;
 }
 
-/// Runs `$body` with `$m` bound to the concrete manager.
-macro_rules! with_manager {
-    ($inner:expr, $m:ident => $body:expr) => {
-        match $inner {
-            Inner::Lru($m) => $body,
-            Inner::Arc($m) => $body,
-        }
-    };
+impl<P: Policy<ChunkId> + Send> ManagerOps for Manager<P>
+where
+    P::Request: Send,
+{
+    fn config(&self) -> &ManagerConfig {
+        Manager::config(self)
+    }
+    fn reads_positions(&self) -> bool {
+        P::READS_POSITIONS
+    }
+    fn len(&self) -> usize {
+        Manager::len(self)
+    }
+    fn num_evictable(&self) -> usize {
+        Manager::num_evictable(self)
+    }
+    fn num_write_pending(&self) -> usize {
+        Manager::num_write_pending(self)
+    }
+    fn num_requests(&self) -> usize {
+        Manager::num_requests(self)
+    }
+    fn lookup(&self, key: Key<'_>) -> LookupResult {
+        Manager::lookup(self, key)
+    }
+    fn request(&mut self, current: Option<RequestToken>) -> RequestToken {
+        Manager::request(self, current)
+    }
+    fn is_live_request(&self, token: RequestToken) -> bool {
+        Manager::is_live_request(self, token)
+    }
+    fn release_request(&mut self, token: RequestToken) {
+        Manager::release_request(self, token);
+    }
+    fn prepare_load(
+        &mut self,
+        token: RequestToken,
+        keys: &[Key<'_>],
+        positions: &[Option<i64>],
+        observed: &mut Vec<usize>,
+    ) -> CoreResult<Vec<ChunkId>> {
+        Manager::prepare_load(self, token, keys, positions, observed)
+    }
+    fn touch(&mut self, keys: &[Key<'_>]) {
+        Manager::touch(self, keys);
+    }
+    fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
+        Manager::complete_load(self, keys)
+    }
+    fn prepare_store(
+        &mut self,
+        token: RequestToken,
+        keys: &[Key<'_>],
+        positions: &[Option<i64>],
+        observed: &mut Vec<usize>,
+    ) -> CoreResult<Option<StoreOutput>> {
+        Manager::prepare_store(self, token, keys, positions, observed)
+    }
+    fn complete_store(&mut self, keys: &[Key<'_>], success: bool) {
+        Manager::complete_store(self, keys, success);
+    }
+    fn finish_request(
+        &mut self,
+        token: RequestToken,
+        position: &mut PositionOf<'_>,
+    ) -> PyResult<()> {
+        Manager::finish_request(self, token, position)
+    }
+    fn take_events(&mut self) -> Vec<Event> {
+        Manager::take_events(self)
+    }
+    fn reset(&mut self) {
+        Manager::reset(self);
+    }
+    fn take_stats(&mut self) -> Stats {
+        Manager::take_stats(self)
+    }
+    fn memory_usage(&self) -> MemoryUsage {
+        Manager::memory_usage(self)
+    }
+    fn table(&self) -> &ChunkTable {
+        Manager::table(self)
+    }
+    fn inspect(&self) -> Inspection<'_> {
+        self.policy().inspect()
+    }
+    fn chunks(&self) -> Vec<(&[u8], ChunkId)> {
+        self.policy().resident().map(|(k, &c)| (k, c)).collect()
+    }
+    #[cfg(feature = "validate")]
+    fn validate(&self) -> Result<(), String> {
+        Manager::validate(self)
+    }
 }
 
 /// A request call's keys, their token positions, where the walk over the position dict
@@ -47,7 +185,7 @@ type RequestCall<'py> = (
     Vec<Bound<'py, PyBytes>>,
     Vec<Option<i64>>,
     isize,
-    kvcache_core::RequestToken,
+    RequestToken,
 );
 
 /// What the bindings keep per live request.
@@ -64,12 +202,10 @@ struct Observed {
 /// vLLM's default bound of the `store_threshold` access tracker.
 const DEFAULT_MAX_TRACKER_SIZE: usize = 64_000;
 
-/// Offloading manager for host-memory KV chunks: vLLM 0.33.0's `CPUOffloadingManager`
-/// decisions, in Rust. Subclassed by `kvcache.OffloadingManager` and
-/// `kvcache.vllm.CPUOffloadingManager`, which choose the result types.
-#[pyclass(name = "OffloadingManager", module = "kvcache._core", subclass)]
-pub struct PyManager {
-    inner: Inner,
+/// The manager and what the bindings keep beside it.
+struct State {
+    ops: Box<dyn ManagerOps>,
+    kind: PolicyKind,
     types: ResultTypes,
     owner: Owner,
     contexts: ContextTypeCache,
@@ -78,22 +214,28 @@ pub struct PyManager {
     observed: hashbrown::HashMap<u64, Observed, foldhash::fast::RandomState>,
 }
 
-fn policy_kind(cache_policy: &str, module_path: Option<&str>) -> Option<&'static str> {
-    let ours = matches!(module_path, None | Some("kvcache.vllm" | "kvcache"));
-    match cache_policy {
-        "lru" if module_path.is_none() => Some("lru"),
-        "arc" if module_path.is_none() => Some("arc"),
-        "LRUCachePolicy" if ours => Some("lru"),
-        "ARCCachePolicy" if ours => Some("arc"),
-        _ => None,
-    }
+/// Offloading manager for host-memory KV chunks: vLLM 0.33.0's `CPUOffloadingManager`
+/// decisions, in Rust. Subclassed by `kvcache.OffloadingManager` and
+/// `kvcache.vllm.CPUOffloadingManager`, which choose the result types.
+#[pyclass(name = "OffloadingManager", module = "kvcache._core", subclass, frozen)]
+pub struct PyManager {
+    inner: Guarded<State>,
 }
 
-impl PyManager {
+/// The policy the manager runs: vLLM's registered names (`lru`, `arc`) without a module path,
+/// kvcache's class names with kvcache's module path (or none).
+fn policy_kind(cache_policy: &str, module_path: Option<&str>) -> Option<PolicyKind> {
+    let kind = PolicyKind::from_name(cache_policy)?;
+    let ours = matches!(module_path, None | Some("kvcache.vllm" | "kvcache"));
+    let by_short_name = kind.name() == cache_policy && module_path.is_none();
+    (by_short_name || (kind.class_name() == cache_policy && ours)).then_some(kind)
+}
+
+impl State {
     fn bury_dead(&mut self) {
         for token in self.owner.graveyard.take() {
             self.observed.remove(&token.id);
-            with_manager!(&mut self.inner, m => m.release_request(token.into()));
+            self.ops.release_request(token);
         }
     }
 
@@ -101,7 +243,7 @@ impl PyManager {
     /// position walk stopped.
     fn remember(
         &mut self,
-        token: kvcache_core::RequestToken,
+        token: RequestToken,
         keys: &[Bound<'_, PyBytes>],
         observed: &[usize],
         cursor: isize,
@@ -116,16 +258,10 @@ impl PyManager {
         seen.cursor = cursor;
     }
 
-    fn is_lru(&self) -> bool {
-        matches!(self.inner, Inner::Lru(_))
-    }
-
-    fn key<'a>(&self, bytes: &'a [u8]) -> Key<'a> {
-        with_manager!(&self.inner, m => m.key(bytes))
-    }
-
     fn keys<'a>(&self, keys: &'a [Bound<'_, PyBytes>]) -> Vec<Key<'a>> {
-        keys.iter().map(|k| self.key(key_bytes(k))).collect()
+        keys.iter()
+            .map(|k| Key::new(&self.hasher, key_bytes(k)))
+            .collect()
     }
 
     /// Runs a core call on `keys` (an iterable of bytes). Lists and tuples are read in place
@@ -133,22 +269,22 @@ impl PyManager {
     fn with_keys<R>(
         &mut self,
         keys: &Bound<'_, PyAny>,
-        call: impl FnOnce(&mut Inner, &[Key<'_>]) -> R,
+        call: impl FnOnce(&mut Box<dyn ManagerOps>, &[Key<'_>]) -> R,
     ) -> PyResult<R> {
-        // SAFETY: the callers pass closures over `Manager` methods, which never call into
+        // SAFETY: the callers pass closures over manager methods, which never call into
         // Python.
-        unsafe { with_hashed_keys(&mut self.inner, keys, &self.hasher, call) }
+        unsafe { with_hashed_keys(&mut self.ops, keys, &self.hasher, call) }
     }
 
-    /// Token positions of `keys` (only LRU reads them while a request runs), and where the
-    /// walk over the position dict stopped. The walk resumes where the request's previous
-    /// call left it, found without side effects (a context not seen recently starts over).
+    /// Token positions of `keys` (only policies that read them get them), and where the walk
+    /// over the position dict stopped. The walk resumes where the request's previous call
+    /// left it, found without side effects (a context not seen recently starts over).
     fn positions(
         &mut self,
         ctx: &Bound<'_, PyAny>,
         keys: &[Bound<'_, PyBytes>],
     ) -> PyResult<(Vec<Option<i64>>, isize)> {
-        if !self.is_lru() {
+        if !self.ops.reads_positions() {
             return Ok((vec![None; keys.len()], 0));
         }
         let start = self
@@ -176,19 +312,15 @@ impl PyManager {
     }
 
     /// The manager's request state for `ctx` (created on first sight, as vLLM does).
-    fn request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<kvcache_core::RequestToken> {
+    fn request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<RequestToken> {
         self.bury_dead();
         if let Some(token) = self.owner.cached(ctx) {
-            if with_manager!(&self.inner, m => m.is_live_request(token.into())) {
-                return Ok(token.into());
+            if self.ops.is_live_request(token) {
+                return Ok(token);
             }
         }
-        let inner = &mut self.inner;
-        let token = self.owner.token(
-            ctx,
-            |current| with_manager!(inner, m => m.request(current.map(Into::into)).into()),
-        )?;
-        Ok(token.into())
+        let ops = &mut self.ops;
+        self.owner.token(ctx, |current| ops.request(current))
     }
 
     fn event<'py>(&self, py: Python<'py>, e: Event) -> PyResult<Bound<'py, PyAny>> {
@@ -201,89 +333,99 @@ impl PyManager {
 impl PyManager {
     #[new]
     #[classmethod]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "vLLM's CPUOffloadingManager signature"
+    )]
     #[pyo3(signature = (
         num_chunks,
-        cache_policy = "lru",
+        cache_policy = Text("lru".into()),
         cache_policy_module_path = None,
-        enable_events = false,
-        store_threshold = 1,
+        enable_events = Flag(false),
+        store_threshold = None,
         max_tracker_size = None,
-        **_extra
+        **unexpected,
     ))]
-    #[allow(clippy::too_many_arguments)]
     fn new(
         cls: &Bound<'_, PyType>,
         num_chunks: Bound<'_, PyAny>,
-        cache_policy: &str,
-        cache_policy_module_path: Option<&str>,
-        enable_events: bool,
-        store_threshold: i64,
+        cache_policy: Text,
+        cache_policy_module_path: Option<Text>,
+        enable_events: Flag,
+        store_threshold: Option<Bound<'_, PyAny>>,
         max_tracker_size: Option<Bound<'_, PyAny>>,
-        _extra: Option<Bound<'_, PyDict>>,
+        unexpected: Option<Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let py = cls.py();
-        let num_chunks = count(&num_chunks, "num_chunks")?;
-        if num_chunks > u32::MAX as usize {
+        if let Some(unexpected) = unexpected.filter(|d| !d.is_empty()) {
+            let names: Vec<String> = unexpected.keys().iter().map(|k| k.to_string()).collect();
             return Err(new_err(
                 py,
-                &exceptions(py).invalid_argument,
-                format!("num_chunks {num_chunks} exceeds 2**32 - 1"),
+                &exceptions(py).invalid_type,
+                format!("unexpected keyword argument(s): {}", names.join(", ")),
             ));
         }
+        let num_chunks = count(&num_chunks, "num_chunks")?;
+        let store_threshold = match store_threshold {
+            Some(t) => int_in_range(&t, "store_threshold", "a 64-bit int")?,
+            None => 1,
+        };
         let max_tracker_size = match max_tracker_size {
             Some(n) => count(&n, "max_tracker_size")?,
             None => DEFAULT_MAX_TRACKER_SIZE,
         };
-        let Some(kind) = policy_kind(cache_policy, cache_policy_module_path) else {
+        let module_path = cache_policy_module_path.as_ref().map(|t| t.0.as_str());
+        let Some(kind) = policy_kind(&cache_policy.0, module_path) else {
             return Err(new_err(
                 py,
                 &exceptions(py).invalid_argument,
                 format!(
-                    "unsupported cache policy {cache_policy:?} (module {cache_policy_module_path:?}); \
-                     kvcache's manager runs 'lru' and 'arc' (or LRUCachePolicy/ARCCachePolicy \
-                     from kvcache.vllm)"
+                    "unsupported cache policy {:?} (module {module_path:?}); kvcache's manager \
+                     runs {} (or {} from kvcache.vllm)",
+                    cache_policy.0,
+                    names(PolicyKind::name),
+                    names(PolicyKind::class_name),
                 ),
             ));
         };
         let config = ManagerConfig {
             num_chunks,
-            enable_events,
+            enable_events: enable_events.0,
             store_threshold,
             max_tracker_size,
         };
-        let inner = match kind {
-            "lru" => Inner::Lru(Manager::new(config)),
-            _ => Inner::Arc(Manager::new(config)),
-        };
+        let ops = kind.new_manager(config).py_err()?;
         Ok(PyManager {
-            inner,
-            types: ResultTypes::from_class(cls)?,
-            owner: Owner::default(),
-            contexts: ContextTypeCache::positions(),
-            hasher: KeyHasher::global(),
-            observed: Default::default(),
+            inner: Guarded::new(
+                State {
+                    ops,
+                    kind,
+                    types: ResultTypes::from_class(cls)?,
+                    owner: Owner::default(),
+                    contexts: ContextTypeCache::positions(),
+                    hasher: KeyHasher::global(),
+                    observed: Default::default(),
+                },
+                "offloading manager",
+            ),
         })
     }
 
     /// Chunk slots in the cache.
     #[getter]
-    fn num_chunks(&self) -> usize {
-        with_manager!(&self.inner, m => m.config().num_chunks)
+    fn num_chunks(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner.lock(py)?.ops.config().num_chunks)
     }
 
-    /// "lru" or "arc".
+    /// The policy's short name: "lru" or "arc".
     #[getter]
-    fn cache_policy(&self) -> &'static str {
-        if self.is_lru() {
-            "lru"
-        } else {
-            "arc"
-        }
+    fn cache_policy(&self, py: Python<'_>) -> PyResult<&'static str> {
+        Ok(self.inner.lock(py)?.kind.name())
     }
 
     #[getter]
-    fn store_threshold(&self) -> i64 {
-        with_manager!(&self.inner, m => m.config().store_threshold)
+    fn store_threshold(&self, py: Python<'_>) -> PyResult<i64> {
+        Ok(self.inner.lock(py)?.ops.config().store_threshold)
     }
 
     /// Always true: an empty manager is still a manager (vLLM tests `if not self._manager`).
@@ -292,25 +434,26 @@ impl PyManager {
     }
 
     /// Resident chunks (ready or pending).
-    fn __len__(&self) -> usize {
-        with_manager!(&self.inner, m => m.table().num_allocated() - m.table().free_list_len())
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner.lock(py)?.ops.len())
     }
 
     #[getter]
-    fn num_evictable(&self) -> usize {
-        with_manager!(&self.inner, m => m.num_evictable())
+    fn num_evictable(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner.lock(py)?.ops.num_evictable())
     }
 
     #[getter]
-    fn num_write_pending(&self) -> usize {
-        with_manager!(&self.inner, m => m.num_write_pending())
+    fn num_write_pending(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner.lock(py)?.ops.num_write_pending())
     }
 
     /// Live per-request states (requests whose context is still alive).
     #[getter]
-    fn num_requests(&mut self) -> usize {
-        self.bury_dead();
-        with_manager!(&self.inner, m => m.num_requests())
+    fn num_requests(&self, py: Python<'_>) -> PyResult<usize> {
+        let mut state = self.inner.lock(py)?;
+        state.bury_dead();
+        Ok(state.ops.num_requests())
     }
 
     /// HIT if the key's chunk is ready, HIT_PENDING if its store is in flight, else MISS.
@@ -318,154 +461,168 @@ impl PyManager {
     fn lookup<'py>(
         &self,
         py: Python<'py>,
-        key: Bound<'py, PyAny>,
+        key: PyKey<'py>,
         req_context: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = req_context;
-        let key = as_key(key)?;
-        let result = with_manager!(&self.inner, m => m.lookup(m.key(key_bytes(&key))));
-        Ok(self.types.lookup(py, result))
+        let state = self.inner.lock(py)?;
+        let result = state.ops.lookup(Key::new(&state.hasher, key.bytes()));
+        Ok(state.types.lookup(py, result))
     }
 
     /// Pins the keys' ready chunks for reading; returns a spec naming their chunk ids.
     fn prepare_load<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         keys: Bound<'py, PyAny>,
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (keys, positions, cursor, token) = self.request_call(&req_context, &keys)?;
-        let ks = self.keys(&keys);
+        let mut state = self.inner.lock(py)?;
+        let (keys, positions, cursor, token) = state.request_call(&req_context, &keys)?;
+        let ks = state.keys(&keys);
         let mut observed = Vec::new();
-        let ids = with_manager!(&mut self.inner, m => m.prepare_load(token, &ks, &positions, &mut observed))
+        let ids = state
+            .ops
+            .prepare_load(token, &ks, &positions, &mut observed)
             .py_err()?;
-        self.remember(token, &keys, &observed, cursor);
-        self.types.spec(py, &ids)
+        state.remember(token, &keys, &observed, cursor);
+        state.types.spec(py, &ids)
     }
 
     /// Marks keys recently used.
     #[pyo3(signature = (keys, req_context = None))]
     fn touch(
-        &mut self,
+        &self,
+        py: Python<'_>,
         keys: Bound<'_, PyAny>,
         req_context: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.with_keys(&keys, |inner, ks| with_manager!(inner, m => m.touch(ks)))
+        self.inner
+            .lock(py)?
+            .with_keys(&keys, |ops, ks| ops.touch(ks))
     }
 
     /// Unpins chunks whose loads finished.
     #[pyo3(signature = (keys, req_context = None))]
     fn complete_load(
-        &mut self,
+        &self,
+        py: Python<'_>,
         keys: Bound<'_, PyAny>,
         req_context: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.with_keys(
-            &keys,
-            |inner, ks| with_manager!(inner, m => m.complete_load(ks)),
-        )?
-        .py_err()
+        self.inner
+            .lock(py)?
+            .with_keys(&keys, |ops, ks| ops.complete_load(ks))?
+            .py_err()
     }
 
     /// Decides which keys to store and where, evicting to make room. Returns an object with
     /// `keys_to_store`, `store_spec` and `evicted_keys`, or None when the keys cannot be stored.
     fn prepare_store<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         keys: Bound<'py, PyAny>,
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let (keys, positions, cursor, token) = self.request_call(&req_context, &keys)?;
-        let ks = self.keys(&keys);
+        let mut state = self.inner.lock(py)?;
+        let (keys, positions, cursor, token) = state.request_call(&req_context, &keys)?;
+        let ks = state.keys(&keys);
         let mut observed = Vec::new();
-        let out = with_manager!(&mut self.inner, m => m.prepare_store(token, &ks, &positions, &mut observed))
+        let out = state
+            .ops
+            .prepare_store(token, &ks, &positions, &mut observed)
             .py_err()?;
-        self.remember(token, &keys, &observed, cursor);
+        state.remember(token, &keys, &observed, cursor);
         let Some(out) = out else { return Ok(None) };
         let stored = PyList::new(py, out.stored.iter().map(|&i| &keys[i]))?;
-        let spec = self.types.spec(py, &out.chunk_ids)?;
-        self.types
+        let spec = state.types.spec(py, &out.chunk_ids)?;
+        state
+            .types
             .store_output(py, stored, spec, out.evicted)
             .map(Some)
     }
 
     /// Completes stores: on success the chunks become readable and evictable; on failure the
     /// pending ones are dropped.
-    #[pyo3(signature = (keys, req_context = None, success = true))]
+    #[pyo3(signature = (keys, req_context = None, success = Flag(true)))]
     fn complete_store(
-        &mut self,
+        &self,
+        py: Python<'_>,
         keys: Bound<'_, PyAny>,
         req_context: Option<Bound<'_, PyAny>>,
-        success: bool,
+        success: Flag,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.with_keys(
-            &keys,
-            |inner, ks| with_manager!(inner, m => m.complete_store(ks, success)),
-        )
+        self.inner
+            .lock(py)?
+            .with_keys(&keys, |ops, ks| ops.complete_store(ks, success.0))
     }
 
     /// Starts tracking a request.
     fn on_new_request<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        self.request(&req_context)?;
-        self.types.new_request(py)
+        let mut state = self.inner.lock(py)?;
+        let ctx = require_context(Some(&req_context))?;
+        state.request(ctx)?;
+        state.types.new_request(py)
     }
 
     /// Applies the request's accesses to the policy in prefix order (once).
-    fn on_request_finished(
-        &mut self,
-        py: Python<'_>,
-        req_context: Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        self.bury_dead();
-        let Some(token) = self.owner.existing_token(&req_context)? else {
+    fn on_request_finished(&self, py: Python<'_>, req_context: Bound<'_, PyAny>) -> PyResult<()> {
+        let mut state = self.inner.lock(py)?;
+        let state = &mut *state;
+        let ctx = require_context(Some(&req_context))?;
+        state.bury_dead();
+        let Some(token) = state.owner.existing_token(ctx)? else {
             return Ok(());
         };
-        let positions = Positions::new(Some(&req_context), &mut self.contexts)?;
+        let positions = Positions::new(Some(ctx), &mut state.contexts)?;
         let mut walk = PositionWalk::new(positions, 0);
-        let seen = self
+        let seen = state
             .observed
             .get(&token.id)
             .map(|o| o.keys.as_slice())
             .unwrap_or_default();
-        with_manager!(&mut self.inner, m => {
-            m.finish_request(token.into(), |i, key| match seen.get(i) {
+        state
+            .ops
+            .finish_request(token, &mut |i, key| match seen.get(i) {
                 Some(object) => walk.get(object.bind(py)),
                 None => walk.get(&PyBytes::new(py, key)),
-            })
-        })?;
+            })?;
         // A finished request observes no new key: its key objects are no longer needed.
-        self.observed.remove(&token.id);
+        state.observed.remove(&token.id);
         Ok(())
     }
 
     /// Events (stored / removed keys) since the last call.
-    fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let events = with_manager!(&mut self.inner, m => m.take_events());
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let mut state = self.inner.lock(py)?;
+        let events = state.ops.take_events();
         let objects: Vec<_> = events
             .into_iter()
-            .map(|e| self.event(py, e))
+            .map(|e| state.event(py, e))
             .collect::<PyResult<_>>()?;
         PyList::new(py, objects)
     }
 
     /// Drops every chunk and request state.
-    fn reset_cache(&mut self) {
-        with_manager!(&mut self.inner, m => m.reset());
-        self.owner.graveyard.take();
-        self.observed.clear();
+    fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
+        let mut state = self.inner.lock(py)?;
+        state.ops.reset();
+        state.owner.graveyard.take();
+        state.observed.clear();
+        Ok(())
     }
 
     /// `(usage, write_usage, read_usage, allocation_sizes, stores_skipped)` since the last
     /// call; `stores_skipped` is None unless `store_threshold >= 2`.
-    fn _take_stats<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let s = with_manager!(&mut self.inner, m => m.take_stats());
+    fn _take_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let s = self.inner.lock(py)?.ops.take_stats();
         (
             s.usage,
             s.write_usage,
@@ -478,91 +635,111 @@ impl PyManager {
 
     /// Heap bytes by structure, and per resident chunk.
     fn memory_usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (usage, resident) = with_manager!(&self.inner, m => {
-            (m.memory_usage(), m.table().num_allocated() - m.table().free_list_len())
-        });
+        let state = self.inner.lock(py)?;
+        let usage = state.ops.memory_usage();
         let d = PyDict::new(py);
         d.set_item("policy", usage.policy)?;
         d.set_item("table", usage.table)?;
         d.set_item("tracker", usage.tracker)?;
         d.set_item("requests", usage.requests)?;
         d.set_item("total", usage.total())?;
-        d.set_item("resident_chunks", resident)?;
+        d.set_item("resident_chunks", state.ops.len())?;
         Ok(d)
     }
 
-    /// The chunk table: a read-only buffer of `num_chunks` ChunkStatus records (index = chunk
-    /// id; `ref_cnt` −2 marks a free slot). `numpy.asarray(manager.chunk_table())` views it.
-    fn chunk_table(slf: Bound<'_, Self>) -> PyResult<ChunkTableView> {
+    /// A read-only copy of the chunk table: one `ChunkStatus` record per chunk id handed out
+    /// since the last reset (index = chunk id; `ref_cnt` −2 marks a freed slot; later ids are
+    /// free). `numpy.asarray(manager.chunk_table())` views it as a structured array.
+    fn chunk_table(&self, py: Python<'_>) -> PyResult<ChunkTableView> {
+        let state = self.inner.lock(py)?;
+        let live = state.ops.table().records();
+        let mut records = Vec::new();
+        records
+            .try_reserve_exact(live.len())
+            .map_err(|_| CoreError::OutOfMemory {
+                what: "a copy of the chunk table",
+            })
+            .py_err()?;
+        records.extend(
+            live.iter()
+                .map(|r| ChunkRecord::new(r.chunk_id(), r.ref_cnt())),
+        );
         Ok(ChunkTableView {
-            manager: slf.unbind(),
+            records: records.into_boxed_slice(),
         })
     }
 
-    /// Internal state for tests: the policy's (as `BaseCachePolicy._debug_state`), the free
-    /// list, the allocation count and the evictable / write-pending counts.
+    /// Internal state for tests: the policy's (as `BaseCachePolicy._debug_state`), the chunks, the free list, the allocation count and the evictable /
+    /// write-pending counts.
     fn _debug_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let state = PyDict::new(py);
-        match &self.inner {
-            Inner::Lru(m) => {
-                let ranks = PyDict::new(py);
-                for e in m.policy().entries() {
-                    ranks.set_item(PyBytes::new(py, e.key), (e.rank, -(e.position as i128)))?;
-                }
-                state.set_item("ranks", ranks)?;
-            }
-            Inner::Arc(m) => {
-                let p = m.policy();
-                for (name, list) in [
-                    ("t1", ListId::T1),
-                    ("t2", ListId::T2),
-                    ("b1", ListId::B1),
-                    ("b2", ListId::B2),
-                ] {
-                    let keys: Vec<_> = p.list_keys(list).map(|k| PyBytes::new(py, k)).collect();
-                    state.set_item(name, PyList::new(py, keys)?)?;
-                }
-                state.set_item("target_t1_size", p.target_t1_size())?;
-            }
-        }
+        let state = self.inner.lock(py)?;
+        let ops = &state.ops;
+        let debug = inspection_dict(py, &ops.inspect())?;
         let chunks = PyDict::new(py);
-        let add = |key: &[u8], id: ChunkId, ref_cnt: i32| {
-            chunks.set_item(PyBytes::new(py, key), (id, ref_cnt))
-        };
-        match &self.inner {
-            Inner::Lru(m) => m
-                .policy()
-                .iter()
-                .try_for_each(|(k, &c)| add(k, c, m.table().record(c).ref_cnt()))?,
-            Inner::Arc(m) => m
-                .policy()
-                .iter()
-                .try_for_each(|(k, &c)| add(k, c, m.table().record(c).ref_cnt()))?,
+        for (key, id) in ops.chunks() {
+            let ref_cnt = ops.table().record(id).ref_cnt();
+            chunks.set_item(PyBytes::new(py, key), (id, ref_cnt))?;
         }
-        state.set_item("chunks", chunks)?;
-        with_manager!(&self.inner, m => {
-            state.set_item("free_list", m.table().free_list().to_vec())?;
-            state.set_item("num_allocated", m.table().num_allocated())?;
-            state.set_item("num_evictable", m.num_evictable())?;
-            state.set_item("num_write_pending", m.num_write_pending())?;
-        });
-        Ok(state)
+        debug.set_item("chunks", chunks)?;
+        debug.set_item("free_list", ops.table().free_list().to_vec())?;
+        debug.set_item("num_allocated", ops.table().num_allocated())?;
+        debug.set_item("num_evictable", ops.num_evictable())?;
+        debug.set_item("num_write_pending", ops.num_write_pending())?;
+        Ok(debug)
     }
 
     /// Checks the manager's and its policy's invariants; raises AssertionError if one is broken.
-    fn validate(&self) -> PyResult<()> {
-        with_manager!(&self.inner, m => m.validate()).map_err(PyAssertionError::new_err)
+    #[cfg(feature = "validate")]
+    fn validate(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner
+            .lock(py)?
+            .ops
+            .validate()
+            .map_err(pyo3::exceptions::PyAssertionError::new_err)
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        // Busy: reachable from the running call (see `BaseCachePolicy.__traverse__`).
+        let Some(state) = self.inner.try_peek() else {
+            return Ok(());
+        };
+        state.types.traverse(&visit)?;
+        for seen in state.observed.values() {
+            for key in &seen.keys {
+                visit.call(key)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn __clear__(&self) {
+        if let Some(mut state) = self.inner.try_peek() {
+            state.observed.clear();
+        }
     }
 }
 
-/// A read-only export of a manager's chunk table; keeps the manager alive while viewed.
+/// `a, b or c` of the policies' names.
+fn names(name: fn(PolicyKind) -> &'static str) -> String {
+    let all: Vec<_> = PolicyKind::ALL
+        .iter()
+        .map(|&k| format!("{:?}", name(k)))
+        .collect();
+    all.join(", ")
+}
+
+/// A copy of a manager's chunk table, exported read-only through the buffer protocol.
 #[pyclass(name = "ChunkTableView", module = "kvcache._core", frozen)]
 pub struct ChunkTableView {
-    manager: Py<PyManager>,
+    records: Box<[ChunkRecord]>,
 }
 
 #[pymethods]
 impl ChunkTableView {
+    fn __len__(&self) -> usize {
+        self.records.len()
+    }
+
     /// # Safety
     /// Called by CPython with a valid `view` to fill.
     unsafe fn __getbuffer__(
@@ -573,19 +750,17 @@ impl ChunkTableView {
         if flags & ffi::PyBUF_WRITABLE != 0 {
             return Err(PyBufferError::new_err("the chunk table is read-only"));
         }
-        let manager = slf.get().manager.bind(slf.py()).try_borrow()?;
-        let records = with_manager!(&manager.inner, m => m.table().records());
+        let records = &slf.get().records;
         let (buf, len) = (records.as_ptr().cast_mut().cast(), records.len());
-        drop(manager);
         if len == 0 {
             // An empty table: export zero bytes (a valid, non-null pointer still).
             // SAFETY: `view` is valid (CPython's contract).
             unsafe { fill_empty_view(view, flags, slf.into_any()) };
             return Ok(());
         }
-        // SAFETY: `buf` points at `len` records in a boxed slice the manager never reallocates;
-        // the view's owner (`slf`) keeps the manager alive. Rust writes the records through
-        // atomics (shared references), never `&mut`, so Python may read them while exported.
+        // SAFETY: `buf` points at `len` records in a boxed slice that never changes and lives
+        // as long as `slf`, which the view's owner reference keeps alive; the export is
+        // read-only.
         unsafe {
             fill_record_view(view, flags, buf, len, slf.into_any());
             (*view).readonly = 1;
@@ -621,3 +796,6 @@ unsafe fn fill_empty_view(view: *mut ffi::Py_buffer, flags: c_int, owner: Bound<
         *(*view).shape = 0;
     }
 }
+
+/// Free slots read −2: kept in sync with the core's constant.
+const _: () = assert!(FREE == -2);

@@ -1,136 +1,398 @@
-//! `LRUCachePolicy` and `ARCCachePolicy`: vLLM's `CachePolicy` protocol over the core policies.
+//! vLLM's `CachePolicy` protocol over any core [`Policy`].
 //!
-//! Both Python classes derive from `BaseCachePolicy`, which implements every protocol method
-//! once and dispatches to the core policy. Each call converts and validates its whole input
-//! (keys, chunks, positions, protected sets) before the core is touched, then runs its loop in
-//! Rust; eviction reads reference counts straight from chunk memory.
+//! `BaseCachePolicy` implements every protocol method once, for every policy: the Python
+//! classes (`LRUCachePolicy`, `ARCCachePolicy`, …) are declared in `kinds` and differ only in
+//! the core policy they wrap. Each call converts and validates its whole input (keys, chunks,
+//! positions, protected sets) before the core is touched, then runs its loop in Rust; eviction
+//! reads reference counts straight from chunk memory. Calls are serialised by the object's lock
+//! (see `guard`).
 
-use kvcache_core::{
-    Access, ArcPolicy, InsertRank, Key, ListId, LruPolicy, RequestRank, SelfCounted,
-};
-use pyo3::exceptions::PyAssertionError;
+use kvcache_core::{Access, Evicted, Policy, Registry, SelfCounted, Stat};
+use pyo3::gc::{PyTraverseError, PyVisit};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
 
 use crate::chunk::PyChunk;
-use crate::conversion::{
-    as_key, collect_keys, count, key_bytes, order_request_keys, with_hashed_keys, ContextTypeCache,
-    Positions,
-};
+use crate::context::{order_request_keys, require_context, ContextTypeCache, Positions};
+use crate::conversion::{collect_keys, key_bytes, type_name, with_hashed_keys, Count, PyKey};
 use crate::errors::IntoPyResult;
-use crate::request_state::{require_context, Owner};
+use crate::exceptions::{exceptions, new_err};
+use crate::guard::Guarded;
+use crate::request_state::{Owner, Token};
 
-enum Inner {
-    Lru(LruPolicy<PyChunk>),
-    Arc(ArcPolicy<PyChunk>),
+/// The `CachePolicy` protocol on one core policy, whatever its type.
+pub trait PolicyOps: Send {
+    fn capacity(&self) -> usize;
+    fn len(&self) -> usize;
+    fn get<'py>(&self, py: Python<'py>, key: &PyKey<'py>) -> Option<Bound<'py, PyAny>>;
+    fn insert(
+        &mut self,
+        key: &PyKey<'_>,
+        chunk: PyChunk,
+        ctx: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()>;
+    fn remove(&mut self, key: &PyKey<'_>) -> PyResult<()>;
+    fn touch(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<()>;
+    fn on_store_miss(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<()>;
+    fn on_request_access(
+        &mut self,
+        keys: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyAny>,
+    ) -> PyResult<()>;
+    fn on_request_finished(
+        &mut self,
+        key_groups: &Bound<'_, PyAny>,
+        insertion_only: &Bound<'_, PyAny>,
+        reused: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyAny>,
+    ) -> PyResult<()>;
+    fn evict<'py>(
+        &mut self,
+        py: Python<'py>,
+        n: usize,
+        protected: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyList>>>;
+    fn clear(&mut self);
+    fn mark_evictable(&mut self, key: &PyKey<'_>) -> PyResult<()>;
+    fn mark_non_evictable(&mut self, key: &PyKey<'_>) -> PyResult<()>;
+    fn stat(&self, name: &str) -> Option<Stat>;
+    fn debug_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>>;
+    fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError>;
+    #[cfg(feature = "validate")]
+    fn validate(&self) -> Result<(), String>;
 }
 
-/// Shared implementation of the `CachePolicy` protocol; not instantiable itself.
-#[pyclass(name = "BaseCachePolicy", module = "kvcache._core", subclass)]
-pub struct BaseCachePolicy {
-    inner: Inner,
+/// A core policy with what the bindings keep beside it: per-request states (named by tokens
+/// stored on the request contexts) and the context type cache.
+pub struct Host<P: Policy<PyChunk>> {
+    policy: P,
     owner: Owner,
     contexts: ContextTypeCache,
+    requests: Registry<P::Request>,
 }
 
-fn capacity_arg(cache_capacity: &Bound<'_, PyAny>) -> PyResult<usize> {
-    count(cache_capacity, "cache_capacity")
-}
-
-impl BaseCachePolicy {
-    fn new(inner: Inner) -> Self {
-        BaseCachePolicy {
-            inner,
+impl<P: Policy<PyChunk>> Host<P> {
+    pub fn new(capacity: usize) -> Self {
+        Host {
+            policy: P::new(capacity),
             owner: Owner::default(),
             contexts: ContextTypeCache::positions(),
+            requests: Registry::default(),
         }
     }
 
-    fn key<'a>(&self, bytes: &'a [u8]) -> Key<'a> {
-        match &self.inner {
-            Inner::Lru(p) => p.key(bytes),
-            Inner::Arc(p) => p.key(bytes),
+    /// Releases the states of requests whose context was collected since the last call.
+    fn bury_dead(&mut self) {
+        for token in self.owner.graveyard.take() {
+            if let Some(state) = self.requests.remove(token) {
+                self.policy.release_request(state);
+            }
         }
     }
 
-    /// Runs a policy call on `keys` (an iterable of bytes). Lists and tuples are read in place
-    /// (no new reference per key); `call` must not run Python code.
+    /// The token of the request's state, kept on the context like vLLM's
+    /// `_get_request_rank` keeps its state (made on first use). Every Python call happens
+    /// before the policy changes.
+    fn request_token(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<Token> {
+        self.bury_dead();
+        if let Some(token) = self.owner.cached(ctx) {
+            if self.requests.get(token).is_some() {
+                return Ok(token);
+            }
+        }
+        let requests = &mut self.requests;
+        self.owner.token(ctx, |current| {
+            requests.get_or_insert_with(current, P::Request::default)
+        })
+    }
+
+    /// Runs `call` on the policy with `keys` (an iterable of bytes) hashed.
     fn with_keys<R>(
         &mut self,
         keys: &Bound<'_, PyAny>,
-        call: impl FnOnce(&mut Inner, &[Key<'_>]) -> R,
+        call: impl FnOnce(&mut P, &[kvcache_core::Key<'_>]) -> R,
     ) -> PyResult<R> {
-        let hasher = match &self.inner {
-            Inner::Lru(p) => p.hasher().clone(),
-            Inner::Arc(p) => p.hasher().clone(),
-        };
+        let hasher = self.policy.hasher().clone();
         // SAFETY: the callers pass policy methods, which read chunk records from memory and
         // never call into Python.
-        unsafe { with_hashed_keys(&mut self.inner, keys, &hasher, call) }
+        unsafe { with_hashed_keys(&mut self.policy, keys, &hasher, call) }
+    }
+}
+
+impl<P: Policy<PyChunk> + Send> PolicyOps for Host<P>
+where
+    P::Request: Send,
+{
+    fn capacity(&self) -> usize {
+        self.policy.capacity()
     }
 
-    fn get_chunk(&self, key: Key<'_>) -> Option<&PyChunk> {
-        match &self.inner {
-            Inner::Lru(p) => p.get(key),
-            Inner::Arc(p) => p.get(key),
+    fn len(&self) -> usize {
+        self.policy.len()
+    }
+
+    fn get<'py>(&self, py: Python<'py>, key: &PyKey<'py>) -> Option<Bound<'py, PyAny>> {
+        let k = self.policy.key(key.bytes());
+        self.policy.get(k).map(|c| c.object(py))
+    }
+
+    fn insert(
+        &mut self,
+        key: &PyKey<'_>,
+        chunk: PyChunk,
+        ctx: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let k = self.policy.key(key.bytes());
+        let found = self.policy.find(k);
+        if found.is_some_and(|id| self.policy.chunk(id).is_some()) {
+            return Err(kvcache_core::CoreError::DuplicateKey(
+                kvcache_core::KeyBuf::new(k.bytes),
+            ))
+            .py_err();
+        }
+        let position = if P::READS_POSITIONS {
+            Positions::new(ctx, &mut self.contexts)?.get(&key.0)?
+        } else {
+            None
+        };
+        let evictable = kvcache_core::HasRefCnt::ref_cnt(&chunk) == 0;
+        let token = match (position, ctx) {
+            (Some(_), Some(ctx)) => Some(self.request_token(ctx)?),
+            _ => None,
+        };
+        let mut no_request = P::Request::default();
+        let request = match token {
+            Some(token) => self.requests.get_mut(token).expect("a validated token"),
+            None => &mut no_request,
+        };
+        self.policy
+            .insert(request, found, k, chunk, position, evictable);
+        Ok(())
+    }
+
+    fn remove(&mut self, key: &PyKey<'_>) -> PyResult<()> {
+        let k = self.policy.key(key.bytes());
+        self.policy.remove_key(k).py_err().map(drop)
+    }
+
+    fn touch(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.with_keys(keys, |p, ks| p.touch_keys(ks, &SelfCounted))
+    }
+
+    fn on_store_miss(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.with_keys(keys, |p, ks| p.on_store_miss_keys(ks, &SelfCounted))
+    }
+
+    fn on_request_access(
+        &mut self,
+        keys: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        if !P::READS_POSITIONS {
+            // vLLM's default: nothing to observe (the arguments are not even read).
+            return Ok(());
+        }
+        let ctx = require_context(Some(ctx))?;
+        let keys = collect_keys(keys)?;
+        let positions = Positions::new(Some(ctx), &mut self.contexts)?;
+        let mut observed = Vec::with_capacity(keys.len());
+        for key in &keys {
+            // Non-resident keys cannot change rank: skip their position lookups.
+            if let Some(id) = self.policy.find_resident(self.policy.key(key_bytes(key))) {
+                observed.push((Some(id), positions.get(key)?));
+            }
+        }
+        // Finding the request's state changes no entry, so the handles are still valid.
+        let token = self.request_token(ctx)?;
+        let state = self.requests.get_mut(token).expect("a validated token");
+        self.policy.on_request_access(state, &observed);
+        Ok(())
+    }
+
+    fn on_request_finished(
+        &mut self,
+        key_groups: &Bound<'_, PyAny>,
+        insertion_only: &Bound<'_, PyAny>,
+        reused: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let positions = Positions::new(Some(ctx), &mut self.contexts)?;
+        let ordered = order_request_keys(key_groups, positions)?;
+        let (insertion_only, reused) = if P::READS_ACCESS {
+            (
+                Some(KeySet::new(insertion_only)?),
+                Some(KeySet::new(reused)?),
+            )
+        } else {
+            (None, None)
+        };
+        let ks: Vec<_> = ordered
+            .iter()
+            .map(|k| self.policy.key(key_bytes(k)))
+            .collect();
+        let ids = self.policy.find_many(&ks);
+        let mut accesses = Vec::with_capacity(ordered.len());
+        for (key, id) in ordered.iter().zip(ids) {
+            // Only resident keys can move: classify just those.
+            let resident = id.filter(|&id| self.policy.chunk(id).is_some());
+            let access = match (&insertion_only, &reused, resident) {
+                (Some(insertion_only), Some(reused), Some(_)) => {
+                    if insertion_only.contains(key)? {
+                        Access::InsertionOnly
+                    } else if reused.contains(key)? {
+                        Access::Reused
+                    } else {
+                        Access::Other
+                    }
+                }
+                _ => Access::Other,
+            };
+            accesses.push((resident, access));
+        }
+        self.policy.on_request_finished(&accesses);
+        Ok(())
+    }
+
+    fn evict<'py>(
+        &mut self,
+        py: Python<'py>,
+        n: usize,
+        protected: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyList>>> {
+        let protected = collect_keys(protected)?;
+        self.bury_dead();
+        let guard = self
+            .policy
+            .protect(protected.iter().map(|k| self.policy.key(key_bytes(k))));
+        let Some(evicted) = self.policy.evict(n, &guard, &SelfCounted) else {
+            return Ok(None);
+        };
+        let items = evicted.into_iter().map(|Evicted { key, chunk }| {
+            PyTuple::new(
+                py,
+                [
+                    PyBytes::new(py, key.as_slice()).into_any(),
+                    chunk.object(py),
+                ],
+            )
+        });
+        let items: Vec<_> = items.collect::<PyResult<_>>()?;
+        Ok(Some(PyList::new(py, items)?))
+    }
+
+    fn clear(&mut self) {
+        self.policy.clear();
+        // States handed out before are stale now, and so are those of dead requests.
+        self.requests.reset().for_each(drop);
+        self.owner.graveyard.take();
+    }
+
+    fn mark_evictable(&mut self, key: &PyKey<'_>) -> PyResult<()> {
+        let k = self.policy.key(key.bytes());
+        self.policy.mark_evictable(k).py_err()
+    }
+
+    fn mark_non_evictable(&mut self, key: &PyKey<'_>) -> PyResult<()> {
+        let k = self.policy.key(key.bytes());
+        self.policy.mark_non_evictable(k).py_err()
+    }
+
+    fn stat(&self, name: &str) -> Option<Stat> {
+        let inspection = self.policy.inspect();
+        inspection
+            .stats
+            .into_iter()
+            .find_map(|(n, v)| (n == name).then_some(v))
+    }
+
+    fn debug_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        inspection_dict(py, &self.policy.inspect())
+    }
+
+    fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        for (_, chunk) in self.policy.resident() {
+            chunk.traverse(visit)?;
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "validate")]
+    fn validate(&self) -> Result<(), String> {
+        self.policy.validate(&SelfCounted)
+    }
+}
+
+/// A policy's [`Inspection`](kvcache_core::Inspection) as a dict: named lists of keys, ranks
+/// as vLLM keeps them (`{key: (rank, -position)}`) with the evictable keys, and named stats.
+pub fn inspection_dict<'py>(
+    py: Python<'py>,
+    inspection: &kvcache_core::Inspection<'_>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let state = PyDict::new(py);
+    for (name, keys) in &inspection.lists {
+        let keys = keys.iter().map(|k| PyBytes::new(py, k));
+        state.set_item(*name, PyList::new(py, keys)?)?;
+    }
+    if let Some(ranked) = &inspection.ranks {
+        let ranks = PyDict::new(py);
+        let evictable = PyList::empty(py);
+        for e in ranked {
+            let key = PyBytes::new(py, e.key);
+            ranks.set_item(&key, (e.rank, -i128::from(e.position)))?;
+            if e.evictable {
+                evictable.append(&key)?;
+            }
+        }
+        state.set_item("ranks", ranks)?;
+        state.set_item("evictable", evictable)?;
+    }
+    for (name, stat) in &inspection.stats {
+        match stat {
+            Stat::Count(n) => state.set_item(*name, n)?,
+            Stat::Value(v) => state.set_item(*name, v)?,
         }
     }
+    Ok(state)
 }
 
-/// Releases the ranks of requests whose state was collected since the last call.
-fn bury_dead(lru: &mut LruPolicy<PyChunk>, owner: &Owner) {
-    for token in owner.graveyard.take() {
-        lru.release_request_rank(token.into());
-    }
+/// Shared implementation of the `CachePolicy` protocol; not instantiable itself.
+#[pyclass(name = "BaseCachePolicy", module = "kvcache._core", subclass, frozen)]
+pub struct BaseCachePolicy {
+    inner: Guarded<Box<dyn PolicyOps>>,
 }
 
-/// The request's rank in `lru`, kept on the context like vLLM's `_get_request_rank` does.
-/// Every Python call happens before the policy changes.
-fn request_rank(
-    lru: &mut LruPolicy<PyChunk>,
-    owner: &mut Owner,
-    ctx: Option<&Bound<'_, PyAny>>,
-) -> PyResult<RequestRank> {
-    let ctx = require_context(ctx)?;
-    bury_dead(lru, owner);
-    if let Some(token) = owner
-        .cached(ctx)
-        .filter(|&t| lru.is_live_request_rank(t.into()))
+impl BaseCachePolicy {
+    pub fn new<P>(capacity: usize) -> Self
+    where
+        P: Policy<PyChunk> + Send + 'static,
+        P::Request: Send,
     {
-        return Ok(token.into());
+        BaseCachePolicy {
+            inner: Guarded::new(Box::new(Host::<P>::new(capacity)), "cache policy"),
+        }
     }
-    let token = owner.token(ctx, |current| {
-        lru.request_rank(current.map(Into::into)).into()
-    })?;
-    Ok(token.into())
+
+    /// A figure the policy reports (e.g. ARC's `target_t1_size`).
+    pub fn stat(&self, py: Python<'_>, name: &str) -> PyResult<Option<Stat>> {
+        Ok(self.inner.lock(py)?.stat(name))
+    }
 }
 
 #[pymethods]
 impl BaseCachePolicy {
     /// The number of chunks the cache holds (the manager's `num_chunks`).
     #[getter]
-    fn cache_capacity(&self) -> usize {
-        match &self.inner {
-            Inner::Lru(p) => p.capacity(),
-            Inner::Arc(p) => p.capacity(),
-        }
+    fn cache_capacity(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner.lock(py)?.capacity())
     }
 
     /// The chunk stored under `key` (the very object inserted), or None.
-    fn get<'py>(
-        &self,
-        py: Python<'py>,
-        key: Bound<'py, PyAny>,
-    ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let key = as_key(key)?;
-        Ok(self
-            .get_chunk(self.key(key_bytes(&key)))
-            .map(|c| c.object(py)))
+    fn get<'py>(&self, py: Python<'py>, key: PyKey<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        Ok(self.inner.lock(py)?.get(py, &key))
     }
 
-    fn __contains__(&self, key: Bound<'_, PyAny>) -> PyResult<bool> {
-        let key = as_key(key)?;
-        Ok(self.get_chunk(self.key(key_bytes(&key))).is_some())
+    fn __contains__(&self, py: Python<'_>, key: PyKey<'_>) -> PyResult<bool> {
+        Ok(self.inner.lock(py)?.get(py, &key).is_some())
     }
 
     /// Always true: an empty policy is still a policy (truth tests must not depend on `len`).
@@ -139,318 +401,164 @@ impl BaseCachePolicy {
     }
 
     /// Number of resident chunks.
-    fn __len__(&self) -> usize {
-        match &self.inner {
-            Inner::Lru(p) => p.len(),
-            Inner::Arc(p) => p.len(),
-        }
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner.lock(py)?.len())
     }
 
     /// Adds a newly allocated chunk. `req_context` (vLLM ≥ 0.33) gives LRU the key's token
     /// position; without one (the two-argument form) the key gets a fresh rank.
     #[pyo3(signature = (key, chunk, req_context=None))]
     fn insert(
-        &mut self,
-        key: Bound<'_, PyAny>,
-        chunk: Bound<'_, PyAny>,
+        &self,
+        py: Python<'_>,
+        key: PyKey<'_>,
+        chunk: PyChunk,
         req_context: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let key = as_key(key)?;
-        let chunk = PyChunk::extract(&chunk)?;
-        let k = self.key(key_bytes(&key));
-        match &mut self.inner {
-            Inner::Arc(p) => p.insert(k, chunk).py_err(),
-            Inner::Lru(p) => {
-                if p.get(k).is_some() {
-                    return Err(kvcache_core::CoreError::DuplicateKey(
-                        kvcache_core::KeyBuf::new(k.bytes),
-                    ))
-                    .py_err();
-                }
-                let positions = Positions::new(req_context.as_ref(), &mut self.contexts)?;
-                let rank = match positions.get(&key)? {
-                    None => InsertRank::Fresh,
-                    Some(pos) => InsertRank::Request(
-                        request_rank(p, &mut self.owner, req_context.as_ref())?,
-                        pos,
-                    ),
-                };
-                let evictable = kvcache_core::HasRefCnt::ref_cnt(&chunk) == 0;
-                p.insert(k, chunk, rank, evictable).py_err()
-            }
-        }
+        let ctx = req_context.as_ref().filter(|c| !c.is_none());
+        self.inner.lock(py)?.insert(&key, chunk, ctx)
     }
 
     /// Drops a chunk whose store failed.
-    fn remove(&mut self, key: Bound<'_, PyAny>) -> PyResult<()> {
-        let key = as_key(key)?;
-        let k = self.key(key_bytes(&key));
-        let removed = match &mut self.inner {
-            Inner::Lru(p) => p.remove(k),
-            Inner::Arc(p) => p.remove(k),
-        };
-        removed.py_err().map(drop)
+    fn remove(&self, py: Python<'_>, key: PyKey<'_>) -> PyResult<()> {
+        self.inner.lock(py)?.remove(&key)
     }
 
     /// Marks keys recently used (the last key first, so the first key ends most recent).
     #[pyo3(signature = (keys, req_context=None))]
     fn touch(
-        &mut self,
+        &self,
+        py: Python<'_>,
         keys: Bound<'_, PyAny>,
         req_context: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.with_keys(&keys, |inner, ks| match inner {
-            Inner::Lru(p) => p.touch(ks),
-            Inner::Arc(p) => p.touch(ks, &SelfCounted),
-        })
+        self.inner.lock(py)?.touch(&keys)
     }
 
     /// Store misses before insertion: ARC adapts to ghost hits; LRU treats them as a touch
     /// (vLLM's default), which only affects resident keys.
     #[pyo3(signature = (keys, req_context=None))]
     fn on_store_miss(
-        &mut self,
+        &self,
+        py: Python<'_>,
         keys: Bound<'_, PyAny>,
         req_context: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.with_keys(&keys, |inner, ks| match inner {
-            Inner::Lru(p) => p.touch(ks),
-            Inner::Arc(p) => p.on_store_miss(ks),
-        })
+        self.inner.lock(py)?.on_store_miss(&keys)
     }
 
     /// A request's first observation of keys: LRU gives resident ones the request's rank at
     /// their token position; ARC ignores it (like vLLM's).
     fn on_request_access(
-        &mut self,
+        &self,
+        py: Python<'_>,
         keys: Bound<'_, PyAny>,
         req_context: Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let Inner::Lru(p) = &mut self.inner else {
-            return Ok(());
-        };
-        let ctx = Some(&req_context);
-        let keys = collect_keys(&keys)?;
-        let positions = Positions::new(ctx, &mut self.contexts)?;
-        let mut observed = Vec::with_capacity(keys.len());
-        for key in &keys {
-            let k = p.key(key_bytes(key));
-            // Non-resident keys cannot change rank: skip their position lookups.
-            if p.get(k).is_some() {
-                observed.push((k, positions.get(key)?));
-            }
-        }
-        let rank = request_rank(p, &mut self.owner, ctx)?;
-        p.on_request_access(rank, &observed).py_err()
+        self.inner.lock(py)?.on_request_access(&keys, &req_context)
     }
 
     /// Applies one finished request's accesses in prefix order (see `order_request_keys`).
     fn on_request_finished(
-        &mut self,
+        &self,
+        py: Python<'_>,
         key_groups: Bound<'_, PyAny>,
         insertion_only_keys: Bound<'_, PyAny>,
         reused_keys: Bound<'_, PyAny>,
         req_context: Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let positions = Positions::new(Some(&req_context), &mut self.contexts)?;
-        let ordered = order_request_keys(&key_groups, positions)?;
-        match &mut self.inner {
-            Inner::Lru(p) => {
-                let ks: Vec<Key<'_>> = ordered.iter().map(|k| p.key(key_bytes(k))).collect();
-                p.touch(&ks);
-            }
-            Inner::Arc(p) => {
-                let ks: Vec<Key<'_>> = ordered.iter().map(|k| p.key(key_bytes(k))).collect();
-                let entries = p.resolve(&ks);
-                let insertion_only = KeySet::new(&insertion_only_keys);
-                let reused = KeySet::new(&reused_keys);
-                let mut accesses = Vec::with_capacity(ordered.len());
-                for (key, idx) in ordered.iter().zip(entries) {
-                    // Only resident keys can move: classify just those.
-                    let access = if !p.is_resident(idx) {
-                        Access::Other
-                    } else if insertion_only.contains(key)? {
-                        Access::InsertionOnly
-                    } else if reused.contains(key)? {
-                        Access::Reused
-                    } else {
-                        Access::Other
-                    };
-                    accesses.push((idx, access));
-                }
-                p.on_request_finished(&accesses);
-            }
-        }
-        Ok(())
+        let mut inner = self.inner.lock(py)?;
+        let ctx = require_context(Some(&req_context))?;
+        inner.on_request_finished(&key_groups, &insertion_only_keys, &reused_keys, ctx)
     }
 
     /// Evicts exactly `n` idle chunks not in `protected`, returning `[(key, chunk), ...]` in
     /// eviction order, or None (and no change) if that many cannot be found.
     fn evict<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
-        n: Bound<'py, PyAny>,
+        n: Count,
         protected: Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyList>>> {
-        let n = count(&n, "n")?;
-        let protected = collect_keys(&protected)?;
-        let evicted = match &mut self.inner {
-            Inner::Lru(p) => {
-                bury_dead(p, &self.owner);
-                let guard = p.protect(protected.iter().map(|k| p.key(key_bytes(k))));
-                p.evict(n, &guard, &SelfCounted)
-            }
-            Inner::Arc(p) => {
-                let guard = p.protect(protected.iter().map(|k| p.key(key_bytes(k))));
-                p.evict(n, &guard, &SelfCounted)
-            }
-        };
-        let Some(evicted) = evicted else {
-            return Ok(None);
-        };
-        let items = evicted.into_iter().map(|e| {
-            PyTuple::new(
-                py,
-                [
-                    PyBytes::new(py, e.key.as_slice()).into_any(),
-                    e.chunk.object(py),
-                ],
-            )
-        });
-        let items: Vec<_> = items.collect::<PyResult<_>>()?;
-        Ok(Some(PyList::new(py, items)?))
+        self.inner.lock(py)?.evict(py, n.0, &protected)
     }
 
     /// Removes every chunk regardless of `ref_cnt`, and all adaptive/request state.
-    fn clear(&mut self) {
-        match &mut self.inner {
-            Inner::Lru(p) => {
-                p.clear();
-                // Ranks buried before the clear are stale now.
-                self.owner.graveyard.take();
-            }
-            Inner::Arc(p) => p.clear(),
-        }
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.lock(py)?.clear();
+        Ok(())
     }
 
     /// The chunk's `ref_cnt` went to 0. ARC reads `ref_cnt` itself and only checks the key.
-    fn mark_evictable(&mut self, key: Bound<'_, PyAny>) -> PyResult<()> {
-        let key = as_key(key)?;
-        let k = self.key(key_bytes(&key));
-        match &mut self.inner {
-            Inner::Lru(p) => p.mark_evictable(k).py_err(),
-            Inner::Arc(p) => p.check_resident(k).py_err(),
-        }
+    fn mark_evictable(&self, py: Python<'_>, key: PyKey<'_>) -> PyResult<()> {
+        self.inner.lock(py)?.mark_evictable(&key)
     }
 
     /// The chunk's `ref_cnt` left 0. LRU requires the key to be evictable now.
-    fn mark_non_evictable(&mut self, key: Bound<'_, PyAny>) -> PyResult<()> {
-        let key = as_key(key)?;
-        let k = self.key(key_bytes(&key));
-        match &mut self.inner {
-            Inner::Lru(p) => p.mark_non_evictable(k).py_err(),
-            Inner::Arc(p) => p.check_resident(k).py_err(),
-        }
+    fn mark_non_evictable(&self, py: Python<'_>, key: PyKey<'_>) -> PyResult<()> {
+        self.inner.lock(py)?.mark_non_evictable(&key)
     }
 
     /// Checks the policy's invariants; raises AssertionError naming the first broken one.
-    fn validate(&self) -> PyResult<()> {
-        let result = match &self.inner {
-            Inner::Lru(p) => p.validate(),
-            Inner::Arc(p) => p.validate(&SelfCounted),
-        };
-        result.map_err(PyAssertionError::new_err)
+    #[cfg(feature = "validate")]
+    fn validate(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner
+            .lock(py)?
+            .validate()
+            .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 
     /// Internal state for tests and debugging (LRU: ranks in eviction order as vLLM's
     /// `(rank, -position)`; ARC: the four lists from LRU to MRU and the target).
     fn _debug_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let state = PyDict::new(py);
-        match &self.inner {
-            Inner::Lru(p) => {
-                let ranks = PyDict::new(py);
-                let evictable = PyList::empty(py);
-                for e in p.entries() {
-                    let key = PyBytes::new(py, e.key);
-                    ranks.set_item(&key, (e.rank, -(e.position as i128)))?;
-                    if e.evictable {
-                        evictable.append(&key)?;
-                    }
-                }
-                state.set_item("ranks", ranks)?;
-                state.set_item("evictable", evictable)?;
-                state.set_item("request_groups", p.num_request_groups())?;
-            }
-            Inner::Arc(p) => {
-                for (name, list) in [
-                    ("t1", ListId::T1),
-                    ("t2", ListId::T2),
-                    ("b1", ListId::B1),
-                    ("b2", ListId::B2),
-                ] {
-                    let keys: Vec<_> = p.list_keys(list).map(|k| PyBytes::new(py, k)).collect();
-                    state.set_item(name, PyList::new(py, keys)?)?;
-                }
-                state.set_item("target_t1_size", p.target_t1_size())?;
-            }
+        self.inner.lock(py)?.debug_state(py)
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        // A policy in the middle of a call is reachable from that call: skipping it only keeps
+        // its chunks alive a little longer.
+        match self.inner.try_peek() {
+            Some(inner) => inner.traverse(&visit),
+            None => Ok(()),
         }
-        Ok(state)
-    }
-}
-
-/// Least-recently-used eviction with logical recency independent of pinning (vLLM's LRU).
-#[pyclass(extends = BaseCachePolicy, name = "LRUCachePolicy", module = "kvcache._core")]
-pub struct LruCachePolicy;
-
-#[pymethods]
-impl LruCachePolicy {
-    #[new]
-    fn new(cache_capacity: Bound<'_, PyAny>) -> PyResult<PyClassInitializer<Self>> {
-        let capacity = capacity_arg(&cache_capacity)?;
-        let base = BaseCachePolicy::new(Inner::Lru(LruPolicy::new(capacity)));
-        Ok(PyClassInitializer::from(base).add_subclass(LruCachePolicy))
-    }
-}
-
-/// Adaptive replacement (T1/T2 with ghost lists B1/B2), as vLLM's ARC.
-#[pyclass(extends = BaseCachePolicy, name = "ARCCachePolicy", module = "kvcache._core")]
-pub struct ArcCachePolicy;
-
-#[pymethods]
-impl ArcCachePolicy {
-    #[new]
-    fn new(cache_capacity: Bound<'_, PyAny>) -> PyResult<PyClassInitializer<Self>> {
-        let capacity = capacity_arg(&cache_capacity)?;
-        let base = BaseCachePolicy::new(Inner::Arc(ArcPolicy::new(capacity)));
-        Ok(PyClassInitializer::from(base).add_subclass(ArcCachePolicy))
     }
 
-    /// ARC's adaptive target size of T1, in `[0, cache_capacity]`.
-    #[getter]
-    fn target_t1_size(slf: PyRef<'_, Self>) -> f64 {
-        match &slf.as_super().inner {
-            Inner::Arc(p) => p.target_t1_size(),
-            Inner::Lru(_) => unreachable!("ARCCachePolicy always wraps an ARC policy"),
+    fn __clear__(&self) {
+        if let Some(mut inner) = self.inner.try_peek() {
+            inner.clear();
         }
     }
 }
 
 /// A collection of keys tested for membership once per key: an exact `set` (what vLLM's
-/// manager passes) is asked directly, anything else (a subclass may override `__contains__`)
-/// through the container protocol.
+/// manager passes) is asked directly, any other container (a subclass may override
+/// `__contains__`) through the container protocol.
 enum KeySet<'a, 'py> {
     Set(Bound<'py, PySet>),
     Other(&'a Bound<'py, PyAny>),
 }
 
 impl<'a, 'py> KeySet<'a, 'py> {
-    fn new(keys: &'a Bound<'py, PyAny>) -> Self {
-        match keys.cast_exact::<PySet>() {
-            Ok(set) => KeySet::Set(set.clone()),
-            Err(_) => KeySet::Other(keys),
+    fn new(keys: &'a Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(set) = keys.cast_exact::<PySet>() {
+            return Ok(KeySet::Set(set.clone()));
         }
+        let py = keys.py();
+        let container = py.import(pyo3::intern!(py, "collections.abc"))?;
+        let container = container.getattr(pyo3::intern!(py, "Container"))?;
+        if !keys.is_instance(&container)? {
+            return Err(new_err(
+                py,
+                &exceptions(py).invalid_type,
+                format!(
+                    "insertion_only_keys and reused_keys must be sets of keys, got {}",
+                    type_name(keys)
+                ),
+            ));
+        }
+        Ok(KeySet::Other(keys))
     }
 
     fn contains(&self, key: &Bound<'py, PyBytes>) -> PyResult<bool> {
@@ -467,6 +575,7 @@ pub fn order_request_keys_py<'py>(
     key_groups: Bound<'py, PyAny>,
     req_context: Bound<'py, PyAny>,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-    let positions = Positions::new(Some(&req_context), &mut ContextTypeCache::positions())?;
+    let ctx = require_context(Some(&req_context))?;
+    let positions = Positions::new(Some(ctx), &mut ContextTypeCache::positions())?;
     order_request_keys(&key_groups, positions)
 }

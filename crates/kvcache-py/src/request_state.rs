@@ -14,53 +14,12 @@ use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyWeakrefReference};
+use pyo3::types::PyWeakrefReference;
 
-use crate::conversion::{type_name, ContextTypeCache};
-use crate::exceptions::{exceptions, new_err};
+use crate::context::{context_error, state_dict, stored_state, ContextTypeCache};
 
-/// Names an owner's state for one request in one cache generation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Token {
-    pub generation: u64,
-    pub id: u64,
-}
-
-impl From<kvcache_core::RequestRank> for Token {
-    fn from(r: kvcache_core::RequestRank) -> Self {
-        Token {
-            generation: r.generation,
-            id: r.rank,
-        }
-    }
-}
-
-impl From<Token> for kvcache_core::RequestRank {
-    fn from(t: Token) -> Self {
-        kvcache_core::RequestRank {
-            generation: t.generation,
-            rank: t.id,
-        }
-    }
-}
-
-impl From<kvcache_core::RequestToken> for Token {
-    fn from(r: kvcache_core::RequestToken) -> Self {
-        Token {
-            generation: r.generation,
-            id: r.id,
-        }
-    }
-}
-
-impl From<Token> for kvcache_core::RequestToken {
-    fn from(t: Token) -> Self {
-        kvcache_core::RequestToken {
-            generation: t.generation,
-            id: t.id,
-        }
-    }
-}
+/// Names an owner's state for one request in one generation of its registry.
+pub use kvcache_core::RequestToken as Token;
 
 /// Tokens whose request context was collected, waiting for their owner to free them.
 #[derive(Default)]
@@ -172,52 +131,6 @@ impl Default for Owner {
     }
 }
 
-fn context_error(ctx: &Bound<'_, PyAny>, what: &str) -> PyErr {
-    let py = ctx.py();
-    let ty = type_name(ctx);
-    new_err(
-        py,
-        &exceptions(py).invalid_type,
-        format!("req_context must have vLLM's ReqContext methods; {ty}: {what}"),
-    )
-}
-
-/// A request context is required: refuse `None` with a clear error.
-pub fn require_context<'a, 'py>(
-    ctx: Option<&'a Bound<'py, PyAny>>,
-) -> PyResult<&'a Bound<'py, PyAny>> {
-    match ctx {
-        Some(c) if !c.is_none() => Ok(c),
-        _ => Python::attach(|py| {
-            Err(new_err(
-                py,
-                &exceptions(py).invalid_type,
-                "this call needs a req_context (vLLM's ReqContext or an object with its methods)"
-                    .into(),
-            ))
-        }),
-    }
-}
-
-/// `ctx.get_state(_RequestState)`: read from the context's `_state` dict when `direct` is it
-/// (see [`Owner::state_dict`]), else through the method. None when the context has none.
-fn stored_state<'py>(
-    ctx: &Bound<'py, PyAny>,
-    direct: Option<&Bound<'py, PyDict>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let py = ctx.py();
-    let state_type = py.get_type::<RequestState>();
-    match direct {
-        Some(dict) => Ok(dict
-            .get_item(&state_type)?
-            .unwrap_or_else(|| py.None().into_bound(py))),
-        None => ctx
-            .getattr(intern!(py, "get_state"))
-            .map_err(|_| context_error(ctx, "no get_state"))?
-            .call1((&state_type,)),
-    }
-}
-
 impl Owner {
     /// The owner's token on `ctx`, made valid by `validate` (which returns the current token,
     /// allocating one if the stored token is missing or stale). Every Python call happens
@@ -229,7 +142,7 @@ impl Owner {
     ) -> PyResult<Token> {
         let py = ctx.py();
         let state_type = py.get_type::<RequestState>();
-        let direct = self.state_dict(ctx)?;
+        let direct = state_dict(&mut self.state_type, ctx)?;
         let existing = stored_state(ctx, direct.as_ref())?;
         let state = if existing.is_none() {
             let fresh = Bound::new(py, RequestState::default())?;
@@ -256,18 +169,6 @@ impl Owner {
         }
         self.remember(ctx, token);
         Ok(token)
-    }
-
-    /// The `_state` dict of vLLM's or kvcache's own `ReqContext`, whose `get_state` and
-    /// `set_state` are plain operations on it: using it directly saves two Python calls per
-    /// request. `None` for any other context (or one whose instance shadows the methods).
-    fn state_dict<'py>(&mut self, ctx: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        if !self.state_type.bypassable(ctx)? {
-            return Ok(None);
-        }
-        Ok(ctx
-            .getattr_opt(intern!(ctx.py(), "_state"))?
-            .and_then(|d| d.cast_into_exact::<PyDict>().ok()))
     }
 
     fn remember(&mut self, ctx: &Bound<'_, PyAny>, token: Token) {
@@ -309,7 +210,7 @@ impl Owner {
         if let Some(token) = self.cached(ctx) {
             return Ok(Some(token));
         }
-        let direct = self.state_dict(ctx)?;
+        let direct = state_dict(&mut self.state_type, ctx)?;
         let existing = stored_state(ctx, direct.as_ref())?;
         Ok(existing
             .cast::<RequestState>()

@@ -7,6 +7,7 @@
 
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::PyTypeError;
+use pyo3::gc::{PyTraverseError, PyVisit};
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 use pyo3::sync::PyOnceLock;
@@ -234,6 +235,21 @@ pub struct ResultTypes {
 }
 
 impl ResultTypes {
+    /// Reports the objects these types hold to the garbage collector.
+    pub fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.miss)?;
+        visit.call(&self.hit)?;
+        visit.call(&self.hit_pending)?;
+        if let Some(f) = &self.foreign {
+            visit.call(&f.spec_cls)?;
+            visit.call(&f.output_cls)?;
+            visit.call(&f.event_cls)?;
+            visit.call(&f.medium)?;
+            visit.call(&f.new_request)?;
+        }
+        Ok(())
+    }
+
     /// Reads `cls._result_types` (see the module docs).
     pub fn from_class(cls: &Bound<'_, PyType>) -> PyResult<Self> {
         let types = cls.getattr("_result_types").map_err(|_| {
@@ -279,8 +295,10 @@ impl ResultTypes {
     /// A spec naming `ids`. vLLM's spec is made without running its `__init__`, which would
     /// only copy the array we already built as `np.int32`.
     pub fn spec<'py>(&self, py: Python<'py>, ids: &[ChunkId]) -> PyResult<Bound<'py, PyAny>> {
-        // Chunk ids fit: the manager holds at most 2**31 - 1 chunks.
-        let ids: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
+        let ids: Vec<i32> = ids
+            .iter()
+            .map(|&id| i32::try_from(id).expect("chunk ids are below MAX_CHUNKS = i32::MAX"))
+            .collect();
         let array = PyArray1::from_slice(py, &ids);
         match &self.foreign {
             None => Ok(Bound::new(

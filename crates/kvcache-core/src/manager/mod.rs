@@ -3,8 +3,7 @@
 //! It owns the chunk pool ([`table`]: ids handed out in vLLM's order, reference counts in one
 //! contiguous table), the evictable and write-pending counts, the `store_threshold` access
 //! tracker ([`tracker`]), per-request access tracking ([`request`]), events and usage figures,
-//! and drives a policy ([`policy::ManagerPolicy`]: LRU or ARC) exactly as vLLM's manager drives
-//! its policy. Every call hashes each key once (the caller builds [`Key`]s with
+//! and drives a [`Policy`] (LRU or ARC) exactly as vLLM's manager drives its policy. Every call hashes each key once (the caller builds [`Key`]s with
 //! [`Manager::key`]) and checks its input before changing anything: an `Err` means no change.
 //!
 //! Where vLLM would trip an `assert` (a load of a missing or pending chunk, a completion of a
@@ -13,37 +12,35 @@
 //! (vLLM would allocate it twice and leak a chunk).
 //!
 //! Cost: the work is memory-bound, so each call looks its keys up in the policy once, in one
-//! batched pass ([`ManagerPolicy::resolve_entries`]) whose cache misses overlap, and passes the
+//! batched pass ([`Policy::find_many`]) whose cache misses overlap, and passes the
 //! handles on (ARC's ghost handles reach `on_store_miss` and `insert`). A request's table
 //! remembers each key's handle, so finishing it probes no index; handles are checked against
 //! their key before use, since entries come and go. Request tables are pooled. Per key visit:
 //! O(1) expected, plus O(log n) for an LRU insertion into the middle of a large request group.
 
-pub mod policy;
-pub mod request;
-pub mod table;
-pub mod tracker;
+mod request;
+mod table;
+mod tracker;
 
-use crate::arc::Access;
 use crate::error::{CoreError, CoreResult};
+use crate::eviction::Protected;
 use crate::key::{Key, KeyBuf, KeyHasher};
-use crate::slab::NIL;
-pub use policy::ManagerPolicy;
-pub use request::{group_index, RequestToken};
+use crate::policy::{Access, EntryId, Policy};
+use crate::registry::RequestToken;
+pub use request::group_index;
 use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
-use table::ChunkTable;
-pub use table::{ChunkId, ChunkRecord, FREE, PENDING};
+pub use table::{ChunkId, ChunkRecord, ChunkTable, FREE, MAX_CHUNKS, PENDING};
 use tracker::AccessTracker;
 
-/// A key a call records in the request: its offer index, its resident entry (`NIL`: not
-/// resident), for store candidates any other policy entry (ARC's ghost; else `NIL`), and its
-/// token position.
+/// A key a call records in the request: its offer index, its resident entry (`None`: not
+/// resident), for store candidates any other policy entry (ARC's ghost), and its token
+/// position.
 #[derive(Clone, Copy)]
 struct Recorded<'a> {
     offer_index: usize,
     key: Key<'a>,
-    resident: u32,
-    ghost: u32,
+    resident: Option<EntryId>,
+    ghost: Option<EntryId>,
     position: Option<i64>,
 }
 
@@ -51,7 +48,7 @@ struct Recorded<'a> {
 struct Finished {
     group: u32,
     position: Option<i64>,
-    handle: u32,
+    handle: Option<EntryId>,
     access: Access,
 }
 
@@ -119,7 +116,7 @@ impl MemoryUsage {
     }
 }
 
-pub struct Manager<P: ManagerPolicy> {
+pub struct Manager<P: Policy<ChunkId>> {
     config: ManagerConfig,
     table: ChunkTable,
     policy: P,
@@ -130,7 +127,7 @@ pub struct Manager<P: ManagerPolicy> {
     num_write_pending: usize,
     stores_skipped: u64,
     allocation_sizes: Vec<usize>,
-    requests: RequestRegistry<P::RequestState>,
+    requests: RequestRegistry<P::Request>,
     scratch: Scratch,
 }
 
@@ -138,13 +135,15 @@ pub struct Manager<P: ManagerPolicy> {
 #[derive(Default)]
 struct Scratch {
     /// Offer indices by key hash, to find a key named twice in one offer.
-    offer: hashbrown::HashTable<u32>,
+    offer: hashbrown::HashTable<usize>,
 }
 
-impl<P: ManagerPolicy> Manager<P> {
-    pub fn new(config: ManagerConfig) -> Self {
-        Manager {
-            table: ChunkTable::new(config.num_chunks),
+impl<P: Policy<ChunkId>> Manager<P> {
+    /// A manager for `config.num_chunks` chunks (at most [`MAX_CHUNKS`]). Memory grows with
+    /// the chunks in use, not with `num_chunks`.
+    pub fn new(config: ManagerConfig) -> CoreResult<Self> {
+        Ok(Manager {
+            table: ChunkTable::new(config.num_chunks)?,
             policy: P::new(config.num_chunks),
             hasher: KeyHasher::global(),
             events: config.enable_events.then(Vec::new),
@@ -157,7 +156,7 @@ impl<P: ManagerPolicy> Manager<P> {
             requests: RequestRegistry::new(),
             scratch: Scratch::default(),
             config,
-        }
+        })
     }
 
     pub fn config(&self) -> &ManagerConfig {
@@ -190,11 +189,20 @@ impl<P: ManagerPolicy> Manager<P> {
         self.requests.len()
     }
 
+    /// Resident chunks (pending, ready or pinned).
+    pub fn len(&self) -> usize {
+        self.table.num_resident()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     #[inline]
     pub fn lookup(&self, key: Key<'_>) -> LookupResult {
         match self.policy.get(key) {
             None => LookupResult::Miss,
-            Some(c) if self.table.record(c).ref_cnt() < 0 => LookupResult::HitPending,
+            Some(&c) if self.table.record(c).ref_cnt() < 0 => LookupResult::HitPending,
             Some(_) => LookupResult::Hit,
         }
     }
@@ -203,7 +211,7 @@ impl<P: ManagerPolicy> Manager<P> {
     pub fn chunk(&self, key: Key<'_>) -> Option<(ChunkId, i32)> {
         self.policy
             .get(key)
-            .map(|c| (c, self.table.record(c).ref_cnt()))
+            .map(|&c| (c, self.table.record(c).ref_cnt()))
     }
 
     /// The request's state for this cache generation: `current` if still valid, else new
@@ -226,28 +234,25 @@ impl<P: ManagerPolicy> Manager<P> {
         }
     }
 
-    fn check_unique(&mut self, keys: &[Key<'_>], what: &str) -> CoreResult<()> {
+    fn check_unique(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
         if keys.len() < 2 {
             return Ok(());
         }
         let table = &mut self.scratch.offer;
         table.clear();
-        table.reserve(keys.len(), |&j| keys[j as usize].hash.0);
+        table.reserve(keys.len(), |&j| keys[j].hash.0);
         for (i, key) in keys.iter().enumerate() {
             let entry = table.entry(
                 key.hash.0,
-                |&j| keys[j as usize].bytes == key.bytes,
-                |&j| keys[j as usize].hash.0,
+                |&j| keys[j].bytes == key.bytes,
+                |&j| keys[j].hash.0,
             );
             match entry {
                 hashbrown::hash_table::Entry::Occupied(_) => {
-                    return Err(CoreError::InvalidArgument(format!(
-                        "{what} names key {:?} twice",
-                        KeyBuf::new(key.bytes)
-                    )));
+                    return Err(CoreError::DuplicateInOffer(KeyBuf::new(key.bytes)));
                 }
                 hashbrown::hash_table::Entry::Vacant(slot) => {
-                    slot.insert(i as u32);
+                    slot.insert(i);
                 }
             }
         }
@@ -260,14 +265,9 @@ impl<P: ManagerPolicy> Manager<P> {
         token: RequestToken,
         mut recorded: impl Iterator<Item = Key<'k>>,
     ) -> CoreResult<()> {
-        let req = self
-            .requests
-            .get(token)
-            .ok_or_else(|| CoreError::InvalidState("stale request token".into()))?;
+        let req = self.requests.get(token).ok_or(CoreError::StaleRequest)?;
         if req.finished && recorded.any(|k| req.find(k).is_none()) {
-            return Err(CoreError::InvalidState(
-                "new cache keys observed after the request finished".into(),
-            ));
+            return Err(CoreError::RequestFinished);
         }
         Ok(())
     }
@@ -280,7 +280,7 @@ impl<P: ManagerPolicy> Manager<P> {
         token: RequestToken,
         recorded: &[Recorded<'_>],
         observed: &mut Vec<usize>,
-    ) -> Vec<u32> {
+    ) -> Vec<crate::slab::Idx> {
         let req = self.requests.get_mut(token).expect("checked by the caller");
         if req.num_keys() == 0 {
             req.reserve(&self.hasher, recorded.len());
@@ -315,25 +315,23 @@ impl<P: ManagerPolicy> Manager<P> {
         debug_assert_eq!(keys.len(), positions.len());
         let mut recorded = Vec::with_capacity(keys.len());
         let mut chunks = Vec::with_capacity(keys.len());
-        let resolved = self.policy.resolve_entries(keys);
-        for (i, ((&key, &position), &handle)) in
+        let resolved = self.policy.find_many(keys);
+        for (i, ((&key, &position), &found)) in
             keys.iter().zip(positions).zip(&resolved).enumerate()
         {
-            if handle == NIL || !self.policy.is_resident_at(handle) {
+            let Some((handle, &chunk)) =
+                found.and_then(|id| self.policy.chunk(id).map(|c| (id, c)))
+            else {
                 return Err(CoreError::KeyNotFound(KeyBuf::new(key.bytes)));
-            }
-            let chunk = self.policy.chunk_at(handle);
+            };
             if self.table.record(chunk).ref_cnt() < 0 {
-                return Err(CoreError::InvalidState(format!(
-                    "chunk of {:?} is not ready for reading",
-                    KeyBuf::new(key.bytes)
-                )));
+                return Err(CoreError::ChunkPending(KeyBuf::new(key.bytes)));
             }
             recorded.push(Recorded {
                 offer_index: i,
                 key,
-                resident: handle,
-                ghost: NIL,
+                resident: Some(handle),
+                ghost: None,
                 position,
             });
             chunks.push(chunk);
@@ -343,7 +341,9 @@ impl<P: ManagerPolicy> Manager<P> {
             let record = self.table.record(chunk);
             let cnt = record.ref_cnt();
             if cnt == 0 {
-                self.policy.mark_non_evictable_at(r.resident);
+                let handle = r.resident.expect("loads are resident");
+                debug_assert_ne!(self.policy.evictable(handle), Some(false));
+                self.policy.set_evictable(handle, false);
                 self.num_evictable -= 1;
             }
             record.set_ref_cnt(cnt + 1);
@@ -359,35 +359,33 @@ impl<P: ManagerPolicy> Manager<P> {
     }
 
     pub fn touch(&mut self, keys: &[Key<'_>]) {
-        self.policy.touch(keys, &self.table);
+        self.policy.touch_keys(keys, &self.table);
     }
 
     /// Unpins chunks after their loads finished.
     pub fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
         // Checked and applied in one pass, undone if a key fails: a key named twice unpins
         // twice, and must have been pinned twice. `zeroed`: this unpin made the count 0.
-        let mut done: Vec<(u32, ChunkId, bool)> = Vec::with_capacity(keys.len());
-        let undo = |table: &ChunkTable, done: &[(u32, ChunkId, bool)]| {
+        let mut done: Vec<(EntryId, ChunkId, bool)> = Vec::with_capacity(keys.len());
+        let undo = |table: &ChunkTable, done: &[(EntryId, ChunkId, bool)]| {
             for &(_, chunk, _) in done.iter().rev() {
                 let record = table.record(chunk);
                 record.set_ref_cnt(record.ref_cnt() + 1);
             }
         };
-        let resolved = self.policy.resolve_entries(keys);
-        for (&key, &handle) in keys.iter().zip(&resolved) {
-            if handle == NIL || !self.policy.is_resident_at(handle) {
+        let resolved = self.policy.find_many(keys);
+        for (&key, &found) in keys.iter().zip(&resolved) {
+            let Some((handle, &chunk)) =
+                found.and_then(|id| self.policy.chunk(id).map(|c| (id, c)))
+            else {
                 undo(&self.table, &done);
                 return Err(CoreError::KeyNotFound(KeyBuf::new(key.bytes)));
-            }
-            let chunk = self.policy.chunk_at(handle);
+            };
             let record = self.table.record(chunk);
             let cnt = record.ref_cnt();
             if cnt <= 0 {
                 undo(&self.table, &done);
-                return Err(CoreError::InvalidState(format!(
-                    "chunk of {:?} has no load to complete",
-                    KeyBuf::new(key.bytes)
-                )));
+                return Err(CoreError::NoLoadPending(KeyBuf::new(key.bytes)));
             }
             record.set_ref_cnt(cnt - 1);
             done.push((handle, chunk, cnt == 1));
@@ -395,7 +393,7 @@ impl<P: ManagerPolicy> Manager<P> {
         for (handle, _, zeroed) in done {
             if zeroed {
                 self.num_evictable += 1;
-                self.policy.mark_evictable_at(handle);
+                self.policy.set_evictable(handle, true);
             }
         }
         Ok(())
@@ -412,26 +410,27 @@ impl<P: ManagerPolicy> Manager<P> {
         observed: &mut Vec<usize>,
     ) -> CoreResult<Option<StoreOutput>> {
         debug_assert_eq!(keys.len(), positions.len());
-        self.check_unique(keys, "prepare_store")?;
+        self.check_unique(keys)?;
         // Each key is looked up once. Recorded: store candidates (not resident; `ghost` is
         // any entry the policy keeps for them) and ready resident keys, in offer order.
         let mut recorded: Vec<Recorded<'_>> = Vec::with_capacity(keys.len());
         let mut protected = Vec::new();
         let mut num_candidates = 0;
         let tracker = self.tracker.as_ref();
-        let resolved = self.policy.resolve_entries(keys);
+        let resolved = self.policy.find_many(keys);
         for (i, ((&key, &position), &entry)) in
             keys.iter().zip(positions).zip(&resolved).enumerate()
         {
-            if entry != NIL && self.policy.is_resident_at(entry) {
-                if self.table.record(self.policy.chunk_at(entry)).ref_cnt() >= 0 {
+            if let Some((id, &chunk)) = entry.and_then(|id| self.policy.chunk(id).map(|c| (id, c)))
+            {
+                if self.table.record(chunk).ref_cnt() >= 0 {
                     // A chunk this offer names must stay cached.
-                    protected.push(entry);
+                    protected.push(id);
                     recorded.push(Recorded {
                         offer_index: i,
                         key,
-                        resident: entry,
-                        ghost: NIL,
+                        resident: Some(id),
+                        ghost: None,
                         position,
                     });
                 }
@@ -449,15 +448,18 @@ impl<P: ManagerPolicy> Manager<P> {
             recorded.push(Recorded {
                 offer_index: i,
                 key,
-                resident: NIL,
+                resident: None,
                 ghost: entry,
                 position,
             });
         }
         self.check_not_finished(token, recorded.iter().map(|r| r.key))?;
+        let num_to_store = recorded.iter().filter(|r| r.resident.is_none()).count();
+        if num_to_store <= self.table.num_free() + self.num_evictable {
+            self.table.reserve(num_to_store)?;
+        }
 
         // Nothing can fail from here on.
-        let num_to_store = recorded.iter().filter(|r| r.resident == NIL).count();
         if let Some(tracker) = &mut self.tracker {
             tracker.record(keys);
             self.stores_skipped += (num_candidates - num_to_store) as u64;
@@ -465,21 +467,21 @@ impl<P: ManagerPolicy> Manager<P> {
         let entries = self.record_access(token, &recorded, observed);
         let req = self.requests.get_mut(token).expect("checked above");
         // ARC learns from B1/B2 before insert() drops the ghost; once per key and request.
-        let new_misses: Vec<u32> = recorded
+        let new_misses: Vec<Option<EntryId>> = recorded
             .iter()
             .zip(&entries)
-            .filter(|&(r, &e)| r.resident == NIL && req.flags(e) & STORE_MISS == 0)
+            .filter(|&(r, &e)| r.resident.is_none() && req.flags(e) & STORE_MISS == 0)
             .map(|(r, _)| r.ghost)
             .collect();
         for (r, &e) in recorded.iter().zip(&entries) {
-            if r.resident == NIL {
+            if r.resident.is_none() {
                 req.set(e, STORE_MISS);
             } else if req.flags(e) & INSERTED == 0 {
                 req.set(e, REUSED);
             }
         }
         if !new_misses.is_empty() {
-            self.policy.on_store_miss_resolved(&new_misses);
+            self.policy.on_store_miss(&new_misses, &self.table);
         }
 
         if num_to_store == 0 {
@@ -492,14 +494,15 @@ impl<P: ManagerPolicy> Manager<P> {
             if needed > self.num_evictable {
                 return Ok(None);
             }
+            let protected = Protected::from_ids(protected);
             let Some(victims) = self.policy.evict(needed, &protected, &self.table) else {
                 return Ok(None);
             };
             self.num_evictable -= victims.len();
             evicted.reserve(victims.len());
-            for (key, chunk) in victims {
-                self.table.free(chunk);
-                evicted.push(key);
+            for victim in victims {
+                self.table.free(victim.chunk);
+                evicted.push(victim.key);
             }
         }
         if !evicted.is_empty() {
@@ -517,12 +520,17 @@ impl<P: ManagerPolicy> Manager<P> {
         let stores = recorded
             .iter()
             .zip(&entries)
-            .filter(|(r, _)| r.resident == NIL);
+            .filter(|(r, _)| r.resident.is_none());
         for ((r, &e), &chunk) in stores.zip(&chunk_ids) {
-            let handle = self
-                .policy
-                .insert_resolved(&mut req.policy_state, r.ghost, r.key, chunk, r.position)
-                .expect("store candidates are not resident");
+            // A new chunk is pending (ref_cnt −1), so not evictable yet.
+            let handle = self.policy.insert(
+                &mut req.policy_state,
+                r.ghost,
+                r.key,
+                chunk,
+                r.position,
+                false,
+            );
             req.set(e, INSERTED);
             req.set_handle(e, handle);
             stored.push(r.offer_index);
@@ -539,13 +547,15 @@ impl<P: ManagerPolicy> Manager<P> {
     /// are absent or already ready are ignored.
     pub fn complete_store(&mut self, keys: &[Key<'_>], success: bool) {
         let mut done = Vec::new();
-        let resolved = self.policy.resolve_entries(keys);
-        for (&key, &handle) in keys.iter().zip(&resolved) {
+        let resolved = self.policy.find_many(keys);
+        for (&key, &found) in keys.iter().zip(&resolved) {
             // Checked against the key: a failed store of a key named twice removed it.
-            if handle == NIL || !self.policy.handle_matches(handle, key.bytes) {
+            let Some(handle) = found.filter(|&h| self.policy.is_entry_of(h, key.bytes)) else {
                 continue;
-            }
-            let chunk = self.policy.chunk_at(handle);
+            };
+            let Some(&chunk) = self.policy.chunk(handle) else {
+                continue;
+            };
             if self.table.record(chunk).ref_cnt() >= 0 {
                 continue;
             }
@@ -553,9 +563,9 @@ impl<P: ManagerPolicy> Manager<P> {
             if success {
                 self.table.record(chunk).set_ref_cnt(0);
                 self.num_evictable += 1;
-                self.policy.mark_evictable_at(handle);
+                self.policy.set_evictable(handle, true);
             } else {
-                self.policy.remove_at(handle);
+                self.policy.remove(handle);
                 self.table.free(chunk);
             }
             if self.events.is_some() {
@@ -596,17 +606,18 @@ impl<P: ManagerPolicy> Manager<P> {
             all_positioned &= position.is_some();
             one_group &= k.group == ordered.first().map_or(k.group, |f: &Finished| f.group);
             let key = k.key.as_slice();
-            let handle = if k.handle != NIL && self.policy.handle_matches(k.handle, key) {
-                k.handle
-            } else {
-                self.policy
-                    .find(Key {
+            let cached = k.handle.filter(|&h| self.policy.is_entry_of(h, key));
+            let handle = cached
+                .or_else(|| {
+                    self.policy.find(Key {
                         bytes: key,
                         hash: k.hash,
                     })
-                    .unwrap_or(NIL)
-            };
-            let access = if k.flags & REUSED != 0 {
+                })
+                .filter(|&h| self.policy.chunk(h).is_some());
+            let access = if !P::READS_ACCESS {
+                Access::Other
+            } else if k.flags & REUSED != 0 {
                 Access::Reused
             } else if k.flags & INSERTED != 0 {
                 Access::InsertionOnly
@@ -635,7 +646,8 @@ impl<P: ManagerPolicy> Manager<P> {
                 }
             }
         }
-        let accesses: Vec<(u32, Access)> = ordered.iter().map(|f| (f.handle, f.access)).collect();
+        let accesses: Vec<(Option<EntryId>, Access)> =
+            ordered.iter().map(|f| (f.handle, f.access)).collect();
         self.policy.on_request_finished(&accesses);
         self.requests
             .get_mut(token)
@@ -673,7 +685,7 @@ impl<P: ManagerPolicy> Manager<P> {
     /// and pending stats survive, as in vLLM.
     pub fn reset(&mut self) {
         self.policy.clear();
-        drop(self.requests.reset());
+        self.requests.reset();
         self.num_evictable = 0;
         self.num_write_pending = 0;
         self.table.reset();
@@ -683,13 +695,9 @@ impl<P: ManagerPolicy> Manager<P> {
     /// last call (which this call resets).
     pub fn take_stats(&mut self) -> Stats {
         let n = self.table.num_chunks();
-        let used = self.table.num_allocated() - self.table.free_list_len() - self.num_evictable;
-        let usage = if n > 0 { used as f64 / n as f64 } else { 0.0 };
-        let write_usage = if n > 0 {
-            self.num_write_pending as f64 / n as f64
-        } else {
-            0.0
-        };
+        let used = self.table.num_resident() - self.num_evictable;
+        let usage = ratio(used, n);
+        let write_usage = ratio(self.num_write_pending, n);
         let stores_skipped = self
             .tracker
             .is_some()
@@ -713,11 +721,11 @@ impl<P: ManagerPolicy> Manager<P> {
     }
 
     /// Checks the manager's invariants and its policy's.
-    #[cfg(any(test, fuzzing, feature = "validate"))]
+    #[cfg(any(test, feature = "validate"))]
     pub fn validate(&self) -> Result<(), String> {
         self.policy.validate(&self.table)?;
         let n = self.table.num_chunks();
-        let resident = self.table.num_allocated() - self.table.free_list_len();
+        let resident = self.table.num_resident();
         if resident != self.policy.len() {
             return Err(format!(
                 "{resident} chunks allocated, policy holds {}",
@@ -727,7 +735,7 @@ impl<P: ManagerPolicy> Manager<P> {
         let (mut evictable, mut pending, mut used) = (0, 0, 0);
         for (id, r) in self.table.records().iter().enumerate() {
             let cnt = r.ref_cnt();
-            if r.chunk_id.load(std::sync::atomic::Ordering::Relaxed) != id as i64 {
+            if usize::try_from(r.chunk_id()).ok() != Some(id) {
                 return Err(format!("record {id} has the wrong chunk id"));
             }
             match cnt {
@@ -757,5 +765,71 @@ impl<P: ManagerPolicy> Manager<P> {
     }
 }
 
+/// `part / whole` as vLLM computes its usage gauges (0 for an empty cache).
+#[allow(
+    clippy::cast_precision_loss,
+    reason = "chunk counts are far below 2^53"
+)]
+fn ratio(part: usize, whole: usize) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
 #[cfg(test)]
-mod tests;
+mod tests {
+    use super::*;
+    use crate::{ArcPolicy, LruPolicy};
+
+    fn failed_store_named_twice_frees_its_chunk_once<P: Policy<ChunkId>>() {
+        let config = ManagerConfig {
+            num_chunks: 4,
+            enable_events: false,
+            store_threshold: 1,
+            max_tracker_size: 16,
+        };
+        let bytes = [
+            crate::testing::manager_key(1),
+            crate::testing::manager_key(2),
+        ];
+        let mut m: Manager<P> = Manager::new(config).unwrap();
+        let t = m.request(None);
+        let ks: Vec<Key<'_>> = bytes.iter().map(|b| m.key(b)).collect();
+        let out = m
+            .prepare_store(t, &ks, &[None, None], &mut Vec::new())
+            .unwrap()
+            .unwrap();
+        assert_eq!(out.chunk_ids, vec![0, 1]);
+        let twice = [ks[0], ks[0], ks[1]];
+        m.complete_store(&twice, false);
+        m.validate().unwrap();
+        assert_eq!(m.table().num_free(), 4);
+        assert_eq!(m.policy().len(), 0);
+    }
+
+    #[test]
+    fn a_failed_store_named_twice_frees_its_chunk_once() {
+        failed_store_named_twice_frees_its_chunk_once::<LruPolicy<ChunkId>>();
+        failed_store_named_twice_frees_its_chunk_once::<ArcPolicy<ChunkId>>();
+    }
+
+    #[test]
+    fn a_huge_cache_is_refused_or_free_until_used() {
+        let config = |num_chunks| ManagerConfig {
+            num_chunks,
+            enable_events: false,
+            store_threshold: 1,
+            max_tracker_size: 16,
+        };
+        // 2^32 - 1 chunks: nothing per chunk up front (the key index is presized, capped).
+        let m = Manager::<LruPolicy<ChunkId>>::new(config(MAX_CHUNKS)).unwrap();
+        assert_eq!(m.memory_usage().table, 0);
+        assert!(m.memory_usage().total() <= 64 << 20);
+        assert!(matches!(
+            Manager::<ArcPolicy<ChunkId>>::new(config(MAX_CHUNKS + 1)),
+            Err(CoreError::TooManyChunks { .. })
+        ));
+    }
+}

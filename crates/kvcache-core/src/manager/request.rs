@@ -6,18 +6,11 @@
 //! registry owns this state; the request's context holds only a [`RequestToken`], and the state
 //! lives until the token is released (its context died) or the cache is reset.
 
-use hashbrown::HashMap;
-
 use crate::index::{KeyIndex, Keyed};
 use crate::key::{Key, KeyBuf, KeyHash, KeyHasher};
-use crate::slab::{Slab, NIL};
-
-/// Names one request's state for one cache generation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RequestToken {
-    pub generation: u64,
-    pub id: u64,
-}
+use crate::policy::EntryId;
+use crate::registry::{Registry, RequestToken};
+use crate::slab::{Idx, Slab};
 
 pub(crate) const INSERTED: u8 = 1;
 pub(crate) const REUSED: u8 = 2;
@@ -31,19 +24,22 @@ pub(crate) struct SeenKey {
     pub hash: KeyHash,
     pub group: u32,
     pub flags: u8,
-    /// The key's policy entry when last seen resident (`NIL`: unknown), so finishing the
-    /// request need not look the key up again; checked before use, as entries come and go.
-    pub handle: u32,
+    /// The key's policy entry when last seen resident, so finishing the request need not look
+    /// the key up again; checked before use, as entries come and go.
+    pub handle: Option<EntryId>,
 }
 
 impl Keyed for SeenKey {
-    fn key(&self) -> &[u8] {
-        self.key.as_slice()
+    fn key_buf(&self) -> &KeyBuf {
+        &self.key
+    }
+    fn key_buf_mut(&mut self) -> &mut KeyBuf {
+        &mut self.key
     }
 }
 
 /// One request's accesses. `S` is the policy's own per-request state (LRU's rank).
-pub struct RequestAccess<S> {
+pub(crate) struct RequestAccess<S> {
     pub(crate) seen: Slab<SeenKey>,
     pub(crate) index: KeyIndex,
     pub(crate) finished: bool,
@@ -62,13 +58,18 @@ impl<S: Default> RequestAccess<S> {
 }
 
 impl<S> RequestAccess<S> {
-    pub(crate) fn find(&self, key: Key<'_>) -> Option<u32> {
+    pub(crate) fn find(&self, key: Key<'_>) -> Option<Idx> {
         self.index.find(&self.seen, key)
     }
 
     /// The request's entry for `key`, recording it if new: `(entry, newly observed)`.
-    /// `handle` (the key's resident policy entry, or `NIL`) is remembered unless `NIL`.
-    pub(crate) fn observe(&mut self, hasher: &KeyHasher, key: Key<'_>, handle: u32) -> (u32, bool) {
+    /// `handle` (the key's resident policy entry) is remembered unless `None`.
+    pub(crate) fn observe(
+        &mut self,
+        hasher: &KeyHasher,
+        key: Key<'_>,
+        handle: Option<EntryId>,
+    ) -> (Idx, bool) {
         let (idx, new) = self
             .index
             .find_or_insert(&mut self.seen, hasher, key, || SeenKey {
@@ -80,21 +81,21 @@ impl<S> RequestAccess<S> {
             });
         if new {
             self.seen.get_mut(idx).key.assign(key.bytes);
-        } else if handle != NIL {
+        } else if handle.is_some() {
             self.seen.get_mut(idx).handle = handle;
         }
         (idx, new)
     }
 
-    pub(crate) fn set_handle(&mut self, idx: u32, handle: u32) {
-        self.seen.get_mut(idx).handle = handle;
+    pub(crate) fn set_handle(&mut self, idx: Idx, handle: EntryId) {
+        self.seen.get_mut(idx).handle = Some(handle);
     }
 
-    pub(crate) fn flags(&self, idx: u32) -> u8 {
+    pub(crate) fn flags(&self, idx: Idx) -> u8 {
         self.seen.get(idx).flags
     }
 
-    pub(crate) fn set(&mut self, idx: u32, flag: u8) {
+    pub(crate) fn set(&mut self, idx: Idx, flag: u8) {
         self.seen.get_mut(idx).flags |= flag;
     }
 
@@ -103,7 +104,7 @@ impl<S> RequestAccess<S> {
         self.seen.iter().map(|(_, k)| k)
     }
 
-    pub fn num_keys(&self) -> usize {
+    pub(crate) fn num_keys(&self) -> usize {
         self.seen.len()
     }
 
@@ -141,76 +142,51 @@ pub fn group_index(key: &[u8]) -> u32 {
     tail.iter().fold(0u32, |acc, &b| (acc << 8) | u32::from(b))
 }
 
-pub struct RequestRegistry<S> {
-    requests: HashMap<u64, RequestAccess<S>, foldhash::fast::FixedState>,
+/// The manager's request states: a [`Registry`] of access tables, plus a pool of released
+/// tables whose memory the next requests reuse.
+pub(crate) struct RequestRegistry<S> {
+    live: Registry<RequestAccess<S>>,
     pool: Vec<RequestAccess<S>>,
-    next_id: u64,
-    generation: u64,
 }
 
 impl<S: Default> RequestRegistry<S> {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         RequestRegistry {
-            requests: HashMap::default(),
+            live: Registry::default(),
             pool: Vec::new(),
-            next_id: 0,
-            generation: 0,
         }
     }
 
-    pub fn generation(&self) -> u64 {
-        self.generation
-    }
-
-    pub fn len(&self) -> usize {
-        self.requests.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.requests.is_empty()
+    pub(crate) fn len(&self) -> usize {
+        self.live.len()
     }
 
     /// The request's state: `current` if it is still valid, else a fresh one.
-    pub fn get_or_create(&mut self, current: Option<RequestToken>) -> RequestToken {
-        if let Some(t) = current {
-            if t.generation == self.generation && self.requests.contains_key(&t.id) {
-                return t;
-            }
-        }
-        self.next_id += 1;
-        let access = self.pool.pop().unwrap_or_else(RequestAccess::new);
-        self.requests.insert(self.next_id, access);
-        RequestToken {
-            generation: self.generation,
-            id: self.next_id,
-        }
+    pub(crate) fn get_or_create(&mut self, current: Option<RequestToken>) -> RequestToken {
+        let pool = &mut self.pool;
+        self.live
+            .get_or_insert_with(current, || pool.pop().unwrap_or_else(RequestAccess::new))
     }
 
     /// A valid token's state (None for a stale or released token).
-    pub fn get(&self, token: RequestToken) -> Option<&RequestAccess<S>> {
-        (token.generation == self.generation)
-            .then(|| self.requests.get(&token.id))
-            .flatten()
+    #[inline]
+    pub(crate) fn get(&self, token: RequestToken) -> Option<&RequestAccess<S>> {
+        self.live.get(token)
     }
 
-    pub fn get_mut(&mut self, token: RequestToken) -> Option<&mut RequestAccess<S>> {
-        if token.generation != self.generation {
-            return None;
-        }
-        self.requests.get_mut(&token.id)
+    #[inline]
+    pub(crate) fn get_mut(&mut self, token: RequestToken) -> Option<&mut RequestAccess<S>> {
+        self.live.get_mut(token)
     }
 
     /// Forgets the request (its context died); returns its state for the policy to release.
-    pub fn release(&mut self, token: RequestToken) -> Option<RequestAccess<S>> {
-        if token.generation != self.generation {
-            return None;
-        }
-        self.requests.remove(&token.id)
+    pub(crate) fn release(&mut self, token: RequestToken) -> Option<RequestAccess<S>> {
+        self.live.remove(token)
     }
 
     /// Takes back a released request's state (its policy state already handed back) to reuse
     /// its memory.
-    pub fn recycle(&mut self, mut access: RequestAccess<S>) {
+    pub(crate) fn recycle(&mut self, mut access: RequestAccess<S>) {
         if self.pool.len() < POOL_SIZE && access.seen.first_page_capacity() <= POOL_MAX_KEYS {
             access.recycle();
             self.pool.push(access);
@@ -218,25 +194,18 @@ impl<S: Default> RequestRegistry<S> {
     }
 
     /// Every request's state becomes stale (vLLM's `reset_cache`).
-    pub fn reset(&mut self) -> Vec<RequestAccess<S>> {
-        self.generation += 1;
-        self.requests.drain().map(|(_, r)| r).collect()
+    pub(crate) fn reset(&mut self) {
+        self.live.reset().for_each(drop);
     }
 
-    pub fn heap_bytes(&self) -> usize {
-        self.requests.allocation_size()
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.live.allocation_size()
             + self
-                .requests
+                .live
                 .values()
                 .chain(&self.pool)
-                .map(|r| r.heap_bytes())
+                .map(RequestAccess::heap_bytes)
                 .sum::<usize>()
-    }
-}
-
-impl<S: Default> Default for RequestRegistry<S> {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
@@ -257,6 +226,7 @@ mod tests {
         let t = r.get_or_create(None);
         assert_eq!(r.get_or_create(Some(t)), t);
         r.reset();
+        assert_eq!(r.len(), 0);
         assert!(r.get(t).is_none());
         let t2 = r.get_or_create(Some(t));
         assert_ne!(t2, t);

@@ -1,16 +1,18 @@
-//! The manager's chunk pool: one contiguous table of `ChunkStatus` records and vLLM's
-//! allocation order.
+//! The manager's chunk pool: `ChunkStatus` records in one table, and vLLM's allocation order.
 //!
 //! vLLM hands out fresh chunk ids in order (0, 1, 2, …) until every chunk was used once, then
 //! reuses freed ids last-freed-first (a Python list used as a stack). Matching that order is what
-//! makes our chunk ids identical to vLLM's. Records use atomics only for interior mutability:
-//! the bindings export the table to Python as a read-only array while the manager keeps
-//! updating it through shared references (all under the GIL; `Relaxed` costs a plain load or
-//! store).
+//! makes our chunk ids identical to vLLM's. The table grows with the ids handed out, as vLLM's
+//! chunk objects do: a cache of many chunks costs nothing until it fills, and growth that the
+//! system cannot back is an error ([`CoreError::OutOfMemory`]) reported before anything
+//! changed, never an abort. Records use atomics only for interior mutability (`Relaxed` is a
+//! plain load or store): policies read counts through a shared reference while the manager
+//! updates them.
 
 use std::sync::atomic::{AtomicI32, AtomicI64, Ordering::Relaxed};
 
 use crate::chunk::RefCounts;
+use crate::error::{CoreError, CoreResult};
 
 /// `ref_cnt` of a slot that holds no chunk.
 pub const FREE: i32 = -2;
@@ -45,40 +47,60 @@ impl ChunkRecord {
     pub fn set_ref_cnt(&self, value: i32) {
         self.ref_cnt.store(value, Relaxed)
     }
+
+    #[inline]
+    pub fn chunk_id(&self) -> i64 {
+        self.chunk_id.load(Relaxed)
+    }
 }
 
 /// Chunk id: an index into the table.
 pub type ChunkId = u32;
 
+/// The largest cache the manager addresses: chunk ids reach vLLM as `np.int32` arrays
+/// (`CPULoadStoreSpec.block_ids`), so every id must fit in an `i32`.
+pub const MAX_CHUNKS: usize = i32::MAX as usize;
+
 pub struct ChunkTable {
-    records: Box<[ChunkRecord]>,
-    num_allocated: usize,
+    /// The records of every id handed out since the last reset (index = chunk id).
+    records: Vec<ChunkRecord>,
+    num_chunks: usize,
     free_list: Vec<ChunkId>,
 }
 
 impl ChunkTable {
-    pub fn new(num_chunks: usize) -> Self {
-        let records = (0..num_chunks)
-            .map(|i| ChunkRecord::new(i as i64, FREE))
-            .collect();
-        ChunkTable {
-            records,
-            num_allocated: 0,
-            free_list: Vec::new(),
+    /// A table for `num_chunks` chunks; no record exists until its id is first handed out.
+    pub fn new(num_chunks: usize) -> CoreResult<Self> {
+        if num_chunks > MAX_CHUNKS {
+            return Err(CoreError::TooManyChunks {
+                requested: num_chunks,
+                max: MAX_CHUNKS,
+            });
         }
+        Ok(ChunkTable {
+            records: Vec::new(),
+            num_chunks,
+            free_list: Vec::new(),
+        })
     }
 
     pub fn num_chunks(&self) -> usize {
-        self.records.len()
+        self.num_chunks
     }
 
     /// Fresh ids never handed out plus freed ids waiting for reuse.
     pub fn num_free(&self) -> usize {
-        self.free_list.len() + self.records.len() - self.num_allocated
+        self.free_list.len() + self.num_chunks - self.records.len()
     }
 
+    /// Ids handed out since the last reset (in use or freed).
     pub fn num_allocated(&self) -> usize {
-        self.num_allocated
+        self.records.len()
+    }
+
+    /// Chunks holding data (pending, ready or pinned).
+    pub fn num_resident(&self) -> usize {
+        self.records.len() - self.free_list.len()
     }
 
     pub fn free_list_len(&self) -> usize {
@@ -95,26 +117,37 @@ impl ChunkTable {
         &self.records[id as usize]
     }
 
-    /// The whole table, for export (index = chunk id).
+    /// The records of the ids handed out so far (index = chunk id); every later id is free.
     pub fn records(&self) -> &[ChunkRecord] {
         &self.records
     }
 
-    /// Hands out `n` pending chunks: fresh ids first, then the most recently freed.
-    /// The caller checked `n <= num_free()`.
+    /// Makes sure [`allocate`](Self::allocate)`(n)` will not need memory it cannot get.
+    /// `n <= num_free()`.
+    pub fn reserve(&mut self, n: usize) -> CoreResult<()> {
+        let fresh = n.min(self.num_chunks - self.records.len());
+        self.records
+            .try_reserve(fresh)
+            .map_err(|_| CoreError::OutOfMemory {
+                what: "the chunk table",
+            })
+    }
+
+    /// Hands out `n` pending chunks: fresh ids first, then the most recently freed. The caller
+    /// checked `n <= num_free()` and [`reserve`](Self::reserve)d room.
     pub fn allocate(&mut self, n: usize) -> Vec<ChunkId> {
         debug_assert!(n <= self.num_free());
-        let fresh = n.min(self.records.len() - self.num_allocated);
+        let fresh = n.min(self.num_chunks - self.records.len());
         let mut ids = Vec::with_capacity(n);
         for _ in 0..fresh {
-            ids.push(self.num_allocated as ChunkId);
-            self.num_allocated += 1;
+            let id = ChunkId::try_from(self.records.len()).expect("ids fit: num_chunks <= MAX");
+            self.records.push(ChunkRecord::new(i64::from(id), PENDING));
+            ids.push(id);
         }
         for _ in fresh..n {
-            ids.push(self.free_list.pop().expect("caller checked the free count"));
-        }
-        for &id in &ids {
+            let id = self.free_list.pop().expect("caller checked the free count");
             self.record(id).set_ref_cnt(PENDING);
+            ids.push(id);
         }
         ids
     }
@@ -126,15 +159,12 @@ impl ChunkTable {
 
     /// Every chunk becomes fresh again, as after vLLM's `reset_cache`.
     pub fn reset(&mut self) {
-        for r in self.records.iter() {
-            r.set_ref_cnt(FREE);
-        }
-        self.num_allocated = 0;
+        self.records.clear();
         self.free_list.clear();
     }
 
     pub fn heap_bytes(&self) -> usize {
-        self.records.len() * std::mem::size_of::<ChunkRecord>()
+        self.records.capacity() * std::mem::size_of::<ChunkRecord>()
             + self.free_list.capacity() * std::mem::size_of::<ChunkId>()
     }
 }
@@ -157,16 +187,29 @@ mod tests {
 
     #[test]
     fn allocation_follows_vllm_order() {
-        let mut t = ChunkTable::new(4);
+        let mut t = ChunkTable::new(4).unwrap();
+        t.reserve(3).unwrap();
         assert_eq!(t.allocate(3), [0, 1, 2]);
         t.free(1);
         t.free(0);
         assert_eq!(t.num_free(), 3);
         // One fresh id, then the last freed first.
+        t.reserve(3).unwrap();
         assert_eq!(t.allocate(3), [3, 0, 1]);
         assert_eq!(t.num_free(), 0);
         assert_eq!(t.record(3).ref_cnt(), PENDING);
         t.reset();
         assert_eq!(t.allocate(1), [0]);
+    }
+
+    #[test]
+    fn a_huge_table_costs_nothing_until_used() {
+        let t = ChunkTable::new(MAX_CHUNKS).unwrap();
+        assert_eq!(t.heap_bytes(), 0);
+        assert_eq!(t.num_free(), MAX_CHUNKS);
+        assert!(matches!(
+            ChunkTable::new(MAX_CHUNKS + 1),
+            Err(CoreError::TooManyChunks { .. })
+        ));
     }
 }

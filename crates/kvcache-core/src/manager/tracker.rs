@@ -9,7 +9,7 @@
 
 use crate::index::{KeyIndex, Keyed};
 use crate::key::{Key, KeyBuf, KeyHasher};
-use crate::slab::{Linked, Links, List, Slab, NIL};
+use crate::slab::{Linked, Links, List, Slab};
 
 struct Tracked {
     key: KeyBuf,
@@ -27,8 +27,11 @@ impl Linked for Tracked {
 }
 
 impl Keyed for Tracked {
-    fn key(&self) -> &[u8] {
-        self.key.as_slice()
+    fn key_buf(&self) -> &KeyBuf {
+        &self.key
+    }
+    fn key_buf_mut(&mut self) -> &mut KeyBuf {
+        &mut self.key
     }
 }
 
@@ -51,14 +54,6 @@ impl AccessTracker {
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.index.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
-    }
-
     pub fn count(&self, key: Key<'_>) -> u32 {
         self.index
             .find(&self.slab, key)
@@ -70,26 +65,25 @@ impl AccessTracker {
         let found = self.index.find_many(&self.slab, keys);
         // Protected: tracked keys of this offer (distinct entries).
         let mut protected = 0usize;
-        let mut seen = hashbrown::HashSet::<u32, foldhash::fast::FixedState>::default();
-        for &idx in &found {
-            if idx != NIL {
-                self.order.move_to_back(&mut self.slab, idx);
-                self.slab.get_mut(idx).count += 1;
-                if seen.insert(idx) {
-                    protected += 1;
-                }
+        let mut seen = hashbrown::HashSet::<_, foldhash::fast::FixedState>::default();
+        for &idx in found.iter().flatten() {
+            self.order.move_to_back(&mut self.slab, idx);
+            let t = self.slab.get_mut(idx);
+            t.count = t.count.saturating_add(1);
+            if seen.insert(idx) {
+                protected += 1;
             }
         }
         let mut unprotected = self.index.len() - protected;
         for (&key, &idx) in keys.iter().zip(&found) {
-            if idx != NIL || self.index.find(&self.slab, key).is_some() {
+            if idx.is_some() || self.index.find(&self.slab, key).is_some() {
                 continue;
             }
             if self.index.len() >= self.max_size {
                 if unprotected == 0 {
                     continue;
                 }
-                let oldest = self.order.head();
+                let oldest = self.order.head().expect("a full tracker has entries");
                 self.order.unlink(&mut self.slab, oldest);
                 let old_key = Key::new(&self.hasher, self.slab.get(oldest).key());
                 self.index.remove(&self.slab, old_key);

@@ -1,0 +1,133 @@
+//! The keyed entry store every policy builds on: entries in a [`Slab`], found through a
+//! [`KeyIndex`] that stores each key once (inside its entry) and probes with the hash the
+//! caller computed once per key.
+
+use crate::index::{KeyIndex, Keyed};
+use crate::key::{key_eq, Key, KeyHasher};
+use crate::slab::{Idx, Slab};
+
+pub(crate) struct Entries<E> {
+    pub(crate) slab: Slab<E>,
+    index: KeyIndex,
+    hasher: KeyHasher,
+    /// What the index is presized for (kept for `clear`).
+    expected: usize,
+}
+
+impl<E: Keyed> Entries<E> {
+    /// A store presized for `expected` keys (see [`KeyIndex::with_capacity`]).
+    pub(crate) fn with_capacity(expected: usize) -> Self {
+        Entries {
+            slab: Slab::default(),
+            index: KeyIndex::with_capacity(expected),
+            hasher: KeyHasher::global(),
+            expected,
+        }
+    }
+
+    #[inline]
+    pub(crate) fn hasher(&self) -> &KeyHasher {
+        &self.hasher
+    }
+
+    /// Indexed entries (nodes added with [`insert_unindexed`](Self::insert_unindexed) excluded).
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    #[inline]
+    pub(crate) fn find(&self, key: Key<'_>) -> Option<Idx> {
+        self.index.find(&self.slab, key)
+    }
+
+    /// [`find`](Self::find) for a batch, in one pass whose cache misses overlap.
+    pub(crate) fn find_many(&self, keys: &[Key<'_>]) -> Vec<Option<Idx>> {
+        self.index.find_many(&self.slab, keys)
+    }
+
+    #[inline]
+    pub(crate) fn get(&self, idx: Idx) -> &E {
+        self.slab.get(idx)
+    }
+
+    #[inline]
+    pub(crate) fn get_mut(&mut self, idx: Idx) -> &mut E {
+        self.slab.get_mut(idx)
+    }
+
+    /// The entry at `idx` if it is still the entry of `key` (a handle goes stale when its
+    /// entry is removed and the slot reused).
+    #[inline]
+    pub(crate) fn entry_of(&self, idx: Idx, key: &[u8]) -> Option<&E> {
+        self.slab.try_get(idx).filter(|e| key_eq(e.key(), key))
+    }
+
+    /// Adds `entry` under `key`, which must be absent. The key is written in place (see
+    /// [`KeyBuf::assign`](crate::KeyBuf::assign)) before the index may rehash it.
+    pub(crate) fn insert(&mut self, key: Key<'_>, entry: E) -> Idx {
+        debug_assert!(self.find(key).is_none());
+        let idx = self.slab.insert(entry);
+        self.slab.get_mut(idx).key_buf_mut().assign(key.bytes);
+        self.index.insert(&self.slab, &self.hasher, key, idx);
+        idx
+    }
+
+    /// Adds a node that no key finds (a list marker such as LRU's request anchors).
+    pub(crate) fn insert_unindexed(&mut self, entry: E) -> Idx {
+        self.slab.insert(entry)
+    }
+
+    /// Removes an entry added by [`insert`](Self::insert).
+    pub(crate) fn remove(&mut self, idx: Idx) -> E {
+        let key = Key::new(&self.hasher, self.slab.get(idx).key());
+        let removed = self.index.remove(&self.slab, key);
+        debug_assert_eq!(removed, Some(idx));
+        self.slab.remove(idx)
+    }
+
+    /// Removes a node added by [`insert_unindexed`](Self::insert_unindexed).
+    pub(crate) fn remove_unindexed(&mut self, idx: Idx) -> E {
+        self.slab.remove(idx)
+    }
+
+    /// Drops every entry and releases the memory (the index is presized again).
+    pub(crate) fn clear(&mut self) {
+        self.slab.clear();
+        self.index = KeyIndex::with_capacity(self.expected);
+    }
+
+    /// Heap bytes: slots, table and keys too long to live inline.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        let spilled: usize = self
+            .slab
+            .iter()
+            .map(|(_, e)| e.key_buf().heap_bytes())
+            .sum();
+        self.slab.allocation_size() + self.index.allocation_size() + spilled
+    }
+
+    /// Checks that `idx` is found under its own key.
+    #[cfg(any(test, feature = "validate"))]
+    pub(crate) fn check_indexed(&self, idx: Idx) -> Result<(), String> {
+        let e = self.slab.get(idx);
+        if self.find(Key::new(&self.hasher, e.key())) == Some(idx) {
+            Ok(())
+        } else {
+            Err(format!("{:?} is not indexed at its slot", e.key_buf()))
+        }
+    }
+
+    /// Checks that the index holds exactly `indexed` entries and the slab `indexed + unindexed`.
+    #[cfg(any(test, feature = "validate"))]
+    pub(crate) fn check_counts(&self, indexed: usize, unindexed: usize) -> Result<(), String> {
+        if self.index.len() != indexed || self.slab.len() != indexed + unindexed {
+            return Err(format!(
+                "{indexed} keyed and {unindexed} other nodes listed; index holds {}, slab {}",
+                self.index.len(),
+                self.slab.len()
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,262 @@
+//! [`Policy`]: the one interface every cache policy implements. The manager drives policies
+//! through it, and so do the Python bindings; adding a policy means implementing it in one new
+//! file (see `docs/policies.md`).
+//!
+//! A policy keeps chunks of type `C` under byte keys. Callers resolve keys to [`EntryId`]s
+//! once ([`Policy::find`], [`Policy::find_many`]) and then change the policy through those
+//! handles only; the key-level methods ([`Policy::get`], [`Policy::insert_key`], …) are
+//! provided wrappers that resolve, then call. Eviction is planned on `&self` and committed on
+//! `&mut self` by [`crate::eviction`], written once for every policy.
+
+use crate::chunk::RefCounts;
+use crate::error::{CoreError, CoreResult};
+use crate::eviction::{Evicted, Protected};
+use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::slab::Idx;
+
+/// A handle to one entry of a policy: valid until that entry is removed (after which its slot
+/// may be reused, so handles kept across calls are checked with [`Policy::is_entry_of`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EntryId(pub(crate) Idx);
+
+/// How a finished request used a key, for [`Policy::on_request_finished`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Only stored by the request: restores recency, is not a frequency hit.
+    InsertionOnly,
+    /// Read by the request while ready: one frequency hit.
+    Reused,
+    /// Neither (e.g. a store miss that was not stored).
+    Other,
+}
+
+/// A number a policy reports about itself.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Stat {
+    Count(usize),
+    Value(f64),
+}
+
+/// One resident key with its LRU-style rank (eviction order is ascending `(rank, -position)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankedEntry<'a> {
+    pub key: &'a [u8],
+    pub rank: u64,
+    pub position: i64,
+    pub evictable: bool,
+}
+
+/// A policy's internal state, for tests and debugging.
+#[derive(Debug, Default)]
+pub struct Inspection<'a> {
+    /// Named key lists, each from least to most recently used (ARC: `t1`, `t2`, `b1`, `b2`).
+    pub lists: Vec<(&'static str, Vec<&'a [u8]>)>,
+    /// Every resident key with its rank, in eviction order, for policies that rank keys.
+    pub ranks: Option<Vec<RankedEntry<'a>>>,
+    /// Named figures (ARC: `target_t1_size`; LRU: `request_groups`).
+    pub stats: Vec<(&'static str, Stat)>,
+}
+
+pub trait Policy<C>: Sized {
+    /// What the policy keeps per live request (LRU: the request's shared rank; ARC: nothing).
+    /// The caller stores it with the request (the manager in its request table, the bindings
+    /// per request context), passes it to the calls that take it, and hands it back through
+    /// [`release_request`](Self::release_request) once the request is gone.
+    type Request: Default;
+
+    /// The policy's short name (`"lru"`, `"arc"`).
+    const NAME: &'static str;
+    /// Whether [`insert`](Self::insert) and [`on_request_access`](Self::on_request_access) use
+    /// token positions (callers skip reading them otherwise).
+    const READS_POSITIONS: bool;
+    /// Whether [`on_request_finished`](Self::on_request_finished) tells [`Access`] kinds apart
+    /// (callers pass [`Access::Other`] for every key otherwise).
+    const READS_ACCESS: bool;
+
+    /// An empty policy for a cache of `capacity` chunks.
+    fn new(capacity: usize) -> Self;
+    fn capacity(&self) -> usize;
+    /// Resident entries.
+    fn len(&self) -> usize;
+    /// The hasher keys must be hashed with (one per process: see [`KeyHasher::global`]).
+    fn hasher(&self) -> &KeyHasher;
+
+    /// The entry the policy keeps for `key`: resident, or a ghost for policies that keep them.
+    fn find(&self, key: Key<'_>) -> Option<EntryId>;
+    /// [`find`](Self::find) for a batch, in one pass whose cache misses overlap.
+    fn find_many(&self, keys: &[Key<'_>]) -> Vec<Option<EntryId>>;
+    /// The chunk of a resident entry; `None` for a ghost.
+    fn chunk(&self, id: EntryId) -> Option<&C>;
+    /// Whether `id` still names the entry kept for `key`.
+    fn is_entry_of(&self, id: EntryId, key: &[u8]) -> bool;
+    /// Resident keys and chunks, in no particular order.
+    fn resident<'a>(&'a self) -> impl Iterator<Item = (&'a [u8], &'a C)>
+    where
+        C: 'a;
+
+    /// Adds `chunk` under `key`, which is not resident. `found` is what [`find`](Self::find)
+    /// returned for it (a ghost, or `None`); it may have gone stale since and is checked.
+    /// `position` is the key's token position in the storing request (`None`: unknown), and
+    /// `evictable` whether the chunk's `ref_cnt` is 0 now.
+    fn insert(
+        &mut self,
+        request: &mut Self::Request,
+        found: Option<EntryId>,
+        key: Key<'_>,
+        chunk: C,
+        position: Option<i64>,
+        evictable: bool,
+    ) -> EntryId;
+    /// Drops a resident entry without a trace (a failed store).
+    fn remove(&mut self, id: EntryId) -> C;
+    /// The keys were used; given head to tail, applied tail to head (so the head ends most
+    /// recent). `None` entries are skipped.
+    fn touch(&mut self, ids: &[Option<EntryId>], counts: &impl RefCounts<C>);
+    /// Store misses, head to tail, seen before their keys are inserted. By default a touch
+    /// (vLLM's default), which only moves resident keys.
+    fn on_store_miss(&mut self, ids: &[Option<EntryId>], counts: &impl RefCounts<C>) {
+        self.touch(ids, counts);
+    }
+    /// A request observed keys for the first time, with their token positions.
+    fn on_request_access(
+        &mut self,
+        request: &mut Self::Request,
+        entries: &[(Option<EntryId>, Option<i64>)],
+    ) {
+        let _ = (request, entries);
+    }
+    /// A finished request's keys in head-to-tail order, each with how the request used it.
+    fn on_request_finished(&mut self, entries: &[(Option<EntryId>, Access)]);
+    /// Whether a resident entry is marked evictable; `None` for policies that keep no mark
+    /// (they read `ref_cnt` when evicting).
+    fn evictable(&self, id: EntryId) -> Option<bool> {
+        let _ = id;
+        None
+    }
+    /// Sets or clears a resident entry's evictable mark (if the policy keeps one).
+    fn set_evictable(&mut self, id: EntryId, evictable: bool) {
+        let _ = (id, evictable);
+    }
+    /// The request is gone: no key will be ranked on its behalf any more.
+    fn release_request(&mut self, request: Self::Request) {
+        let _ = request;
+    }
+    /// Forgets every entry and all adaptive and per-request state.
+    fn clear(&mut self);
+
+    /// Candidate victims in the order the policy evicts them. `idle(id, chunk)` tells whether
+    /// a resident entry may go (its `ref_cnt` is 0 and it is not protected); the iterator yields
+    /// only such entries, each at most once, and must change nothing.
+    fn victims<'a>(
+        &'a self,
+        idle: impl Fn(EntryId, &C) -> bool + 'a,
+    ) -> impl Iterator<Item = EntryId> + 'a;
+    /// Takes one planned victim out of the cache.
+    fn evict_entry(&mut self, id: EntryId) -> Evicted<C>;
+    /// Runs once after a batch of [`evict_entry`](Self::evict_entry) (ARC trims its ghosts).
+    fn after_eviction(&mut self) {}
+
+    /// Heap bytes held by the policy's own structures.
+    fn heap_bytes(&self) -> usize;
+    /// The policy's internal state, for tests and debugging.
+    fn inspect(&self) -> Inspection<'_>;
+    /// Checks every structural invariant; `Err` names the first one broken.
+    #[cfg(any(test, feature = "validate"))]
+    fn validate(&self, counts: &impl RefCounts<C>) -> Result<(), String>;
+
+    // Key-level wrappers: resolve, then call.
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    #[inline]
+    fn key<'a>(&self, bytes: &'a [u8]) -> Key<'a> {
+        Key::new(self.hasher(), bytes)
+    }
+
+    /// The resident entry of `key`.
+    #[inline]
+    fn find_resident(&self, key: Key<'_>) -> Option<EntryId> {
+        self.find(key).filter(|&id| self.chunk(id).is_some())
+    }
+
+    /// The chunk stored under `key`.
+    #[inline]
+    fn get(&self, key: Key<'_>) -> Option<&C> {
+        self.find(key).and_then(|id| self.chunk(id))
+    }
+
+    /// The resident entry of `key`, or [`CoreError::KeyNotFound`].
+    fn resident_or_err(&self, key: Key<'_>) -> CoreResult<EntryId> {
+        self.find_resident(key)
+            .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))
+    }
+
+    /// [`insert`](Self::insert) with the lookup; [`CoreError::DuplicateKey`] if resident.
+    fn insert_key(
+        &mut self,
+        request: &mut Self::Request,
+        key: Key<'_>,
+        chunk: C,
+        position: Option<i64>,
+        evictable: bool,
+    ) -> CoreResult<EntryId> {
+        match self.find(key) {
+            Some(id) if self.chunk(id).is_some() => {
+                Err(CoreError::DuplicateKey(KeyBuf::new(key.bytes)))
+            }
+            found => Ok(self.insert(request, found, key, chunk, position, evictable)),
+        }
+    }
+
+    /// [`remove`](Self::remove) of a resident key.
+    fn remove_key(&mut self, key: Key<'_>) -> CoreResult<C> {
+        let id = self.resident_or_err(key)?;
+        Ok(self.remove(id))
+    }
+
+    fn touch_keys(&mut self, keys: &[Key<'_>], counts: &impl RefCounts<C>) {
+        let ids = self.find_many(keys);
+        self.touch(&ids, counts);
+    }
+
+    fn on_store_miss_keys(&mut self, keys: &[Key<'_>], counts: &impl RefCounts<C>) {
+        let ids = self.find_many(keys);
+        self.on_store_miss(&ids, counts);
+    }
+
+    /// The chunk's `ref_cnt` went to 0. [`CoreError::KeyNotFound`] if not resident.
+    fn mark_evictable(&mut self, key: Key<'_>) -> CoreResult<()> {
+        let id = self.resident_or_err(key)?;
+        self.set_evictable(id, true);
+        Ok(())
+    }
+
+    /// The chunk's `ref_cnt` left 0. [`CoreError::KeyNotFound`] if not resident,
+    /// [`CoreError::NotEvictable`] if the policy keeps marks and this key was not marked.
+    fn mark_non_evictable(&mut self, key: Key<'_>) -> CoreResult<()> {
+        let id = self.resident_or_err(key)?;
+        if self.evictable(id) == Some(false) {
+            return Err(CoreError::NotEvictable(KeyBuf::new(key.bytes)));
+        }
+        self.set_evictable(id, false);
+        Ok(())
+    }
+
+    /// The resident entries of `keys` (absent keys need no protection).
+    fn protect<'k>(&self, keys: impl IntoIterator<Item = Key<'k>>) -> Protected {
+        Protected::from_ids(keys.into_iter().filter_map(|k| self.find_resident(k)))
+    }
+
+    /// Evicts exactly `n` idle, unprotected chunks in the policy's order, or returns `None`
+    /// and changes nothing (see [`crate::eviction::evict`]).
+    fn evict(
+        &mut self,
+        n: usize,
+        protected: &Protected,
+        counts: &impl RefCounts<C>,
+    ) -> Option<Vec<Evicted<C>>> {
+        crate::eviction::evict(self, n, protected, counts)
+    }
+}
