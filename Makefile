@@ -56,10 +56,12 @@ memory: build
 miri:
 	cargo +nightly miri test -p kvcache-core --lib -- slab:: key:: arc::tests lru::tests manager::
 
-# Fuzz both policies (needs cargo-fuzz and nightly); FUZZ_SECONDS bounds the run.
+# Fuzz both policies, then the manager over both (needs cargo-fuzz and nightly);
+# FUZZ_SECONDS bounds each target's run.
 FUZZ_SECONDS ?= 300
 fuzz:
 	cd fuzz && cargo +nightly fuzz run policies -- -max_total_time=$(FUZZ_SECONDS)
+	cd fuzz && cargo +nightly fuzz run manager -- -max_total_time=$(FUZZ_SECONDS)
 
 # The main job: replay the built-in synthetic multi-turn workload through LRU and ARC.
 replay: build

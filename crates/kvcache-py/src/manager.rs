@@ -19,6 +19,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::gc::{PyTraverseError, PyVisit};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
 use crate::chunk::{fill_record_view, release_record_view};
@@ -220,6 +221,8 @@ struct State {
 #[pyclass(name = "OffloadingManager", module = "kvcache._core", subclass, frozen)]
 pub struct PyManager {
     inner: Guarded<State>,
+    /// vLLM's `OffloadingManager.lock`, made on first use.
+    lock: PyOnceLock<Py<PyAny>>,
 }
 
 /// The policy the manager runs: vLLM's registered names (`lru`, `arc`) without a module path,
@@ -408,7 +411,22 @@ impl PyManager {
                 },
                 "offloading manager",
             ),
+            lock: PyOnceLock::new(),
         })
+    }
+
+    /// vLLM's `OffloadingManager.lock`: a `threading.Lock` callers hold across a sequence of
+    /// calls that must see one state (a `lookup` hit and the `prepare_load` that pins it).
+    /// Every call is safe from any thread on its own (each is serialised); this lock is for
+    /// the sequences. Not reentrant, as vLLM's contract allows.
+    #[getter]
+    fn lock<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let lock = self.lock.get_or_try_init(py, || {
+            py.import(pyo3::intern!(py, "threading"))?
+                .call_method0(pyo3::intern!(py, "Lock"))
+                .map(Bound::unbind)
+        })?;
+        Ok(lock.bind(py).clone())
     }
 
     /// Chunk slots in the cache.
