@@ -21,6 +21,8 @@ from kvcache._core import (
     KvCacheError,
     LRUCachePolicy,
     NotEvictableError,
+    OutOfMemoryError,
+    ReentrantCallError,
     __version__,
     order_request_keys,
 )
@@ -53,7 +55,9 @@ __all__ = [
     "NotEvictableError",
     "OffloadingEvent",
     "OffloadingManager",
+    "OutOfMemoryError",
     "PrepareStoreOutput",
+    "ReentrantCallError",
     "ReqContext",
     "__version__",
     "order_request_keys",

@@ -348,7 +348,9 @@ impl PyManager {
         store_threshold = None,
         max_tracker_size = None,
         **unexpected,
-    ))]
+    ),
+    text_signature = "(num_chunks, cache_policy='lru', cache_policy_module_path=None, \
+                      enable_events=False, store_threshold=None, max_tracker_size=None)")]
     fn new(
         cls: &Bound<'_, PyType>,
         num_chunks: Bound<'_, PyAny>,
@@ -564,7 +566,10 @@ impl PyManager {
 
     /// Completes stores: on success the chunks become readable and evictable; on failure the
     /// pending ones are dropped.
-    #[pyo3(signature = (keys, req_context = None, success = Flag(true)))]
+    #[pyo3(
+        signature = (keys, req_context = None, success = Flag(true)),
+        text_signature = "(self, keys, req_context=None, success=True)"
+    )]
     fn complete_store(
         &self,
         py: Python<'_>,

@@ -115,15 +115,34 @@ impl EvictedKeys {
             .call_method0(pyo3::intern!(py, "__reversed__"))
     }
 
-    fn index(&self, py: Python<'_>, key: Bound<'_, PyAny>) -> PyResult<usize> {
-        self.list(py)?.index(key)
+    /// `Sequence.index`: the first position of `value` in `[start, stop)`.
+    #[pyo3(signature = (value, start = None, stop = None, /))]
+    fn index<'py>(
+        &self,
+        py: Python<'py>,
+        value: Bound<'py, PyAny>,
+        start: Option<Bound<'py, PyAny>>,
+        stop: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let list = self.list(py)?.as_any();
+        let name = pyo3::intern!(py, "index");
+        match (start, stop) {
+            (None, None) => list.call_method1(name, (value,)),
+            (start, None) => list.call_method1(name, (value, start)),
+            (start, Some(stop)) => {
+                let start =
+                    start.unwrap_or_else(|| 0usize.into_pyobject(py).expect("int").into_any());
+                list.call_method1(name, (value, start, stop))
+            }
+        }
     }
 
-    fn count(&self, py: Python<'_>, key: Bound<'_, PyAny>) -> PyResult<usize> {
+    /// `Sequence.count`.
+    #[pyo3(signature = (value, /))]
+    fn count<'py>(&self, py: Python<'py>, value: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         self.list(py)?
             .as_any()
-            .call_method1(pyo3::intern!(py, "count"), (key,))?
-            .extract()
+            .call_method1(pyo3::intern!(py, "count"), (value,))
     }
 
     /// Equal to another `EvictedKeys` with the same keys, or to a list of the same keys (as
