@@ -6,13 +6,14 @@ express are in ``stubtest-allowlist.txt``.
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, final, overload
+from typing import Any, Self, final, overload
 
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import Self, disjoint_base
+from typing_extensions import disjoint_base
 
 __all__ = [
+    "PAGE_SIZE",
     "ARCCachePolicy",
     "BaseCachePolicy",
     "ChunkStatus",
@@ -34,7 +35,6 @@ __all__ = [
     "OffloadingEvent",
     "OffloadingManager",
     "OutOfMemoryError",
-    "PAGE_SIZE",
     "Plan",
     "PrepareStoreOutput",
     "ReentrantCallError",
@@ -241,4 +241,6 @@ class Plan:
 class CpuCopier:
     def __getattr__(self, name: str) -> Any: ...
 
-def cuda_memcpy_runs(*args: Any, **kwargs: Any) -> Any: ...
+PAGE_SIZE: int
+
+def _cuda_memcpy_runs(plan: Plan, memcpy_async_fn: int, stream: int, kind: int) -> None: ...
