@@ -26,6 +26,8 @@ impl HasRefCnt for Chunk {
 }
 
 const ENTRIES: u64 = 100_000;
+/// [`ENTRIES`] as a capacity.
+const CAPACITY: usize = 100_000;
 const BATCH: usize = 256;
 
 fn key(i: u64) -> Vec<u8> {
@@ -48,7 +50,7 @@ fn picks(n: usize, seed: u64) -> Vec<u64> {
 }
 
 fn filled_arc() -> ArcPolicy<Chunk> {
-    let mut p = ArcPolicy::new(ENTRIES as usize);
+    let mut p = ArcPolicy::new(CAPACITY);
     for i in 0..ENTRIES {
         let k = key(i);
         p.insert_key(&mut (), p.key(&k), Chunk::new(i, 0), None, true)
@@ -62,7 +64,7 @@ fn filled_arc() -> ArcPolicy<Chunk> {
 }
 
 fn filled_lru() -> LruPolicy<Chunk> {
-    let mut p = LruPolicy::new(ENTRIES as usize);
+    let mut p = LruPolicy::new(CAPACITY);
     for i in 0..ENTRIES {
         let k = key(i);
         p.insert_key(&mut None, p.key(&k), Chunk::new(i, 0), None, true)

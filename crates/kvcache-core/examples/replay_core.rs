@@ -22,10 +22,10 @@ fn load(path: &str) -> (Vec<Vec<Vec<u8>>>, i64) {
     let b = std::fs::read(path).expect("read workload");
     let mut at = 0;
     let n = read_u32(&b, &mut at);
-    let bt = read_u32(&b, &mut at) as i64;
+    let bt = i64::from(read_u32(&b, &mut at));
     let reqs = (0..n)
         .map(|_| {
-            let k = read_u32(&b, &mut at) as usize;
+            let k = usize::try_from(read_u32(&b, &mut at)).expect("a key count");
             (0..k)
                 .map(|_| {
                     let key = b[at..at + 36].to_vec();
@@ -61,7 +61,7 @@ fn run<P: Policy<ChunkId>>(reqs: &[Vec<Vec<u8>>], bt: i64, chunks: usize) -> (u1
         visits += keys.len();
         let t = m.request(None);
         let ks: Vec<_> = keys.iter().map(|k| m.key(k)).collect();
-        let pos: Vec<_> = (0..ks.len() as i64).map(|j| Some(bt * (j + 1))).collect();
+        let pos: Vec<_> = (1..).map(|j| Some(bt * j)).take(ks.len()).collect();
         lap(0, &mut ph);
         let n = ks
             .iter()
@@ -95,8 +95,10 @@ fn run<P: Policy<ChunkId>>(reqs: &[Vec<Vec<u8>>], bt: i64, chunks: usize) -> (u1
             let st: Vec<_> = stored.iter().map(|&i| ks[i]).collect();
             m.complete_store(&st, true);
             lap(4, &mut ph);
-            m.finish_request(t, |i, _| Ok::<_, ()>(Some(bt * (i as i64 + 1))))
-                .unwrap();
+            m.finish_request(t, |i, _| {
+                Ok::<_, ()>(Some(bt * (i64::try_from(i).expect("a key index") + 1)))
+            })
+            .unwrap();
             m.release_request(t);
             lap(5, &mut ph);
         }
@@ -104,14 +106,20 @@ fn run<P: Policy<ChunkId>>(reqs: &[Vec<Vec<u8>>], bt: i64, chunks: usize) -> (u1
     let v: usize = reqs.iter().map(|r| r.len()).sum();
     eprintln!(
         "keys {:.0} lookup {:.0} pload {:.0} pstore {:.0} complete {:.0} finish {:.0}",
-        ph[0] as f64 / v as f64,
-        ph[1] as f64 / v as f64,
-        ph[2] as f64 / v as f64,
-        ph[3] as f64 / v as f64,
-        ph[4] as f64 / v as f64,
-        ph[5] as f64 / v as f64
+        ratio(ph[0], v),
+        ratio(ph[1], v),
+        ratio(ph[2], v),
+        ratio(ph[3], v),
+        ratio(ph[4], v),
+        ratio(ph[5], v)
     );
     (start.elapsed().as_nanos(), visits, hits)
+}
+
+/// `part / whole` for the report.
+#[allow(clippy::cast_precision_loss, reason = "a printed ratio")]
+fn ratio(part: u128, whole: usize) -> f64 {
+    part as f64 / whole as f64
 }
 
 fn main() {
@@ -127,8 +135,8 @@ fn main() {
         println!(
             "{} {chunks}: {:.1} ns/visit, hit ratio {:.4}",
             args[2],
-            ns as f64 / visits as f64,
-            hits as f64 / visits as f64
+            ratio(ns, visits),
+            ratio(hits as u128, visits)
         );
     }
 }

@@ -30,9 +30,8 @@ impl KeyBuf {
         if key.len() <= INLINE_KEY_BYTES {
             let mut bytes = [0u8; INLINE_KEY_BYTES];
             copy_short(&mut bytes, key);
-            // The length fits: INLINE_KEY_BYTES < 256.
             KeyBuf::Inline {
-                len: key.len() as u8,
+                len: inline_len(key),
                 bytes,
             }
         } else {
@@ -55,8 +54,7 @@ impl KeyBuf {
         match self {
             KeyBuf::Inline { len, bytes } if key.len() <= INLINE_KEY_BYTES => {
                 copy_short(bytes, key);
-                // The length fits: INLINE_KEY_BYTES < 256.
-                *len = key.len() as u8;
+                *len = inline_len(key);
             }
             _ => *self = KeyBuf::new(key),
         }
@@ -77,6 +75,17 @@ impl KeyBuf {
             KeyBuf::Heap(b) => b.len(),
         }
     }
+}
+
+/// The length of a key short enough to live inline.
+#[inline(always)]
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "inline keys are at most INLINE_KEY_BYTES < 256 long"
+)]
+fn inline_len(key: &[u8]) -> u8 {
+    debug_assert!(key.len() <= INLINE_KEY_BYTES);
+    key.len() as u8
 }
 
 /// `dst[..src.len()] = src` for `src.len() <= dst.len()`, as fixed-size 16-byte moves (the
@@ -195,7 +204,7 @@ mod tests {
     #[test]
     fn inline_and_heap_round_trip() {
         for len in [0usize, 1, 36, INLINE_KEY_BYTES, INLINE_KEY_BYTES + 1, 100] {
-            let key: Vec<u8> = (0..len).map(|i| i as u8).collect();
+            let key: Vec<u8> = (0..=255u8).cycle().take(len).collect();
             let buf = KeyBuf::new(&key);
             assert_eq!(buf.as_slice(), &key[..]);
             assert_eq!(matches!(buf, KeyBuf::Heap(_)), len > INLINE_KEY_BYTES);
@@ -223,7 +232,7 @@ mod tests {
     #[test]
     fn key_eq_matches_slice_equality() {
         for n in [0usize, 1, 7, 8, 9, 15, 16, 17, 35, 36, 37, 64] {
-            let a: Vec<u8> = (0..n as u8).collect();
+            let a: Vec<u8> = (0..=255u8).take(n).collect();
             assert!(key_eq(&a, &a.clone()));
             for i in 0..n {
                 let mut b = a.clone();

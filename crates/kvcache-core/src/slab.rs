@@ -451,14 +451,15 @@ mod tests {
     #[test]
     fn slots_span_pages_and_slot_zero_is_never_used() {
         let mut slab = Slab::default();
-        let ids: Vec<Idx> = (0..3 * PAGE as u32).map(|v| slab.insert(v)).collect();
+        let n = u32::try_from(3 * PAGE).unwrap();
+        let ids: Vec<Idx> = (0..n).map(|v| slab.insert(v)).collect();
         assert!(ids.iter().all(|i| i.get() != 0));
         assert_eq!(slab.len(), 3 * PAGE);
         for (&i, v) in ids.iter().zip(0..) {
             assert_eq!(*slab.get(i), v);
         }
         let iterated: Vec<u32> = slab.iter().map(|(_, v)| *v).collect();
-        assert_eq!(iterated, (0..3 * PAGE as u32).collect::<Vec<_>>());
+        assert_eq!(iterated, (0..n).collect::<Vec<_>>());
         slab.remove(ids[5]);
         assert!(slab.try_get(ids[5]).is_none());
         assert!(slab.try_get(Idx::new(u32::MAX - 1).unwrap()).is_none());

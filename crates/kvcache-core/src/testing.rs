@@ -26,6 +26,9 @@ use crate::Key;
 pub const KEYS: u8 = 12;
 /// Request contexts a policy program uses.
 const REQUESTS: usize = 4;
+/// The last request a policy program names.
+const LAST_REQUEST: u8 = 3;
+const _: () = assert!(LAST_REQUEST as usize + 1 == REQUESTS);
 /// Distinct keys a manager program uses.
 const MANAGER_KEYS: u8 = 24;
 
@@ -98,7 +101,7 @@ pub enum PolicyOp {
 
 impl<'a> Arbitrary<'a> for PolicyOp {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let request = |u: &mut Unstructured<'_>| u.int_in_range(0..=REQUESTS as u8 - 1);
+        let request = |u: &mut Unstructured<'_>| u.int_in_range(0..=LAST_REQUEST);
         Ok(match u.int_in_range(0..=20)? {
             0..=3 => PolicyOp::Insert {
                 key: u.arbitrary()?,

@@ -21,6 +21,9 @@ use crate::conversion::{int_in_range, type_name};
 use crate::exceptions::{exceptions, new_err};
 
 pub const CHUNK_STATUS_BYTES: usize = std::mem::size_of::<ChunkRecord>();
+/// [`CHUNK_STATUS_BYTES`] as CPython's size type.
+const ITEM_SIZE: ffi::Py_ssize_t = 16;
+const _: () = assert!(CHUNK_STATUS_BYTES == 16);
 
 /// PEP 3118 format of one record: int32 `ref_cnt`, 4 pad bytes, int64 `chunk_id`
 /// (little-endian, as on every platform vLLM runs on). numpy turns it into a structured dtype.
@@ -115,9 +118,10 @@ pub unsafe fn fill_record_view(
     let count = len_items.max(1);
     view.obj = owner.into_ptr();
     view.buf = buf;
-    view.len = (count * CHUNK_STATUS_BYTES) as ffi::Py_ssize_t;
+    let items = ffi::Py_ssize_t::try_from(count).expect("a table's records fit in memory");
+    view.len = items * ITEM_SIZE;
     view.readonly = 0;
-    view.itemsize = CHUNK_STATUS_BYTES as ffi::Py_ssize_t;
+    view.itemsize = ITEM_SIZE;
     view.format = if flags & ffi::PyBUF_FORMAT != 0 {
         CHUNK_STATUS_FORMAT.as_ptr().cast_mut()
     } else {
@@ -133,10 +137,7 @@ pub unsafe fn fill_record_view(
     } else {
         // `shape` and `strides` must live as long as the view: keep them in a small box owned
         // by the view through `internal` (freed by `release_record_view`).
-        let dims = Box::new([
-            len_items as ffi::Py_ssize_t,
-            CHUNK_STATUS_BYTES as ffi::Py_ssize_t,
-        ]);
+        let dims = Box::new([items, ITEM_SIZE]);
         let dims = Box::into_raw(dims);
         view.ndim = 1;
         // SAFETY: `dims` is a live allocation of two Py_ssize_t, freed by `release_record_view`.
@@ -262,7 +263,7 @@ impl PyChunk {
             ref_cnt,
             view,
         };
-        if len != CHUNK_STATUS_BYTES as ffi::Py_ssize_t {
+        if len != ITEM_SIZE {
             drop(chunk);
             return Err(invalid(&format!("buffer is {len} bytes")));
         }

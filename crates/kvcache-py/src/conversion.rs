@@ -55,7 +55,8 @@ pub fn key_bytes<'a>(key: &'a Bound<'_, PyBytes>) -> &'a [u8] {
     unsafe {
         let rc = ffi::PyBytes_AsStringAndSize(key.as_ptr(), &mut data, &mut len);
         debug_assert_eq!(rc, 0);
-        std::slice::from_raw_parts(data.cast::<u8>(), len as usize)
+        // A size is never negative: `unsigned_abs` is exact here and free.
+        std::slice::from_raw_parts(data.cast::<u8>(), len.unsigned_abs())
     }
 }
 
@@ -91,7 +92,7 @@ pub unsafe fn borrowed_keys<'a, K>(
             ffi::PyTuple_Size(ptr)
         }
     };
-    let mut keys = Vec::with_capacity(n.max(0) as usize);
+    let mut keys = Vec::with_capacity(n.max(0).unsigned_abs());
     for i in 0..n {
         // SAFETY: `i` is in bounds (no Python code runs in this loop, so the size holds);
         // the item is a borrowed reference kept alive by the container.
@@ -117,7 +118,7 @@ pub unsafe fn borrowed_keys<'a, K>(
         let bytes: &'a [u8] = unsafe {
             let rc = ffi::PyBytes_AsStringAndSize(item, &mut data, &mut len);
             debug_assert_eq!(rc, 0);
-            std::slice::from_raw_parts(data.cast::<u8>(), len as usize)
+            std::slice::from_raw_parts(data.cast::<u8>(), len.unsigned_abs())
         };
         keys.push(make(bytes));
     }
