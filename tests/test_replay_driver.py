@@ -14,6 +14,7 @@ from kvcache.replay import (
     Backend,
     ConfigError,
     NullManager,
+    ReplayOptions,
     Workload,
     make_key,
     null_backend,
@@ -113,7 +114,7 @@ def workload(*requests: list[int], block_tokens: int = 4) -> Workload:
 def test_call_sequence_with_lag_1() -> None:
     mgr = FakeManager()
     wl = workload([1, 2], [1, 2, 3], [1, 2, 3, 4])
-    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=1)
+    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=1))
     k1, k2, k3, k4 = key(1), key(2), key(3), key(4)
     assert mgr.calls == [
         ("new", "r0"),
@@ -149,7 +150,7 @@ def test_call_sequence_with_lag_1() -> None:
 def test_lag_0_completes_immediately_and_full_hits_skip_prepare_store() -> None:
     mgr = FakeManager()
     wl = workload([1, 2], [1, 2])
-    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=0)
+    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=0))
     assert [c[0] for c in mgr.calls] == [
         "new", "lookup", "store", "store_done", "finished",
         "new", "lookup", "lookup", "load", "load_done", "finished",
@@ -172,7 +173,13 @@ def test_default_lag_is_8() -> None:
 def test_failed_prepare_and_failed_stores() -> None:
     mgr = FakeManager(fail_prepare={"r1"})
     wl = workload([1], [2], [3], [4], [5], [6])
-    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=0, fail_store_every=2)
+    run = replay(
+        fake_backend(mgr),
+        wl,
+        policy="lru",
+        num_chunks=10,
+        options=ReplayOptions(lag=0, fail_store_every=2),
+    )
     assert run.failed_prepares == 1
     successes = [c[3] for c in mgr.calls if c[0] == "store_done"]
     # r1's prepare failed (no store job); the jobs are r0 r2 r3 r4 r5; every 2nd fails.
@@ -183,7 +190,13 @@ def test_failed_prepare_and_failed_stores() -> None:
 
 def test_empty_request_counts_nothing() -> None:
     mgr = FakeManager()
-    run = replay(fake_backend(mgr), workload([], [1]), policy="lru", num_chunks=10, lag=0)
+    run = replay(
+        fake_backend(mgr),
+        workload([], [1]),
+        policy="lru",
+        num_chunks=10,
+        options=ReplayOptions(lag=0),
+    )
     assert run.lookups == 1
     assert ("new", "r0") in mgr.calls
     assert ("finished", "r0") in mgr.calls
@@ -194,9 +207,9 @@ def test_bad_options_are_config_errors() -> None:
     backend = fake_backend(FakeManager())
     wl = workload([1])
     with pytest.raises(ConfigError, match="lag"):
-        replay(backend, wl, policy="lru", num_chunks=1, lag=-1)
+        ReplayOptions(lag=-1)
     with pytest.raises(ConfigError, match="fail-store-every"):
-        replay(backend, wl, policy="lru", num_chunks=1, fail_store_every=-1)
+        ReplayOptions(fail_store_every=-1)
     with pytest.raises(ConfigError, match="capacity"):
         replay(backend, wl, policy="lru", num_chunks=0)
 
@@ -204,9 +217,9 @@ def test_bad_options_are_config_errors() -> None:
 def test_null_manager_reproduces_the_recorded_answers() -> None:
     wl = workload([1, 2], [1, 2, 3], [1, 2, 3, 4], [5], [1, 2, 3, 4, 5])
     mgr = FakeManager(fail_prepare={"r3"})
-    real = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=1)
+    real = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=1))
     null = null_backend(fake_backend(FakeManager()), wl, real.script)
-    again = replay(null, wl, policy="lru", num_chunks=10, lag=1)
+    again = replay(null, wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=1))
     assert again.counters() == real.counters()
     assert again.script == real.script
     # It really is stateless: lookups are plain dict probes of the recorded answers.
@@ -225,7 +238,9 @@ def test_time_backend_pairs_real_and_null_runs() -> None:
         return managers[-1]
 
     backend = Backend(name="fake", make=make, hit="HIT", req_context=FakeContext)
-    run, timing = time_backend(backend, wl, policy="lru", num_chunks=10, lag=1, repeat=3)
+    run, timing = time_backend(
+        backend, wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=1), repeat=3
+    )
     assert len(managers) == 3  # one fresh manager per repeat; null runs use their own
     assert timing.repeat == 3
     assert timing.lookups == wl.key_visits
@@ -249,8 +264,7 @@ def test_every_request_is_issued_and_finished_in_order(
         wl,
         policy="lru",
         num_chunks=10,
-        lag=lag,
-        fail_store_every=fail_store_every,
+        options=ReplayOptions(lag=lag, fail_store_every=fail_store_every),
     )
     n = len(requests)
     ids = [f"r{i}" for i in range(n)]
