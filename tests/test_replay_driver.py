@@ -16,6 +16,7 @@ from kvcache.replay import (
     NullManager,
     ReplayOptions,
     Workload,
+    grid_runs,
     make_key,
     null_backend,
     parse_capacities,
@@ -100,6 +101,16 @@ def fake_backend(manager: FakeManager) -> Backend:
     return Backend(
         name="fake",
         make=lambda num_chunks, policy, *, enable_events=False: manager,
+        hit="HIT",
+        req_context=FakeContext,
+    )
+
+
+def fake_backend_factory(name: str) -> Backend:
+    """A backend that builds a fresh FakeManager for every replay."""
+    return Backend(
+        name=name,
+        make=lambda num_chunks, policy, *, enable_events=False: FakeManager(),
         hit="HIT",
         req_context=FakeContext,
     )
@@ -323,3 +334,56 @@ def test_grid_warms_up_each_backend_and_policy_before_timing() -> None:
     assert [(p, n) for p, n, _ in made] == [("lru", 300), ("arc", 300), ("lru", 300), ("arc", 300)]
     assert requests_seen == [200, 200, 300, 300]
     assert [r.run.requests for r in rows] == [300, 300]
+
+
+@pytest.mark.parametrize("repeat", [1, 3])
+@pytest.mark.parametrize("with_reference", [False, True])
+def test_grid_runs_counts_every_replay_that_reports_progress(
+    repeat: int, with_reference: bool
+) -> None:
+    wl = workload(*[[i, i + 1] for i in range(0, 40, 2)])
+    labels: list[str] = []
+    done: list[tuple[int, int]] = []
+
+    def progress_for(label: str) -> Any:
+        labels.append(label)
+        return lambda d, t: done.append((d, t))
+
+    rows = run_grid(
+        wl,
+        fake_backend_factory("a"),
+        policies=["lru", "arc"],
+        capacities=parse_capacities("10%,50%,100%"),
+        repeat=repeat,
+        reference=fake_backend_factory("ref") if with_reference else None,
+        progress_for=progress_for,
+    )
+    assert len(rows) == 6
+    assert len(labels) == grid_runs(
+        policies=2, capacities=3, repeat=repeat, reference=with_reference
+    )
+    assert done[-1] == (len(wl.requests), len(wl.requests))  # every run reports its end
+
+
+def test_options_reach_every_replay_of_the_grid() -> None:
+    wl = workload(*[[i] for i in range(30)])
+    made: list[FakeManager] = []
+
+    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> FakeManager:
+        made.append(FakeManager())
+        return made[-1]
+
+    backend = Backend(name="a", make=make, hit="HIT", req_context=FakeContext)
+    options = ReplayOptions(lag=0, fail_store_every=2)
+    rows = run_grid(
+        wl, backend, policies=["lru"], capacities=parse_capacities("50%"), options=options
+    )
+    # Warm-up and timed run alike: lag 0 (each request finishes before the next starts) and
+    # every second store job failed.
+    for manager in made:
+        kinds = [c[0] for c in manager.calls]
+        assert kinds[:4] == ["new", "lookup", "store", "store_done"]
+        successes = [c[3] for c in manager.calls if c[0] == "store_done"]
+        assert successes[:4] == [True, False, True, False]
+    assert rows[0].options == options
+    assert rows[0].as_dict()["fail_store_every"] == 2

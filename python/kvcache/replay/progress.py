@@ -1,12 +1,12 @@
 """A progress bar for a replay grid: which run of how many, and how long the rest will take.
 
 One tqdm bar for the whole grid, counted in replayed requests: its description names the run
-(``run 3/16: kvcache lru 8,858 chunks``) and tqdm supplies the rate and the time left. The
-driver calls the per-run callback about 50 times per replay, inside the timed loop, so the bar
-must cost next to nothing there: tqdm redraws at most every ``mininterval`` seconds, and a call
-that does not redraw costs about 0.2 µs (a redraw ~35 µs). (rich's progress bar was measured at
-~430 µs per redraw and redraws from a thread of its own, which would take the GIL from the timed
-replay; tqdm's monitor thread is switched off for the same reason.)
+(``run 3/16: kvcache lru 8,858 chunks``) and tqdm supplies the time left. The driver calls the
+per-run callback about 50 times per replay, inside the timed loop, so the bar must cost next to
+nothing there: tqdm redraws at most every ``MININTERVAL`` seconds, and a call that does not
+redraw costs well under a microsecond. rich's bar costs ~18x more per redraw and redraws from a
+thread of its own, which would take the GIL from the timed replay (``bench/progress_cost.py``
+measures both); tqdm's monitor thread is switched off for the same reason.
 """
 
 from __future__ import annotations
