@@ -52,7 +52,7 @@ __all__ = ["build_parser", "main"]
 DEFAULT_POLICIES = "lru,arc"
 DEFAULT_CAPACITIES = "10%,25%,50%,100%"
 DEFAULT_KV_DTYPE = "bfloat16"
-#: What the optional parts need, as pip extras of the distribution.
+#: The name pip knows kvcache by (for install hints; the import package is ``kvcache``).
 DISTRIBUTION = "kvcache-offload"
 
 

@@ -113,7 +113,8 @@ def _import_vllm_manager() -> tuple[Any, Any, Any]:
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
     except ImportError as exc:
         raise BackendUnavailable(
-            f"this backend needs vLLM {REFERENCE_VLLM}, which is not importable here ({exc})"
+            f"this backend needs vLLM {REFERENCE_VLLM} (pip install 'kvcache-offload[vllm]'), "
+            f"which does not import here: {exc}"
         ) from None
     finally:
         logging.disable(previous)
