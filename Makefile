@@ -1,54 +1,116 @@
-# kvcache developer entry points. Every target works on a fresh machine:
-# `make install` creates .venv with the build/test tools and the vLLM 0.33.0 oracle.
+# kvcache developer entry points. Every target works on a fresh machine (python3 >= 3.11 and a
+# Rust toolchain): each one installs what it needs into .venv, in three layers, each a stamp file:
+#
+#   base         build tools, numpy, tqdm: enough to build the extension and run the replay
+#   wheel-tools  base + zig and auditwheel, for the manylinux wheel
+#   install      everything: base, wheel tools, test and lint tools, and vLLM 0.33.0 (the test
+#                oracle, with the CUDA build of torch: ~6.7 GB)
+#
+# `make replay` (the main job) needs only the base; `make test` and `make lint` install it all.
+# Versions are pinned by requirements/constraints.txt. A new target depends on the layer it
+# needs and adds itself to `.PHONY`; a new lint step goes into `lint`.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q -c requirements/constraints.txt
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install build build-dev test test-rust test-py bench bench-rust bench-py replay lint fmt wheel clean miri fuzz memory
+# The wheel's platform tag: torch's Linux wheels (and so vLLM) need glibc 2.28 already.
+MANYLINUX ?= manylinux_2_28
+REPLAY_ARGS ?=
 
-install: $(VENV)/.installed
+BASE        := $(VENV)/.base-installed
+WHEEL_TOOLS := $(VENV)/.wheel-tools-installed
+FULL        := $(VENV)/.installed
 
-$(VENV)/.installed: requirements/dev.txt requirements/oracle.txt requirements/constraints.txt
+.PHONY: base install build build-dev wheel replay test test-rust test-py lint fmt \
+        bench bench-rust bench-py memory miri fuzz clean
+
+# --- environments ---------------------------------------------------------------------------
+
+base: $(BASE)
+install: $(FULL)
+
+$(BASE): requirements/base.txt requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c requirements/constraints.txt -r requirements/dev.txt -r requirements/oracle.txt
+	$(PIP) -r requirements/base.txt
+	touch $@
+
+$(WHEEL_TOOLS): $(BASE) requirements/wheel.txt
+	$(PIP) -r requirements/wheel.txt
+	touch $@
+
+# vLLM itself goes in with --no-deps: its full dependency set pulls CUDA kernels never run here;
+# requirements/oracle.txt lists what its kv_offload modules import.
+$(FULL): $(BASE) $(WHEEL_TOOLS) requirements/dev.txt requirements/oracle.txt
+	$(PIP) -r requirements/dev.txt -r requirements/oracle.txt
 	$(PY) -m pip install -q --no-deps vllm==0.33.0
 	touch $@
 
-# Optimised build of the extension into .venv, with the invariant checks (`validate()`) the
-# tests call (what tests and benchmarks use; release wheels leave them out).
-build: install
+# --- build ----------------------------------------------------------------------------------
+
+# Optimised build of the extension into .venv (what the replay, tests and benchmarks use), with
+# the invariant checks (`validate()`) the tests call; the distributable wheel leaves them out.
+build: $(BASE)
 	$(VENV)/bin/maturin develop --release -q --features validate
 
 # Faster unoptimised build for iterating.
-build-dev: install
+build-dev: $(BASE)
 	$(VENV)/bin/maturin develop -q --features validate
 
-wheel: install
-	$(VENV)/bin/maturin build --release -o dist
+# The distributable wheel: abi3 (CPython >= 3.11), stripped, linked by zig against glibc 2.28's
+# symbols; maturin refuses a wheel that is not $(MANYLINUX)-compliant, and auditwheel reports
+# the tag it finds on its own.
+wheel: $(WHEEL_TOOLS)
+	rm -f dist/kvcache_offload-*.whl
+	$(VENV)/bin/maturin build --release --strip --zig --compatibility $(MANYLINUX) -o dist
+	$(VENV)/bin/auditwheel show dist/kvcache_offload-*.whl
 
-test: build test-rust test-py
+# --- the main job ---------------------------------------------------------------------------
+
+# Replay the built-in synthetic multi-turn workload through LRU and ARC (REPLAY_ARGS: more
+# options, e.g. REPLAY_ARGS="--compare-vllm --repeat 3" after `make install`).
+replay: build
+	$(PY) -m kvcache replay $(REPLAY_ARGS)
+
+# --- tests and lint -------------------------------------------------------------------------
+
+test: install build test-rust test-py
 
 test-rust:
 	cargo test --workspace -q
 
-test-py: build
-	$(PY) -m pytest -q
+# tests/test_wheel.py installs the wheel `make wheel` just built into a clean venv.
+test-py: install build wheel
+	KVCACHE_WHEEL="$(abspath $(wildcard dist/kvcache_offload-*.whl))" $(PY) -m pytest -q
+
+lint: install
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -q -- -D warnings
+	$(VENV)/bin/ruff check python tests bench
+	$(VENV)/bin/ruff format --check python tests bench
+
+fmt: install
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests bench
+	$(VENV)/bin/ruff check --fix python tests bench
+
+# --- benchmarks and deeper checks -------------------------------------------------------------
 
 bench: bench-rust bench-py
 
 bench-rust:
 	cargo bench -p kvcache-core
 
-bench-py: build
+bench-py: install build
 	@mkdir -p .benchmarks
 	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-enable --benchmark-only --benchmark-columns=min,median,rounds --benchmark-json=.benchmarks/policies.json
 	$(PY) bench/summarize.py .benchmarks/policies.json
 
 # Memory per resident chunk, ours vs vLLM's (fresh process per row).
-memory: build
+memory: install build
 	$(PY) bench/memory_per_chunk.py
 
 # The core's policy and manager tests under Miri (needs the nightly toolchain with miri; the
@@ -62,21 +124,6 @@ FUZZ_SECONDS ?= 300
 fuzz:
 	cd fuzz && cargo +nightly fuzz run policies -- -max_total_time=$(FUZZ_SECONDS)
 	cd fuzz && cargo +nightly fuzz run manager -- -max_total_time=$(FUZZ_SECONDS)
-
-# The main job: replay the built-in synthetic multi-turn workload through LRU and ARC.
-replay: build
-	$(PY) -m kvcache replay
-
-lint: install
-	cargo fmt --all -- --check
-	cargo clippy --workspace --all-targets -q -- -D warnings
-	$(VENV)/bin/ruff check python tests bench
-	$(VENV)/bin/ruff format --check python tests bench
-
-fmt: install
-	cargo fmt --all
-	$(VENV)/bin/ruff format python tests bench
-	$(VENV)/bin/ruff check --fix python tests bench
 
 clean:
 	cargo clean

@@ -1,9 +1,16 @@
-"""``kvcache replay``: error paths (one line, non-zero, no traceback) and the outputs."""
+"""The ``kvcache`` command: error paths (one line, exit 2, no traceback), options and outputs."""
 
 from __future__ import annotations
 
+import csv
+import dataclasses
+import datetime
+import hashlib
+import importlib.metadata
+import io
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +18,9 @@ from typing import Any
 
 import pytest
 
+import kvcache
 import kvcache.cli as cli
+import kvcache.replay.progress as progress_module
 from kvcache.replay import Backend, vllm_backend
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
@@ -190,8 +199,10 @@ def test_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
         capsys,
     )  # fmt: skip
     assert rc == 0, err
-    rows = json.loads(out)
-    assert isinstance(rows, list)
+    document = json.loads(out)
+    assert document["schema"] == 1
+    assert document["meta"]["backend"] == "vllm"
+    rows = document["rows"]
     assert len(rows) == 4
     for row in rows:
         assert set(row) >= REQUIRED
@@ -292,3 +303,348 @@ def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     )  # fmt: skip
     assert rc == 0, err
     assert target.stat().st_size > 0
+
+
+# --- the kvcache backend: options in operator units, outputs, progress ------------------------
+
+
+def replay_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[dict[str, Any], str]:
+    rc, out, err = run(["replay", "--quiet", "--json", *argv], capsys)
+    assert rc == 0, err
+    return json.loads(out), err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["--version"], capsys)
+    assert rc == 0
+    assert out == f"kvcache {kvcache.__version__}\n"
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        ("ARCCachePolicy,LRUCachePolicy", ["arc", "lru"]),
+        ("lrucachepolicy,LRU,arc", ["lru", "arc"]),
+    ],
+)
+def test_policy_accepts_vllm_class_names(
+    policy: str, expected: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    document, _ = replay_json(["--requests", "30", "--capacity", "50%", "--policy", policy], capsys)
+    assert [row["policy"] for row in document["rows"]] == expected
+
+
+def test_json_carries_run_metadata(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = [
+        json.dumps({"timestamp": i, "input_length": 1024, "output_length": 5, "hash_ids": ids})
+        for i, ids in enumerate([[1, 2], [1, 2, 3], [4], [1, 2, 3, 5]])
+    ]
+    path = write_trace(tmp_path / "t.jsonl", lines)
+    document, _ = replay_json(
+        ["--trace", str(path), "--capacity", "3", "--lag", "1", "--repeat", "2"], capsys
+    )
+    meta = document["meta"]
+    assert meta["kvcache"] == kvcache.__version__
+    try:
+        vllm_version: str | None = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        vllm_version = None
+    assert meta["vllm"] == vllm_version
+    assert meta["workload"] == {
+        "name": "mooncake:t.jsonl",
+        "requests": 4,
+        "key_visits": 10,
+        "unique_blocks": 5,
+        "block_tokens": 512,
+        "trace": str(path.resolve()),
+        "trace_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+    }
+    assert (meta["backend"], meta["reference"], meta["lag"], meta["repeat"]) == (
+        "kvcache",
+        None,
+        1,
+        2,
+    )
+    assert meta["host"] == platform.node()
+    assert meta["python"] == platform.python_version()
+    date = datetime.datetime.fromisoformat(meta["date"])
+    assert date.tzinfo is not None
+    assert abs((datetime.datetime.now(datetime.UTC) - date).total_seconds()) < 600
+    assert meta["command"].startswith("kvcache replay --quiet --json --trace ")
+    row = document["rows"][0]
+    assert (row["capacity"], row["lag"], row["repeat"]) == (3, 1, 2)
+
+
+def test_csv(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(
+        ["replay", "--quiet", "--csv", "--requests", "40", "--capacity", "10%,20"], capsys
+    )
+    assert rc == 0, err
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert [(r["policy"], r["capacity_spec"]) for r in rows] == [
+        ("lru", "10%"),
+        ("lru", "20"),
+        ("arc", "10%"),
+        ("arc", "20"),
+    ]
+    for r in rows:
+        assert int(r["hits"]) + int(r["misses"]) == int(r["lookups"])
+        assert float(r["hit_ratio"]) == pytest.approx(int(r["hits"]) / int(r["lookups"]))
+        assert r["capacity_bytes"] == ""  # no block size given
+        assert all("=" in part for part in r["lookup_stops"].split(";") if part)
+
+
+def test_json_and_csv_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_one_line_error(*run(["replay", "--json", "--csv"], capsys), "not allowed")
+
+
+def test_capacity_in_bytes_with_bytes_per_block(capsys: pytest.CaptureFixture[str]) -> None:
+    # 1000-byte blocks take one 4 KiB page each, as vLLM aligns them: 4 MB hold 976 chunks.
+    document, _ = replay_json(
+        ["--requests", "200", "--policy", "lru", "--capacity", "4MB,10%",
+         "--bytes-per-block", "1000"],
+        capsys,
+    )  # fmt: skip
+    first, second = document["rows"]
+    assert (first["capacity"], first["capacity_spec"]) == (976, "4MB")
+    assert first["capacity_bytes"] == 976 * 4096
+    assert second["capacity_bytes"] == second["capacity"] * 4096
+    assert document["meta"]["bytes_per_block"] == 1000
+    assert document["meta"]["chunk_bytes"] == 4096
+
+
+def test_capacity_in_bytes_from_the_model_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    # 2 (K, V) x 32 layers x 8 KV heads x 128 x 2 bytes x 16 tokens = 2 MiB per block.
+    document, _ = replay_json(
+        ["--requests", "200", "--policy", "arc", "--capacity", "2GiB", "--num-layers", "32",
+         "--num-kv-heads", "8", "--head-size", "128", "--kv-dtype", "bf16"],
+        capsys,
+    )  # fmt: skip
+    [row] = document["rows"]
+    assert row["capacity"] == 1024
+    assert row["capacity_bytes"] == 2 << 30
+    assert document["meta"]["bytes_per_block"] == 2 << 20
+    rc, out, err = run(
+        ["replay", "--quiet", "--requests", "200", "--policy", "arc", "--capacity", "2GiB",
+         "--num-layers", "32", "--num-kv-heads", "8", "--head-size", "128", "--kv-dtype", "fp8"],
+        capsys,
+    )  # fmt: skip
+    assert rc == 0, err
+    assert "block: 2 x 32 layers x 8 KV heads x head size 128 x 1 B (fp8) x 16 tokens" in out
+    assert "2,048" in out  # 1 MiB blocks: twice the chunks
+    assert "2 GiB" in out  # the memory column
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--capacity", "64GiB"], "--bytes-per-block"),
+        (["--capacity", "64XB", "--bytes-per-block", "1"], "malformed capacity"),
+        (["--capacity", "64G", "--bytes-per-block", "1"], "malformed capacity"),
+        (["--capacity", "1KiB", "--bytes-per-block", "1MiB"], "less than one chunk"),
+        (["--num-layers", "32"], "--num-kv-heads and --head-size"),
+        (["--bytes-per-block", "1MiB", "--num-layers", "2"], "not both"),
+        (["--bytes-per-block", "0"], "size"),
+        (["--bytes-per-block", "2 parsecs"], "unit"),
+        (["--kv-dtype", "int4"], "invalid choice"),
+    ],
+)
+def test_bad_block_size_options(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_one_line_error(*run(["replay", "--requests", "5", *argv], capsys), fragment)
+
+
+def test_huge_capacity_is_clamped_with_a_note(capsys: pytest.CaptureFixture[str]) -> None:
+    document, err = replay_json(
+        ["--requests", "50", "--policy", "lru", "--capacity", "999999999,100%"], capsys
+    )
+    unique = document["meta"]["workload"]["unique_blocks"]
+    clamped, full = document["rows"]
+    assert (clamped["capacity"], clamped["capacity_requested"]) == (unique, 999999999)
+    assert full["capacity"] == full["capacity_requested"] == unique
+    # The same decisions as the cache that just fits.
+    for name in ("hits", "stored", "evicted", "failed_prepares"):
+        assert clamped[name] == full[name]
+    assert err.count("\n") == 1
+    assert "note: capacity 999999999 is 999,999,999 chunks" in err
+    assert f"replaying with {unique:,}" in err
+
+
+def test_plot_path_is_checked_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+
+    def no_run(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the replay ran before the plot path was checked")
+
+    monkeypatch.setattr(cli, "run_grid", no_run)
+    missing_dir = tmp_path / "no" / "such" / "dir" / "hits.png"
+    assert_one_line_error(*run(["replay", "--plot", str(missing_dir)], capsys), "cannot write")
+    assert_one_line_error(*run(["replay", "--plot", str(tmp_path)], capsys), "cannot write")
+    bad_format = tmp_path / "hits.docx"
+    assert_one_line_error(*run(["replay", "--plot", str(bad_format)], capsys), "unknown format")
+    assert not bad_format.exists()
+    # A writable path passes the check and is not left behind by it.
+    good = tmp_path / "hits.png"
+    with pytest.raises(AssertionError, match="before the plot path"):
+        cli.main(["replay", "--plot", str(good), "--requests", "5"])
+    assert not good.exists()
+
+
+def test_plot_axis_is_in_bytes_when_the_block_size_is_known(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    from kvcache.replay.report import hit_ratio_figure
+
+    target = tmp_path / "hits.png"
+    rows: list[Any] = []
+    real_plot = cli.plot_hit_ratio
+
+    def keep_rows(rows_: Any, path: Any, *, title: str) -> None:
+        rows.extend(rows_)
+        real_plot(rows_, path, title=title)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli, "plot_hit_ratio", keep_rows)
+        rc, _, err = run(
+            ["replay", "--quiet", "--requests", "100", "--policy", "lru", "--capacity",
+             "1GiB,2GiB", "--bytes-per-block", "1MiB", "--plot", str(target)],
+            capsys,
+        )  # fmt: skip
+    assert rc == 0, err
+    assert target.stat().st_size > 0
+    fig = hit_ratio_figure(rows, title="t")
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "capacity (GiB of host memory)"
+    assert list(ax.lines[0].get_xdata()) == [
+        min(r.capacity.bytes for r in rows) / 2**30,
+        max(r.capacity.bytes for r in rows) / 2**30,
+    ]
+    fig_chunks = hit_ratio_figure(
+        [dataclasses.replace(r, capacity=dataclasses.replace(r.capacity, chunk_bytes=None))
+         for r in rows],
+        title="t",
+    )  # fmt: skip
+    assert fig_chunks.axes[0].get_xlabel() == "capacity (chunks)"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_run_k_of_n_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(progress_module, "MININTERVAL", 0.0)
+    rc = cli.main(["replay", "--requests", "60", "--capacity", "10%,20%,30%", "--repeat", "2"])
+    assert rc == 0
+    drawn = terminal.getvalue()
+    # 2 policies x 3 capacities x 2 repeats = 12 timed replays.
+    assert "run 1/12: kvcache lru" in drawn
+    assert "run 12/12: kvcache arc" in drawn
+    assert "run 13/" not in drawn
+    assert "<" in drawn  # elapsed<remaining
+
+
+def test_no_progress_when_quiet_or_not_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli.main(["replay", "--quiet", "--requests", "30", "--capacity", "10%"]) == 0
+    assert terminal.getvalue() == ""
+    monkeypatch.undo()
+    rc, _, err = run(["replay", "--requests", "30", "--capacity", "10%"], capsys)
+    assert rc == 0
+    assert err == ""
+
+
+# --- missing optional dependencies: one line, exit 2 ------------------------------------------
+
+
+@pytest.fixture
+def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make vLLM (and our adapter, which imports it) unimportable for one test."""
+    for name in list(sys.modules):
+        if name == "vllm" or name.startswith("vllm.") or name == "kvcache.vllm":
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setitem(sys.modules, "kvcache.vllm", None)
+
+
+@pytest.mark.usefixtures("no_vllm")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--backend", "vllm-rust-policies"],
+        ["--backend", "vllm"],
+        ["--compare-vllm"],
+    ],
+)
+def test_vllm_backends_without_vllm(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    result = run(["replay", "--requests", "5", *argv], capsys)
+    assert_one_line_error(*result, "needs vLLM 0.33.0")
+
+
+def test_transfer_bench_without_torch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)
+    result = run(["transfer", "bench", "--device", "cpu"], capsys)
+    assert_one_line_error(*result, "needs torch", "kvcache-offload[transfer]")
+
+
+def test_transfer_bench_torch_missing_inside_the_bench(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch found by name but failing to import inside the bench: still one line."""
+    from kvcache.transfer import _bench
+
+    def needs_torch(argv: list[str] | None = None) -> int:
+        raise ModuleNotFoundError("No module named 'torch._C'", name="torch._C")
+
+    monkeypatch.setattr(_bench, "main", needs_torch)
+    assert_one_line_error(*run(["transfer", "bench"], capsys), "needs torch")
+
+
+def test_transfer_bench_forwards_its_arguments(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torch")
+    from kvcache.transfer import _bench
+
+    seen: list[list[str] | None] = []
+
+    def fake_main(argv: list[str] | None = None) -> int:
+        seen.append(argv)
+        return 7
+
+    monkeypatch.setattr(_bench, "main", fake_main)
+    rc, _, _ = run(["transfer", "bench", "--device", "cpu", "--quick", "--json", "x.json"], capsys)
+    assert rc == 7
+    assert seen == [["bench", "--device", "cpu", "--quick", "--json", "x.json"]]
+
+
+def test_transfer_bench_help_is_the_bench_s_own(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    rc, out, _ = run(["transfer", "bench", "--help"], capsys)
+    assert rc == 0
+    assert "--device" in out
+    assert "--quick" in out
+
+
+def test_transfer_without_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(["transfer"], capsys)
+    assert rc == 2
+    assert out == ""
+    assert "bench" in err
+
+
+def test_unknown_argument_after_replay_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_one_line_error(*run(["replay", "--requests", "5", "stray"], capsys), "unrecognized")

@@ -14,7 +14,9 @@ from kvcache.replay import (
     Backend,
     ConfigError,
     NullManager,
+    ReplayOptions,
     Workload,
+    grid_runs,
     make_key,
     null_backend,
     parse_capacities,
@@ -104,6 +106,16 @@ def fake_backend(manager: FakeManager) -> Backend:
     )
 
 
+def fake_backend_factory(name: str) -> Backend:
+    """A backend that builds a fresh FakeManager for every replay."""
+    return Backend(
+        name=name,
+        make=lambda num_chunks, policy, *, enable_events=False: FakeManager(),
+        hit="HIT",
+        req_context=FakeContext,
+    )
+
+
 def workload(*requests: list[int], block_tokens: int = 4) -> Workload:
     return Workload.from_requests(
         "t", [[key(i) for i in r] for r in requests], block_tokens=block_tokens
@@ -113,7 +125,7 @@ def workload(*requests: list[int], block_tokens: int = 4) -> Workload:
 def test_call_sequence_with_lag_1() -> None:
     mgr = FakeManager()
     wl = workload([1, 2], [1, 2, 3], [1, 2, 3, 4])
-    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=1)
+    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=1))
     k1, k2, k3, k4 = key(1), key(2), key(3), key(4)
     assert mgr.calls == [
         ("new", "r0"),
@@ -149,7 +161,7 @@ def test_call_sequence_with_lag_1() -> None:
 def test_lag_0_completes_immediately_and_full_hits_skip_prepare_store() -> None:
     mgr = FakeManager()
     wl = workload([1, 2], [1, 2])
-    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=0)
+    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=0))
     assert [c[0] for c in mgr.calls] == [
         "new", "lookup", "store", "store_done", "finished",
         "new", "lookup", "lookup", "load", "load_done", "finished",
@@ -172,7 +184,13 @@ def test_default_lag_is_8() -> None:
 def test_failed_prepare_and_failed_stores() -> None:
     mgr = FakeManager(fail_prepare={"r1"})
     wl = workload([1], [2], [3], [4], [5], [6])
-    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=0, fail_store_every=2)
+    run = replay(
+        fake_backend(mgr),
+        wl,
+        policy="lru",
+        num_chunks=10,
+        options=ReplayOptions(lag=0, fail_store_every=2),
+    )
     assert run.failed_prepares == 1
     successes = [c[3] for c in mgr.calls if c[0] == "store_done"]
     # r1's prepare failed (no store job); the jobs are r0 r2 r3 r4 r5; every 2nd fails.
@@ -183,7 +201,13 @@ def test_failed_prepare_and_failed_stores() -> None:
 
 def test_empty_request_counts_nothing() -> None:
     mgr = FakeManager()
-    run = replay(fake_backend(mgr), workload([], [1]), policy="lru", num_chunks=10, lag=0)
+    run = replay(
+        fake_backend(mgr),
+        workload([], [1]),
+        policy="lru",
+        num_chunks=10,
+        options=ReplayOptions(lag=0),
+    )
     assert run.lookups == 1
     assert ("new", "r0") in mgr.calls
     assert ("finished", "r0") in mgr.calls
@@ -194,9 +218,9 @@ def test_bad_options_are_config_errors() -> None:
     backend = fake_backend(FakeManager())
     wl = workload([1])
     with pytest.raises(ConfigError, match="lag"):
-        replay(backend, wl, policy="lru", num_chunks=1, lag=-1)
+        ReplayOptions(lag=-1)
     with pytest.raises(ConfigError, match="fail-store-every"):
-        replay(backend, wl, policy="lru", num_chunks=1, fail_store_every=-1)
+        ReplayOptions(fail_store_every=-1)
     with pytest.raises(ConfigError, match="capacity"):
         replay(backend, wl, policy="lru", num_chunks=0)
 
@@ -204,9 +228,9 @@ def test_bad_options_are_config_errors() -> None:
 def test_null_manager_reproduces_the_recorded_answers() -> None:
     wl = workload([1, 2], [1, 2, 3], [1, 2, 3, 4], [5], [1, 2, 3, 4, 5])
     mgr = FakeManager(fail_prepare={"r3"})
-    real = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, lag=1)
+    real = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=1))
     null = null_backend(fake_backend(FakeManager()), wl, real.script)
-    again = replay(null, wl, policy="lru", num_chunks=10, lag=1)
+    again = replay(null, wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=1))
     assert again.counters() == real.counters()
     assert again.script == real.script
     # It really is stateless: lookups are plain dict probes of the recorded answers.
@@ -225,7 +249,9 @@ def test_time_backend_pairs_real_and_null_runs() -> None:
         return managers[-1]
 
     backend = Backend(name="fake", make=make, hit="HIT", req_context=FakeContext)
-    run, timing = time_backend(backend, wl, policy="lru", num_chunks=10, lag=1, repeat=3)
+    run, timing = time_backend(
+        backend, wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=1), repeat=3
+    )
     assert len(managers) == 3  # one fresh manager per repeat; null runs use their own
     assert timing.repeat == 3
     assert timing.lookups == wl.key_visits
@@ -249,8 +275,7 @@ def test_every_request_is_issued_and_finished_in_order(
         wl,
         policy="lru",
         num_chunks=10,
-        lag=lag,
-        fail_store_every=fail_store_every,
+        options=ReplayOptions(lag=lag, fail_store_every=fail_store_every),
     )
     n = len(requests)
     ids = [f"r{i}" for i in range(n)]
@@ -309,3 +334,56 @@ def test_grid_warms_up_each_backend_and_policy_before_timing() -> None:
     assert [(p, n) for p, n, _ in made] == [("lru", 300), ("arc", 300), ("lru", 300), ("arc", 300)]
     assert requests_seen == [200, 200, 300, 300]
     assert [r.run.requests for r in rows] == [300, 300]
+
+
+@pytest.mark.parametrize("repeat", [1, 3])
+@pytest.mark.parametrize("with_reference", [False, True])
+def test_grid_runs_counts_every_replay_that_reports_progress(
+    repeat: int, with_reference: bool
+) -> None:
+    wl = workload(*[[i, i + 1] for i in range(0, 40, 2)])
+    labels: list[str] = []
+    done: list[tuple[int, int]] = []
+
+    def progress_for(label: str) -> Any:
+        labels.append(label)
+        return lambda d, t: done.append((d, t))
+
+    rows = run_grid(
+        wl,
+        fake_backend_factory("a"),
+        policies=["lru", "arc"],
+        capacities=parse_capacities("10%,50%,100%"),
+        repeat=repeat,
+        reference=fake_backend_factory("ref") if with_reference else None,
+        progress_for=progress_for,
+    )
+    assert len(rows) == 6
+    assert len(labels) == grid_runs(
+        policies=2, capacities=3, repeat=repeat, reference=with_reference
+    )
+    assert done[-1] == (len(wl.requests), len(wl.requests))  # every run reports its end
+
+
+def test_options_reach_every_replay_of_the_grid() -> None:
+    wl = workload(*[[i] for i in range(30)])
+    made: list[FakeManager] = []
+
+    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> FakeManager:
+        made.append(FakeManager())
+        return made[-1]
+
+    backend = Backend(name="a", make=make, hit="HIT", req_context=FakeContext)
+    options = ReplayOptions(lag=0, fail_store_every=2)
+    rows = run_grid(
+        wl, backend, policies=["lru"], capacities=parse_capacities("50%"), options=options
+    )
+    # Warm-up and timed run alike: lag 0 (each request finishes before the next starts) and
+    # every second store job failed.
+    for manager in made:
+        kinds = [c[0] for c in manager.calls]
+        assert kinds[:4] == ["new", "lookup", "store", "store_done"]
+        successes = [c[3] for c in manager.calls if c[0] == "store_done"]
+        assert successes[:4] == [True, False, True, False]
+    assert rows[0].options == options
+    assert rows[0].as_dict()["fail_store_every"] == 2

@@ -15,6 +15,7 @@ import pytest
 
 from kvcache.replay import (
     Backend,
+    ReplayOptions,
     SyntheticChat,
     Workload,
     compare_backends,
@@ -60,7 +61,11 @@ def test_counters_are_consistent(
 ) -> None:
     for num_chunks in capacities(wl):
         run = replay(
-            vllm, wl, policy=policy, num_chunks=num_chunks, fail_store_every=fail_store_every
+            vllm,
+            wl,
+            policy=policy,
+            num_chunks=num_chunks,
+            options=ReplayOptions(fail_store_every=fail_store_every),
         )
         assert run.lookups == wl.key_visits
         assert run.hits + run.misses == run.lookups
@@ -103,8 +108,7 @@ def test_vllm_matches_itself(
             wl,
             policy=policy,
             num_chunks=num_chunks,
-            lag=lag,
-            fail_store_every=fail_store_every,
+            options=ReplayOptions(lag=lag, fail_store_every=fail_store_every),
         )
         assert result.matched, result.divergence
         assert result.steps == len(wl.requests) + 1  # every request and the final drain
@@ -243,7 +247,11 @@ def test_null_baseline_follows_the_real_run(vllm: Backend, wl: Workload) -> None
 def test_events_do_not_change_decisions(vllm: Backend, wl: Workload) -> None:
     quiet = replay(vllm, wl, policy="lru", num_chunks=wl.unique_blocks // 10)
     run, _ = time_backend(
-        vllm, wl, policy="lru", num_chunks=wl.unique_blocks // 10, drain_events=True
+        vllm,
+        wl,
+        policy="lru",
+        num_chunks=wl.unique_blocks // 10,
+        options=ReplayOptions(drain_events=True),
     )
     assert run.counters() == quiet.counters()
 
@@ -289,7 +297,7 @@ def test_kvcache_backend_matches_vllm(
             wl,
             policy=policy,
             num_chunks=num_chunks,
-            fail_store_every=fail_store_every,
+            options=ReplayOptions(fail_store_every=fail_store_every),
         )
         assert result.matched, result.divergence
 

@@ -1,22 +1,49 @@
-"""Command line: ``kvcache replay`` (also ``python -m kvcache replay``).
+"""Command line: ``kvcache replay``, ``kvcache transfer bench`` (also ``python -m kvcache ...``).
 
-Errors the user can fix (bad options, a missing or malformed trace, a backend that is not built)
-end in one line on stderr and exit status 2; a replay whose decisions diverged from vLLM's under
-``--compare-vllm`` exits 1. Anything else is a bug and keeps its traceback.
+Errors the user can fix (bad options, a missing or malformed trace, a backend or a dependency
+that is not installed) end in one line on stderr and exit status 2; a replay whose decisions
+diverged from vLLM's under ``--compare-vllm`` exits 1. Anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
-from kvcache.replay.backends import BACKENDS, Backend, get_backend, vllm_backend
-from kvcache.replay.errors import ReplayError
-from kvcache.replay.report import check_plotting, format_table, plot_hit_ratio, to_json
-from kvcache.replay.runner import Row, parse_capacities, parse_policies, run_grid
+import kvcache
+from kvcache.replay.backends import (
+    BACKENDS,
+    POLICY_CLASSES,
+    Backend,
+    get_backend,
+    parse_policies,
+    vllm_backend,
+)
+from kvcache.replay.capacity import (
+    DTYPE_BYTES,
+    BlockSize,
+    Capacity,
+    format_bytes,
+    kv_bytes_per_block,
+    parse_capacities,
+    parse_size,
+    resolve_capacities,
+)
+from kvcache.replay.driver import ReplayOptions
+from kvcache.replay.errors import ConfigError, ReplayError
+from kvcache.replay.report import (
+    check_plot_path,
+    format_table,
+    plot_hit_ratio,
+    to_csv,
+    to_json,
+)
+from kvcache.replay.runner import ProgressFactory, Row, grid_runs, run_grid
 from kvcache.replay.trace import DEFAULT_TRACE_BLOCK_TOKENS, load_mooncake_trace
 from kvcache.replay.workload import SyntheticChat, Workload, synthetic_chat
 
@@ -24,6 +51,9 @@ __all__ = ["build_parser", "main"]
 
 DEFAULT_POLICIES = "lru,arc"
 DEFAULT_CAPACITIES = "10%,25%,50%,100%"
+DEFAULT_KV_DTYPE = "bfloat16"
+#: The name pip knows kvcache by (for install hints; the import package is ``kvcache``).
+DISTRIBUTION = "kvcache-offload"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,12 +83,20 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="kvcache",
-        description="Fast CPU KV-cache offloading for vLLM: tools.",
-    )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+def _byte_size(text: str) -> int:
+    """A byte count: plain digits, or a number with a unit (``2MiB``)."""
+    if text.strip().isdigit():
+        value = int(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected a size >= 1 byte, not {text!r}")
+        return value
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
     rp = commands.add_parser(
         "replay",
         help="replay a workload through an offloading manager; hit ratios and CPU time",
@@ -91,15 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default=DEFAULT_POLICIES,
         metavar="LIST",
-        help=f"comma-separated policies (default {DEFAULT_POLICIES})",
+        help="comma-separated policies: lru, arc, or vLLM's class names "
+        f"({', '.join(POLICY_CLASSES.values())}) (default {DEFAULT_POLICIES})",
     )
     ex.add_argument(
         "--capacity",
         default=DEFAULT_CAPACITIES,
         metavar="LIST",
         # argparse %-formats help strings: a literal percent sign must be doubled.
-        help="comma-separated capacities: chunk counts or percentages of the workload's unique "
-        f"blocks (default {DEFAULT_CAPACITIES.replace('%', '%%')})",
+        help="comma-separated capacities: chunk counts (4096), percentages of the workload's "
+        "unique blocks (10%%) or host memory (64GiB, needs the block size below); above the "
+        f"unique blocks a capacity is clamped to them (default "
+        f"{DEFAULT_CAPACITIES.replace('%', '%%')})",
     )
     ex.add_argument(
         "--backend",
@@ -139,34 +180,76 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="enable the manager's events and take them after every request (timed runs)",
     )
+    bs = rp.add_argument_group(
+        "block size",
+        "Host memory of one offloaded block (one key), for capacities in bytes: given directly, "
+        "or derived from the model as 2 (K and V) x layers x KV heads x head size x dtype bytes "
+        "x block tokens. Chunks are page-aligned as vLLM's CPU offloading does.",
+    )
+    bs.add_argument(
+        "--bytes-per-block",
+        type=_byte_size,
+        metavar="SIZE",
+        help="bytes of one offloaded block, all workers together (e.g. 2MiB or 2097152)",
+    )
+    bs.add_argument("--num-layers", type=_positive_int, metavar="N", help="attention layers")
+    bs.add_argument(
+        "--num-kv-heads",
+        type=_positive_int,
+        metavar="N",
+        help="KV heads of the model (all tensor-parallel ranks together)",
+    )
+    bs.add_argument("--head-size", type=_positive_int, metavar="N", help="head dimension")
+    bs.add_argument(
+        "--kv-dtype",
+        default=DEFAULT_KV_DTYPE,
+        choices=sorted(DTYPE_BYTES),
+        metavar="DTYPE",
+        help=f"KV cache dtype (default {DEFAULT_KV_DTYPE}; fp8, float16, float32, ...)",
+    )
     out = rp.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print a JSON list of rows, no table")
-    out.add_argument("--plot", metavar="FILE.png", help="draw hit ratio vs capacity per policy")
+    fmt = out.add_mutually_exclusive_group()
+    fmt.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (run metadata and rows) instead of the table",
+    )
+    fmt.add_argument("--csv", action="store_true", help="print CSV rows instead of the table")
+    out.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw hit ratio vs capacity per policy (GiB when the block size is known)",
+    )
     out.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_transfer_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
+    tp = commands.add_parser(
+        "transfer",
+        help="GPU <-> host transfers: correctness check and bandwidth sweep (needs torch)",
+        description="Tools for kvcache.transfer (they need torch; on a GPU machine, CUDA).",
+    )
+    tp.set_defaults(transfer_help=tp.format_help)
+    sub = tp.add_subparsers(dest="transfer_command", metavar="COMMAND", parser_class=_Parser)
+    # Its options belong to kvcache.transfer's bench, which parses them (and answers --help).
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="byte-exact round trips, then a bandwidth sweep (--device cpu: a CPU smoke test; "
+        "--help for its options)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kvcache",
+        description="Fast CPU KV-cache offloading for vLLM: tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvcache {kvcache.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_replay_parser(commands)
+    _add_transfer_parser(commands)
     return parser
-
-
-class _ProgressBar:
-    """A one-line progress bar on a terminal; cheap enough to call inside timed replays."""
-
-    def __init__(self, stream: TextIO, width: int = 28) -> None:
-        self._stream = stream
-        self._width = width
-
-    def __call__(self, label: str) -> Callable[[int, int], None]:
-        stream, width = self._stream, self._width
-        label = f"{label[:44]:<44}"
-
-        def update(done: int, total: int) -> None:
-            frac = done / total if total else 1.0
-            filled = int(frac * width)
-            line = f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {frac:4.0%}"
-            if done >= total:
-                line = "\r" + " " * (len(line) - 1) + "\r"
-            stream.write(line)
-            stream.flush()
-
-        return update
 
 
 def _load_workload(args: argparse.Namespace) -> Workload:
@@ -185,37 +268,118 @@ def _load_workload(args: argparse.Namespace) -> Workload:
     return synthetic_chat(spec)
 
 
-def _replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    # Validate everything cheap before anything slow (generating, importing vLLM, replaying).
+_MODEL_FLAGS = ("num_layers", "num_kv_heads", "head_size")
+
+
+def _check_block_flags(args: argparse.Namespace) -> None:
+    given = [name for name in _MODEL_FLAGS if getattr(args, name) is not None]
+    if args.bytes_per_block is not None and given:
+        raise ConfigError("give either --bytes-per-block or the model's shape, not both")
+    if given and len(given) != len(_MODEL_FLAGS):
+        missing = [f"--{n.replace('_', '-')}" for n in _MODEL_FLAGS if n not in given]
+        raise ConfigError(f"the model's shape also needs {' and '.join(missing)}")
+
+
+def _block_size(args: argparse.Namespace, block_tokens: int) -> BlockSize | None:
+    if args.bytes_per_block is not None:
+        size = args.bytes_per_block
+        return BlockSize(bytes=size, source=f"{format_bytes(size)} ({size:,} B) per block, given")
+    if args.num_layers is None:
+        return None
+    size = kv_bytes_per_block(
+        layers=args.num_layers,
+        kv_heads=args.num_kv_heads,
+        head_size=args.head_size,
+        dtype=args.kv_dtype,
+        block_tokens=block_tokens,
+    )
+    width = DTYPE_BYTES[args.kv_dtype]
+    return BlockSize(
+        bytes=size,
+        source=(
+            f"2 x {args.num_layers} layers x {args.num_kv_heads} KV heads x head size "
+            f"{args.head_size} x {width} B ({args.kv_dtype}) x {block_tokens} tokens = "
+            f"{format_bytes(size)} ({size:,} B) per block"
+        ),
+    )
+
+
+def _clamp_note(capacity: Capacity, workload: Workload) -> str:
+    return (
+        f"kvcache replay: note: capacity {capacity.spec} is {capacity.requested:,} chunks, more "
+        f"than the workload's {workload.unique_blocks:,} unique blocks; replaying with "
+        f"{capacity.chunks:,} (a larger cache would decide the same: it never evicts)"
+    )
+
+
+def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stderr: TextIO) -> int:
+    # Everything cheap is checked before anything slow (generating, importing vLLM, replaying).
     policies = parse_policies(args.policy)
-    capacities = parse_capacities(args.capacity)
+    specs = parse_capacities(args.capacity)
+    _check_block_flags(args)
     if args.plot:
-        check_plotting()
+        check_plot_path(args.plot)
+    options = ReplayOptions(
+        lag=args.lag, fail_store_every=args.fail_store_every, drain_events=args.events
+    )
     workload = _load_workload(args)
-    for spec in capacities:
-        spec.resolve(workload.unique_blocks)
+    block = _block_size(args, workload.block_tokens)
+    capacities = resolve_capacities(specs, unique_blocks=workload.unique_blocks, block=block)
+    for capacity in capacities:
+        if capacity.clamped:
+            print(_clamp_note(capacity, workload), file=stderr)
     backend: Backend = get_backend(args.backend)
     reference = vllm_backend() if args.compare_vllm else None
 
     progress = None
+    progress_for: ProgressFactory | None = None
     if not args.quiet and stderr.isatty():
-        progress = _ProgressBar(stderr)
-    rows: list[Row] = run_grid(
-        workload,
-        backend,
-        policies=policies,
-        capacities=capacities,
-        lag=args.lag,
-        fail_store_every=args.fail_store_every,
-        drain_events=args.events,
-        repeat=args.repeat,
-        reference=reference,
-        progress_for=progress,
-    )
+        from kvcache.replay.progress import GridProgress
+
+        runs = grid_runs(
+            policies=len(policies),
+            capacities=len(capacities),
+            repeat=args.repeat,
+            reference=reference is not None,
+        )
+        progress = progress_for = GridProgress(
+            runs=runs, requests=len(workload.requests), stream=stderr
+        )
+    try:
+        rows: list[Row] = run_grid(
+            workload,
+            backend,
+            policies=policies,
+            capacities=capacities,
+            options=options,
+            repeat=args.repeat,
+            reference=reference,
+            progress_for=progress_for,
+        )
+    finally:
+        if progress is not None:
+            progress.close()
     if args.json:
-        print(to_json(rows), file=stdout)
+        from kvcache.replay.meta import run_metadata
+
+        meta = run_metadata(
+            workload=workload,
+            backend=backend.name,
+            reference=None if reference is None else reference.name,
+            options=options,
+            repeat=args.repeat,
+            trace=args.trace,
+            block=block,
+            argv=argv,
+        )
+        print(to_json(rows, meta), file=stdout)
+    elif args.csv:
+        stdout.write(to_csv(rows))
     else:
-        print(format_table(rows, workload), file=stdout)
+        print(
+            format_table(rows, workload, block_source=None if block is None else block.source),
+            file=stdout,
+        )
     if args.plot:
         plot_hit_ratio(rows, args.plot, title=f"{workload.name} ({backend.name})")
         if not args.quiet:
@@ -224,16 +388,44 @@ def _replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return 1 if diverged else 0
 
 
+def _is_torch(exc: ModuleNotFoundError) -> bool:
+    return (exc.name or "").partition(".")[0] == "torch"
+
+
+def _transfer_bench(argv: list[str], stderr: TextIO) -> int:
+    missing = f"kvcache transfer bench: error: needs torch (pip install '{DISTRIBUTION}[transfer]')"
+    if importlib.util.find_spec("torch") is None:
+        print(missing, file=stderr)
+        return 2
+    try:
+        from kvcache.transfer import _bench
+
+        return _bench.main(["bench", *argv])
+    except ModuleNotFoundError as exc:
+        if not _is_torch(exc):
+            raise
+        print(missing, file=stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (the console script passes it to ``sys.exit``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "transfer":
+        if args.transfer_command is None:
+            print(args.transfer_help(), file=sys.stderr, end="")
+            return 2
+        return _transfer_bench(extra, sys.stderr)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     try:
-        return _replay(args, sys.stdout, sys.stderr)
+        return _replay(args, argv, sys.stdout, sys.stderr)
     except ReplayError as exc:
         print(f"kvcache replay: error: {exc}", file=sys.stderr)
         return 2

@@ -1,39 +1,52 @@
 """Replay KV-cache offloading workloads through an ``OffloadingManager`` and measure it.
 
-The library behind ``python -m kvcache replay`` (see ``docs/replay.md``):
+The library behind ``kvcache replay`` (see ``docs/replay.md``):
 
 * :mod:`~kvcache.replay.workload` -- the built-in multi-turn chat generator;
 * :mod:`~kvcache.replay.trace` -- Mooncake JSONL traces;
-* :mod:`~kvcache.replay.driver` -- the replay semantics (one fixed call sequence for all managers);
-* :mod:`~kvcache.replay.backends` -- vLLM's manager, ours, and the null baseline;
+* :mod:`~kvcache.replay.driver` -- the replay semantics (one fixed call sequence for all
+  managers) and its options;
+* :mod:`~kvcache.replay.backends` -- vLLM's manager and ours, and the policy names;
+* :mod:`~kvcache.replay.baseline` -- the null manager the timing subtracts;
+* :mod:`~kvcache.replay.capacity` -- capacities in chunks, percentages or bytes;
 * :mod:`~kvcache.replay.runner` -- timing against the null baseline, the policy x capacity grid;
 * :mod:`~kvcache.replay.compare` -- decision-by-decision comparison of two managers;
-* :mod:`~kvcache.replay.report` -- table, JSON and plot.
+* :mod:`~kvcache.replay.report` -- table, JSON, CSV and plot; :mod:`~kvcache.replay.meta` --
+  what describes a run (versions, host, date).
 
-Importing this package never imports vLLM or torch; the ``vllm`` backend does, when asked for.
+Importing this package never imports vLLM or torch; the ``vllm`` backends do, when asked for.
 """
 
 from kvcache.replay.backends import (
     BACKENDS,
     POLICIES,
+    POLICY_CLASSES,
+    REFERENCE_VLLM,
     Backend,
-    NullManager,
     get_backend,
     kvcache_backend,
-    null_backend,
+    parse_policies,
     rust_policies_backend,
     vllm_backend,
 )
+from kvcache.replay.baseline import NullManager, null_backend
+from kvcache.replay.capacity import (
+    BlockSize,
+    Capacity,
+    CapacitySpec,
+    kv_bytes_per_block,
+    parse_capacities,
+    parse_size,
+    resolve_capacities,
+)
 from kvcache.replay.compare import Comparison, compare_decisions
-from kvcache.replay.driver import Decision, ReplayRun, replay
+from kvcache.replay.driver import Decision, ReplayOptions, ReplayRun, replay
 from kvcache.replay.errors import BackendUnavailable, ConfigError, ReplayError, TraceError
 from kvcache.replay.runner import (
-    CapacitySpec,
     Row,
     Timing,
     compare_backends,
-    parse_capacities,
-    parse_policies,
+    grid_runs,
     run_grid,
     time_backend,
     time_backends,
@@ -45,14 +58,19 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_TRACE_BLOCK_TOKENS",
     "POLICIES",
+    "POLICY_CLASSES",
+    "REFERENCE_VLLM",
     "Backend",
     "BackendUnavailable",
+    "BlockSize",
+    "Capacity",
     "CapacitySpec",
     "Comparison",
     "ConfigError",
     "Decision",
     "NullManager",
     "ReplayError",
+    "ReplayOptions",
     "ReplayRun",
     "Row",
     "SyntheticChat",
@@ -62,13 +80,17 @@ __all__ = [
     "compare_backends",
     "compare_decisions",
     "get_backend",
+    "grid_runs",
+    "kv_bytes_per_block",
     "kvcache_backend",
     "load_mooncake_trace",
     "make_key",
     "null_backend",
     "parse_capacities",
     "parse_policies",
+    "parse_size",
     "replay",
+    "resolve_capacities",
     "run_grid",
     "rust_policies_backend",
     "synthetic_chat",

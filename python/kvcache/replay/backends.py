@@ -18,34 +18,31 @@ Backends:
     Our Rust ``kvcache.OffloadingManager``.
 ``vllm-rust-policies``
     vLLM's manager loading our Rust policies by name (configuration only, no kvcache manager).
-``null``
-    :class:`NullManager`: answers every call the way a recorded run of a real backend did and
-    keeps no state. Replaying against it costs the driver's own work only, which the timing
-    subtracts (see :mod:`kvcache.replay.runner`).
+
+The null baseline the timing subtracts is built from a recorded run: :mod:`kvcache.replay.baseline`.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvcache.replay.errors import BackendUnavailable, ConfigError
-
-if TYPE_CHECKING:
-    from kvcache.replay.driver import ScriptStep
-    from kvcache.replay.workload import Workload
 
 __all__ = [
     "BACKENDS",
     "POLICIES",
+    "POLICY_CLASSES",
+    "REFERENCE_VLLM",
     "Backend",
-    "NullManager",
     "get_backend",
+    "installed_vllm_version",
     "kvcache_backend",
-    "null_backend",
+    "parse_policies",
     "rust_policies_backend",
     "vllm_backend",
 ]
@@ -54,11 +51,32 @@ logger = logging.getLogger(__name__)
 
 #: Policies every backend understands, by vLLM's registered names.
 POLICIES: tuple[str, ...] = ("lru", "arc")
-#: Backends selectable by name (``null`` is built from a recorded run, not by name).
+#: Backends selectable by name (the null baseline is built from a recorded run, not by name).
 BACKENDS: tuple[str, ...] = ("kvcache", "vllm", "vllm-rust-policies")
+#: The vLLM release the replay's reference and our adapter are checked against.
+REFERENCE_VLLM = "0.33.0"
 
-#: Class names of our Rust policies in ``kvcache.vllm`` (the interim ``kvcache`` backend).
-_KVCACHE_POLICY_CLASSES = {"lru": "LRUCachePolicy", "arc": "ARCCachePolicy"}
+#: vLLM's policy class names (what ``eviction_policy`` names in its configuration), which are
+#: also our Rust classes' names in ``kvcache.vllm``.
+POLICY_CLASSES = {"lru": "LRUCachePolicy", "arc": "ARCCachePolicy"}
+_POLICY_ALIASES = {
+    **{name: name for name in POLICIES},
+    **{cls.lower(): name for name, cls in POLICY_CLASSES.items()},
+}
+
+
+def parse_policies(text: str) -> list[str]:
+    """Parse ``"lru,arc"`` or vLLM's class names (``"LRUCachePolicy"``), case-insensitively,
+    into registered names with duplicates dropped; an unknown name is a ConfigError."""
+    policies: list[str] = []
+    for raw in text.split(","):
+        name = _POLICY_ALIASES.get(raw.strip().lower())
+        if name is None:
+            choices = ", ".join([*POLICIES, *POLICY_CLASSES.values()])
+            raise ConfigError(f"unknown policy {raw.strip()!r} (choose from {choices})")
+        if name not in policies:
+            policies.append(name)
+    return policies
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,6 +94,14 @@ def _check_policy(policy: str) -> None:
         raise ConfigError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
 
 
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version from its package metadata (vLLM is not imported)."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _import_vllm_manager() -> tuple[Any, Any, Any]:
     """Import vLLM's manager, ReqContext and LookupResult (slow; only when a backend needs them)."""
     # torch and vLLM log deprecation notices while importing; they say nothing about the replay
@@ -86,9 +112,17 @@ def _import_vllm_manager() -> tuple[Any, Any, Any]:
         from vllm.v1.kv_offload.base import LookupResult, ReqContext
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
     except ImportError as exc:
-        raise BackendUnavailable(f"vLLM 0.33.0 is not importable here ({exc})") from None
+        raise BackendUnavailable(
+            f"this backend needs vLLM {REFERENCE_VLLM} (pip install 'kvcache-offload[vllm]'), "
+            f"which does not import here: {exc}"
+        ) from None
     finally:
         logging.disable(previous)
+    version = installed_vllm_version()
+    if version != REFERENCE_VLLM:
+        logger.warning(
+            "vLLM %s is installed; the replay's reference is vLLM %s", version, REFERENCE_VLLM
+        )
     return CPUOffloadingManager, ReqContext, LookupResult
 
 
@@ -126,14 +160,17 @@ def kvcache_backend() -> Backend:
 def rust_policies_backend() -> Backend:
     """vLLM's Python manager loading our Rust policies by name (``kvcache.vllm``): what an
     operator gets from configuration alone, without kvcache's manager."""
-    importlib.import_module("kvcache.vllm")
     manager_cls, req_context_cls, lookup_result = _import_vllm_manager()
+    try:
+        importlib.import_module("kvcache.vllm")
+    except ImportError as exc:
+        raise BackendUnavailable(f"kvcache.vllm does not import ({exc})") from None
 
     def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> Any:
         _check_policy(policy)
         return manager_cls(
             num_chunks,
-            cache_policy=_KVCACHE_POLICY_CLASSES[policy],
+            cache_policy=POLICY_CLASSES[policy],
             cache_policy_module_path="kvcache.vllm",
             enable_events=enable_events,
         )
@@ -152,85 +189,3 @@ def get_backend(name: str) -> Backend:
     if name == "vllm-rust-policies":
         return rust_policies_backend()
     raise ConfigError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
-
-
-class NullManager:
-    """A manager that does nothing but repeat a recorded run's answers.
-
-    It answers each request's lookups, and returns each ``prepare_store`` result, exactly as the
-    recorded run of a real manager did, so the driver takes the same path -- the same number of
-    lookups, the same slices handed to ``prepare_load``/``prepare_store``, the same lists to
-    ``complete_store`` -- while the manager side costs next to nothing. The difference between a
-    real replay and this one is therefore the time spent inside the real manager.
-
-    To keep its own cost off that difference, ``lookup`` is not a Python method: on each
-    ``on_new_request`` the instance attribute ``lookup`` becomes the bound ``dict.get`` of that
-    request's table ``{key: result}``, which holds exactly the keys the recorded run looked up
-    (its hits, then the first non-hit). ``dict.get(key, ctx)`` is a C call, so the driver's
-    ``lookup(key, ctx)`` costs the call and a dict probe, nothing more. (The driver fetches
-    ``manager.lookup`` once per request, after ``on_new_request``, for every backend alike.)
-    """
-
-    def __init__(self, workload: Workload, script: Sequence[ScriptStep], *, hit: Any) -> None:
-        if len(script) != len(workload.requests):
-            raise ValueError("the script does not belong to this workload")
-        tables: list[dict[bytes, Any]] = []
-        stores: list[Any] = []
-        for keys, (n_hit, terminal, store) in zip(workload.requests, script, strict=True):
-            table = dict.fromkeys(keys[:n_hit], hit)
-            if terminal is not None:
-                table[keys[n_hit]] = terminal
-            tables.append(table)
-            stores.append(store)
-        self._tables = tables
-        self._stores = stores
-        self._next = 0
-        self._store: Any = None
-        self.lookup: Callable[..., Any] = {}.get
-
-    def on_new_request(self, req_context: Any) -> None:
-        i = self._next
-        self._next = i + 1
-        self.lookup = self._tables[i].get
-        self._store = self._stores[i]
-
-    def prepare_load(self, keys: Any, req_context: Any) -> None:
-        return None
-
-    def touch(self, keys: Any, req_context: Any) -> None:
-        return None
-
-    def complete_load(self, keys: Any, req_context: Any) -> None:
-        return None
-
-    def prepare_store(self, keys: Any, req_context: Any) -> Any:
-        return self._store
-
-    def complete_store(self, keys: Any, req_context: Any, success: bool = True) -> None:
-        return None
-
-    def on_request_finished(self, req_context: Any) -> None:
-        return None
-
-    def take_events(self) -> tuple[()]:
-        return ()
-
-    def reset_cache(self) -> None:
-        self._next = 0
-
-    def get_stats(self) -> None:
-        return None
-
-
-def null_backend(base: Backend, workload: Workload, script: Sequence[ScriptStep]) -> Backend:
-    """A backend whose managers replay ``script`` (recorded from ``base`` on ``workload``).
-
-    It uses ``base``'s ``hit`` value and ``ReqContext`` factory, so that everything the driver does
-    outside the manager (building contexts, recording key positions, comparing results) costs the
-    same in both runs.
-    """
-
-    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> NullManager:
-        return NullManager(workload, script, hit=base.hit)
-
-    return Backend(name=f"null({base.name})", make=make, hit=base.hit, req_context=base.req_context)

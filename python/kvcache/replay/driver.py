@@ -27,7 +27,7 @@ included; ``failed_store_keys`` says how many of them failed), ``evicted`` the k
 Two recordings come out of a run:
 
 * the *script*, always: per request ``(hits, first non-hit result, prepare_store result)``, a
-  few appends per request. :class:`kvcache.replay.backends.NullManager` replays it to measure
+  few appends per request. :class:`kvcache.replay.baseline.NullManager` replays it to measure
   the driver's own cost; recording it in every run keeps that cost identical in both.
 * the *decision log*, with ``record=True`` (untimed use): per request the lookup outcome,
   ``keys_to_store``, chunk ids (``store_spec.block_ids``), ``evicted_keys`` and the events taken
@@ -47,9 +47,11 @@ from kvcache.replay.errors import ConfigError
 from kvcache.replay.workload import Workload
 
 __all__ = [
+    "DEFAULT_OPTIONS",
     "NOT_CALLED",
     "Decision",
     "EventRecord",
+    "ReplayOptions",
     "ReplayRun",
     "ScriptStep",
     "replay",
@@ -65,6 +67,30 @@ ScriptStep = tuple[int, Any, Any]
 
 #: A normalised event: ("stored" | "removed" | "removed-metadata", keys, medium name).
 EventRecord = tuple[str, tuple[bytes, ...], str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayOptions:
+    """How the driver plays a workload, the same for every backend of one experiment.
+
+    ``lag``: a request's loads and stores complete once ``lag`` later requests were issued.
+    ``fail_store_every``: every K-th store job completes with ``success=False`` (0: never).
+    ``drain_events``: enable the manager's events and take them after every request step.
+    """
+
+    lag: int = 8
+    fail_store_every: int = 0
+    drain_events: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lag < 0:
+            raise ConfigError(f"lag must be >= 0, not {self.lag}")
+        if self.fail_store_every < 0:
+            raise ConfigError(f"fail-store-every must be >= 0, not {self.fail_store_every}")
+
+
+#: The driver's defaults: lag 8, no failed stores, events off.
+DEFAULT_OPTIONS = ReplayOptions()
 
 
 def result_name(result: Any) -> str:
@@ -169,26 +195,22 @@ def replay(
     *,
     policy: str,
     num_chunks: int,
-    lag: int = 8,
-    fail_store_every: int = 0,
-    drain_events: bool = False,
+    options: ReplayOptions = DEFAULT_OPTIONS,
     record: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> ReplayRun:
     """Replay ``workload`` through a fresh manager from ``backend`` (semantics: module docstring).
 
     Only the request loop and the final drain are timed (``perf_counter_ns``); building the
-    manager is not. ``drain_events`` enables the manager's events and takes them after every
-    request step, as vLLM's scheduler does when KV events are on; ``record`` implies it and also
-    keeps the decision log. ``progress(done, total)`` is called about 50 times per run.
+    manager is not. ``options.drain_events`` enables the manager's events and takes them after
+    every request step, as vLLM's scheduler does when KV events are on; ``record`` implies it and
+    also keeps the decision log. ``progress(done, total)`` is called about 50 times per run.
     """
-    if lag < 0:
-        raise ConfigError(f"lag must be >= 0, not {lag}")
-    if fail_store_every < 0:
-        raise ConfigError(f"fail-store-every must be >= 0, not {fail_store_every}")
     if num_chunks < 1:
         raise ConfigError(f"capacity must be at least one chunk, not {num_chunks}")
-    take = drain_events or record
+    lag = options.lag
+    fail_store_every = options.fail_store_every
+    take = options.drain_events or record
     manager = backend.make(num_chunks, policy, enable_events=take)
     requests = workload.requests
     total = len(requests)

@@ -1,39 +1,66 @@
-"""Present replay results: a text table, JSON rows, a hit-ratio plot."""
+"""Present replay results: a text table, JSON (rows and run metadata), CSV, a hit-ratio plot."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
+from kvcache.replay.capacity import format_bytes
 from kvcache.replay.errors import ConfigError
 from kvcache.replay.runner import Row
 from kvcache.replay.workload import Workload
 
-__all__ = ["check_plotting", "format_table", "plot_hit_ratio", "to_json"]
+__all__ = [
+    "JSON_SCHEMA",
+    "check_plot_path",
+    "check_plotting",
+    "format_table",
+    "hit_ratio_figure",
+    "plot_hit_ratio",
+    "to_csv",
+    "to_json",
+]
+
+#: Version of the ``--json`` document's layout; bumped when a field changes meaning or goes.
+JSON_SCHEMA = 1
 
 
 def _fmt_ns(value: float) -> str:
     return f"{value:,.0f}"
 
 
-def format_table(rows: Sequence[Row], workload: Workload) -> str:
-    """A fixed-width table, one line per policy x capacity, with a header naming the workload."""
+def format_table(
+    rows: Sequence[Row], workload: Workload, *, block_source: str | None = None
+) -> str:
+    """A fixed-width table, one line per policy x capacity, with a header naming the workload.
+
+    ``block_source`` (how the bytes per block were obtained) adds a ``memory`` column and a
+    header line.
+    """
     compared = any(row.reference is not None for row in rows)
+    sized = any(row.capacity.bytes is not None for row in rows)
     header = [
         f"workload: {workload.name}: {len(workload.requests):,} requests, "
         f"{workload.key_visits:,} key visits, {workload.unique_blocks:,} unique blocks "
         f"({workload.block_tokens} tokens each)",
     ]
+    if block_source is not None:
+        header.append(f"block: {block_source}")
     if rows:
         first = rows[0]
         header.append(
-            f"backend: {first.run.backend}, lag {first.lag}, best of {first.timing.repeat}; "
-            "ns/visit = (replay - null replay) / lookups"
+            f"backend: {first.run.backend}, lag {first.options.lag}, "
+            f"best of {first.timing.repeat}; ns/visit = (replay - null replay) / lookups"
         )
-    columns = [
-        ("policy", "<"),
-        ("capacity", ">"),
+    columns = [("policy", "<"), ("capacity", ">")]
+    if sized:
+        columns.append(("memory", ">"))
+    columns += [
         ("hit ratio", ">"),
         ("stored", ">"),
         ("evicted", ">"),
@@ -46,11 +73,15 @@ def format_table(rows: Sequence[Row], workload: Workload) -> str:
     for row in rows:
         run = row.run
         capacity = f"{run.num_chunks:,}"
-        if row.capacity_spec.endswith("%"):
-            capacity += f" ({row.capacity_spec})"
-        cells = [
-            run.policy,
-            capacity,
+        if row.capacity.clamped:
+            capacity += f" ({row.capacity.spec}, clamped)"
+        elif not row.capacity.spec.isdigit():
+            capacity += f" ({row.capacity.spec})"
+        cells = [run.policy, capacity]
+        if sized:
+            size = row.capacity.bytes
+            cells.append("-" if size is None else format_bytes(size))
+        cells += [
             f"{run.hit_ratio:.4f}",
             f"{run.stored:,}",
             f"{run.evicted:,}",
@@ -89,9 +120,30 @@ def format_table(rows: Sequence[Row], workload: Workload) -> str:
     return "\n".join(out)
 
 
-def to_json(rows: Sequence[Row]) -> str:
-    """The ``--json`` output: a list of row objects (see :meth:`Row.as_dict`)."""
-    return json.dumps([row.as_dict() for row in rows], indent=2)
+def to_json(rows: Sequence[Row], meta: Mapping[str, Any]) -> str:
+    """The ``--json`` document: ``{"schema", "meta", "rows"}`` (rows: :meth:`Row.as_dict`)."""
+    document = {"schema": JSON_SCHEMA, "meta": dict(meta), "rows": [r.as_dict() for r in rows]}
+    return json.dumps(document, indent=2)
+
+
+def _csv_cell(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, Mapping):  # lookup_stops: {"MISS": 3, ...} -> "MISS=3;..."
+        return ";".join(f"{k}={v}" for k, v in value.items())
+    return value
+
+
+def to_csv(rows: Sequence[Row]) -> str:
+    """The ``--csv`` output: a header line and one line per row, the ``--json`` row fields."""
+    dicts = [row.as_dict() for row in rows]
+    fields = list(dict.fromkeys(name for d in dicts for name in d))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for d in dicts:
+        writer.writerow({k: _csv_cell(v) for k, v in d.items()})
+    return out.getvalue()
 
 
 def check_plotting() -> None:
@@ -99,32 +151,76 @@ def check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
+        raise ConfigError("--plot needs matplotlib (pip install 'kvcache-offload[plot]')") from None
+
+
+def check_plot_path(path: str | os.PathLike[str]) -> None:
+    """Fail early, before a long replay, if the plot could not be written to ``path``: a
+    format matplotlib cannot write, a missing directory, a directory, or no permission.
+
+    Opens the file for appending (and removes it again if it did not exist), which is the only
+    check that answers for every file system and permission scheme.
+    """
+    check_plotting()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    target = Path(path)
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    suffix = target.suffix.lower().lstrip(".")
+    if suffix not in formats:
         raise ConfigError(
-            "--plot needs matplotlib (pip install matplotlib, or the 'plot' extra)"
-        ) from None
+            f"cannot write plot {os.fspath(path)!r}: unknown format {suffix or '(none)'!r} "
+            f"(use one of .{', .'.join(sorted(formats))})"
+        )
+    existed = target.exists()
+    try:
+        with target.open("ab"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write plot {os.fspath(path)!r}: {exc.strerror or exc}") from None
+    if not existed:
+        target.unlink(missing_ok=True)
 
 
-def plot_hit_ratio(rows: Sequence[Row], path: str | os.PathLike[str], *, title: str) -> None:
-    """Draw hit ratio against capacity (in chunks), one line per policy, into ``path``."""
+def hit_ratio_figure(rows: Sequence[Row], *, title: str) -> Any:
+    """A matplotlib figure of hit ratio against capacity, one line per policy.
+
+    The capacity axis is in GiB of host memory when every row knows its bytes (a block size was
+    given), else in chunks. The caller closes the figure.
+    """
     check_plotting()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    in_bytes = bool(rows) and all(row.capacity.bytes is not None for row in rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in dict.fromkeys(row.run.policy for row in rows):
         points = sorted(
-            (row.run.num_chunks, row.run.hit_ratio) for row in rows if row.run.policy == policy
+            (
+                (row.capacity.bytes or 0) / 2**30 if in_bytes else row.run.num_chunks,
+                row.run.hit_ratio,
+            )
+            for row in rows
+            if row.run.policy == policy
         )
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy.upper())
-    ax.set_xlabel("capacity (chunks)")
+    ax.set_xlabel("capacity (GiB of host memory)" if in_bytes else "capacity (chunks)")
     ax.set_ylabel("hit ratio (hits / key visits)")
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot_hit_ratio(rows: Sequence[Row], path: str | os.PathLike[str], *, title: str) -> None:
+    """Draw :func:`hit_ratio_figure` into ``path`` (the format follows the suffix)."""
+    fig = hit_ratio_figure(rows, title=title)
+    import matplotlib.pyplot as plt
+
     try:
         fig.savefig(path, dpi=120)
     except OSError as exc:

@@ -17,32 +17,32 @@ Before anything is timed, :func:`run_grid` replays the first requests of the wor
 backend and policy, untimed: lazy imports (numpy, on the first store spec), first calls through
 each code path and the allocator's first growth would otherwise land in the first timed row.
 
-Capacities are given as chunk counts (``4096``) or as percentages of the workload's unique blocks
-(``10%``: ``round(0.10 * unique_blocks)`` chunks).
+Capacities (chunk counts, percentages of the workload's unique blocks, bytes) are resolved and
+clamped by :mod:`kvcache.replay.capacity`.
 """
 
 from __future__ import annotations
 
 import gc
-import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvcache.replay.backends import POLICIES, Backend, null_backend
+from kvcache.replay.backends import Backend
+from kvcache.replay.baseline import null_backend
+from kvcache.replay.capacity import Capacity, CapacitySpec, resolve_capacities
 from kvcache.replay.compare import Comparison, compare_decisions
-from kvcache.replay.driver import ReplayRun, replay
+from kvcache.replay.driver import DEFAULT_OPTIONS, ReplayOptions, ReplayRun, replay
 from kvcache.replay.errors import ConfigError, ReplayError
 from kvcache.replay.workload import Workload
 
 __all__ = [
-    "CapacitySpec",
+    "ProgressFactory",
     "Row",
     "Timing",
     "compare_backends",
-    "parse_capacities",
-    "parse_policies",
+    "grid_runs",
     "run_grid",
     "time_backend",
     "time_backends",
@@ -52,71 +52,10 @@ __all__ = [
 #: Requests of the workload's head that the warm-up replays (see the module docstring).
 WARM_UP_REQUESTS = 200
 
-#: ``progress_for(label)`` returns a ``progress(done, total)`` callback, or None for no progress.
+#: ``progress_for(label)`` is called once before each replay that reports progress (every timed
+#: replay of a real backend, every recording replay of a comparison; not the null replays nor
+#: the warm-up) and returns that replay's ``progress(done, total)`` callback, or None.
 ProgressFactory = Callable[[str], Callable[[int, int], None] | None]
-
-
-@dataclass(frozen=True, slots=True)
-class CapacitySpec:
-    """One ``--capacity`` item: a chunk count, or a percentage of the unique blocks."""
-
-    text: str
-    chunks: int | None = None
-    percent: float | None = None
-
-    def resolve(self, unique_blocks: int) -> int:
-        """The capacity in chunks for a workload with ``unique_blocks`` distinct keys."""
-        if self.chunks is not None:
-            return self.chunks
-        assert self.percent is not None
-        chunks = round(self.percent / 100.0 * unique_blocks)
-        if chunks < 1:
-            raise ConfigError(
-                f"capacity {self.text} of {unique_blocks} unique blocks is less than one chunk"
-            )
-        return chunks
-
-
-def parse_capacities(text: str) -> list[CapacitySpec]:
-    """Parse ``"10%,50%,4096"``; anything not a positive count or percentage is a ConfigError."""
-    specs = []
-    for raw in text.split(","):
-        item = raw.strip()
-        if not item:
-            raise ConfigError(f"empty item in --capacity {text!r}")
-        if item.endswith("%"):
-            try:
-                percent = float(item[:-1])
-            except ValueError:
-                raise ConfigError(
-                    f"malformed capacity {item!r} (expected e.g. 10% or 4096)"
-                ) from None
-            if not math.isfinite(percent) or percent <= 0:
-                raise ConfigError(f"capacity must be > 0, not {item!r}")
-            specs.append(CapacitySpec(item, percent=percent))
-        else:
-            try:
-                chunks = int(item)
-            except ValueError:
-                raise ConfigError(
-                    f"malformed capacity {item!r} (expected e.g. 10% or 4096)"
-                ) from None
-            if chunks <= 0:
-                raise ConfigError(f"capacity must be > 0, not {item!r}")
-            specs.append(CapacitySpec(item, chunks=chunks))
-    return specs
-
-
-def parse_policies(text: str) -> list[str]:
-    """Parse ``"lru,arc"`` (case-insensitive, duplicates dropped); unknown names: ConfigError."""
-    policies: list[str] = []
-    for raw in text.split(","):
-        name = raw.strip().lower()
-        if name not in POLICIES:
-            raise ConfigError(f"unknown policy {raw.strip()!r} (choose from {', '.join(POLICIES)})")
-        if name not in policies:
-            policies.append(name)
-    return policies
 
 
 @contextmanager
@@ -154,9 +93,7 @@ def time_backend(
     *,
     policy: str,
     num_chunks: int,
-    lag: int = 8,
-    fail_store_every: int = 0,
-    drain_events: bool = False,
+    options: ReplayOptions = DEFAULT_OPTIONS,
     repeat: int = 1,
     progress_for: ProgressFactory | None = None,
 ) -> tuple[ReplayRun, Timing]:
@@ -166,9 +103,7 @@ def time_backend(
         workload,
         policy=policy,
         num_chunks=num_chunks,
-        lag=lag,
-        fail_store_every=fail_store_every,
-        drain_events=drain_events,
+        options=options,
         repeat=repeat,
         progress_for=progress_for,
     )
@@ -181,9 +116,7 @@ def time_backends(
     *,
     policy: str,
     num_chunks: int,
-    lag: int = 8,
-    fail_store_every: int = 0,
-    drain_events: bool = False,
+    options: ReplayOptions = DEFAULT_OPTIONS,
     repeat: int = 1,
     progress_for: ProgressFactory | None = None,
 ) -> list[tuple[ReplayRun, Timing]]:
@@ -197,23 +130,23 @@ def time_backends(
     """
     if repeat < 1:
         raise ConfigError(f"repeat must be >= 1, not {repeat}")
-    options: dict[str, Any] = {
-        "policy": policy,
-        "num_chunks": num_chunks,
-        "lag": lag,
-        "fail_store_every": fail_store_every,
-        "drain_events": drain_events,
-    }
     firsts: list[ReplayRun | None] = [None] * len(backends)
     nulls: list[Backend | None] = [None] * len(backends)
     manager_times: list[list[int]] = [[] for _ in backends]
     null_times: list[list[int]] = [[] for _ in backends]
     for _ in range(repeat):
         for i, backend in enumerate(backends):
-            label = f"{backend.name} {policy} {num_chunks} chunks"
+            label = f"{backend.name} {policy} {num_chunks:,} chunks"
             progress = progress_for(label) if progress_for else None
             with _steady_gc():
-                run = replay(backend, workload, progress=progress, **options)
+                run = replay(
+                    backend,
+                    workload,
+                    policy=policy,
+                    num_chunks=num_chunks,
+                    options=options,
+                    progress=progress,
+                )
             manager_times[i].append(run.elapsed_ns)
             first = firsts[i]
             if first is None:
@@ -227,7 +160,9 @@ def time_backends(
             null = nulls[i]
             assert null is not None
             with _steady_gc():
-                null_run = replay(null, workload, **options)
+                null_run = replay(
+                    null, workload, policy=policy, num_chunks=num_chunks, options=options
+                )
             if null_run.counters() != first.counters():
                 raise AssertionError("the null manager did not reproduce the recorded run")
             null_times[i].append(null_run.elapsed_ns)
@@ -249,12 +184,17 @@ class Row:
     """One policy x capacity result, with the vLLM reference when compared."""
 
     workload: str
-    capacity_spec: str
+    capacity: Capacity
     run: ReplayRun
     timing: Timing
-    lag: int
+    options: ReplayOptions
     reference: Timing | None = None
     comparison: Comparison | None = None
+
+    @property
+    def capacity_spec(self) -> str:
+        """The ``--capacity`` item as given."""
+        return self.capacity.spec
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` row."""
@@ -263,7 +203,9 @@ class Row:
             "backend": run.backend,
             "policy": run.policy,
             "capacity": run.num_chunks,
-            "capacity_spec": self.capacity_spec,
+            "capacity_spec": self.capacity.spec,
+            "capacity_requested": self.capacity.requested,
+            "capacity_bytes": self.capacity.bytes,
             "workload": self.workload,
             "requests": run.requests,
             "lookups": run.lookups,
@@ -277,7 +219,9 @@ class Row:
             "failed_stores": run.failed_stores,
             "failed_store_keys": run.failed_store_keys,
             "lookup_stops": run.stops,
-            "lag": self.lag,
+            "lag": self.options.lag,
+            "fail_store_every": self.options.fail_store_every,
+            "events": self.options.drain_events,
             "ns_per_visit": timing.ns_per_visit,
             "manager_ns": timing.manager_ns,
             "null_ns": timing.null_ns,
@@ -299,15 +243,20 @@ class Row:
         return self.reference.inside_ns / self.timing.inside_ns
 
 
+def grid_runs(*, policies: int, capacities: int, repeat: int = 1, reference: bool = False) -> int:
+    """How many times :func:`run_grid` calls its ``progress_for``: the replays that report
+    progress (timed replays of each backend, and with a reference two recording replays)."""
+    per_cell = repeat * (2 if reference else 1) + (2 if reference else 0)
+    return policies * capacities * per_cell
+
+
 def run_grid(
     workload: Workload,
     backend: Backend,
     *,
     policies: Sequence[str],
-    capacities: Sequence[CapacitySpec],
-    lag: int = 8,
-    fail_store_every: int = 0,
-    drain_events: bool = False,
+    capacities: Sequence[CapacitySpec | Capacity],
+    options: ReplayOptions = DEFAULT_OPTIONS,
     repeat: int = 1,
     reference: Backend | None = None,
     progress_for: ProgressFactory | None = None,
@@ -316,40 +265,33 @@ def run_grid(
 
     ``backend`` and ``reference`` are timed interleaved (see :func:`time_backends`).
     The comparison uses separate, untimed replays that record decision logs (events on), so the
-    timed replays carry no recording cost.
+    timed replays carry no recording cost. Capacities that are not resolved yet are resolved
+    against the workload (clamped to its unique blocks, without a block size).
     """
-    resolved = [(spec, spec.resolve(workload.unique_blocks)) for spec in capacities]
+    resolved = resolve_capacities(capacities, unique_blocks=workload.unique_blocks)
+    backends = [backend] if reference is None else [backend, reference]
     rows = []
-    common: dict[str, Any] = {
-        "lag": lag,
-        "fail_store_every": fail_store_every,
-    }
     warm_up(
-        [backend] if reference is None else [backend, reference],
-        workload,
-        policies,
-        num_chunks=max(n for _, n in resolved),
-        **common,
+        backends, workload, policies, num_chunks=max(c.chunks for c in resolved), options=options
     )
     for policy in policies:
-        for spec, num_chunks in resolved:
+        for capacity in resolved:
             timed = time_backends(
-                [backend] if reference is None else [backend, reference],
+                backends,
                 workload,
                 policy=policy,
-                num_chunks=num_chunks,
-                drain_events=drain_events,
+                num_chunks=capacity.chunks,
+                options=options,
                 repeat=repeat,
                 progress_for=progress_for,
-                **common,
             )
             run, timing = timed[0]
             row = Row(
                 workload=workload.name,
-                capacity_spec=spec.text,
+                capacity=capacity,
                 run=run,
                 timing=timing,
-                lag=lag,
+                options=options,
             )
             if reference is not None:
                 row.reference = timed[1][1]
@@ -358,9 +300,9 @@ def run_grid(
                     backend,
                     workload,
                     policy=policy,
-                    num_chunks=num_chunks,
+                    num_chunks=capacity.chunks,
+                    options=options,
                     progress_for=progress_for,
-                    **common,
                 )
             rows.append(row)
     return rows
@@ -372,8 +314,7 @@ def warm_up(
     policies: Sequence[str],
     *,
     num_chunks: int,
-    lag: int = 8,
-    fail_store_every: int = 0,
+    options: ReplayOptions = DEFAULT_OPTIONS,
 ) -> None:
     """Replay the workload's first :data:`WARM_UP_REQUESTS` requests once per backend and
     policy, untimed, with ``num_chunks`` chunks (the grid's largest capacity: a manager sizes
@@ -385,14 +326,7 @@ def warm_up(
     )
     for backend in backends:
         for policy in policies:
-            replay(
-                backend,
-                head,
-                policy=policy,
-                num_chunks=num_chunks,
-                lag=lag,
-                fail_store_every=fail_store_every,
-            )
+            replay(backend, head, policy=policy, num_chunks=num_chunks, options=options)
 
 
 def compare_backends(
@@ -402,15 +336,14 @@ def compare_backends(
     *,
     policy: str,
     num_chunks: int,
-    lag: int = 8,
-    fail_store_every: int = 0,
+    options: ReplayOptions = DEFAULT_OPTIONS,
     progress_for: ProgressFactory | None = None,
 ) -> Comparison:
     """Record both backends' decisions on ``workload`` and compare them step by step."""
     logs = []
     for backend in (expected, actual):
         progress = (
-            progress_for(f"{backend.name} {policy} {num_chunks} chunks, recording")
+            progress_for(f"{backend.name} {policy} {num_chunks:,} chunks, recording")
             if progress_for
             else None
         )
@@ -419,8 +352,7 @@ def compare_backends(
             workload,
             policy=policy,
             num_chunks=num_chunks,
-            lag=lag,
-            fail_store_every=fail_store_every,
+            options=options,
             record=True,
             progress=progress,
         )
