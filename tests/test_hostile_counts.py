@@ -230,7 +230,8 @@ import kvcache
 rss = status("VmRSS")
 manager = kvcache.OffloadingManager(2**31)
 try:
-    table = np.asarray(manager.chunk_table())
+    # memoryview first: numpy.asarray turns a failed export into an object scalar.
+    table = np.asarray(memoryview(manager.chunk_table()))
     outcome = "view"
     shape = list(table.shape)
     first = [int(table["ref_cnt"][0]), int(table["chunk_id"][0])]
