@@ -282,3 +282,35 @@ def test_the_vllm_manager_takes_vllms_keyword_arguments() -> None:
         info=None,
     )
     assert (manager.num_chunks, manager.cache_policy, manager.store_threshold) == (4, "arc", 2)
+
+
+GROWTH_SCRIPT = """
+import numpy as np
+import kvcache
+manager = kvcache.OffloadingManager(100_000)
+early = memoryview(manager.chunk_table())
+ctx = kvcache.ReqContext("r")
+keys = [i.to_bytes(32, "big") + bytes(4) for i in range(50_000)]
+for i in range(0, len(keys), 1000):
+    out = manager.prepare_store(keys[i : i + 1000], ctx)
+    manager.complete_store(out.keys_to_store, ctx)
+old = np.asarray(early)
+late = np.asarray(memoryview(manager.chunk_table()))
+report(
+    old_ids_ok=old["chunk_id"].tolist() == list(range(len(old))),
+    old_len=len(old),
+    late_len=len(late),
+    late_ready=int((late["ref_cnt"][:50_000] == 0).sum()),
+    old_follows=bool((old["ref_cnt"][: min(len(old), 50_000)] == 0).all()),
+)
+"""
+
+
+def test_a_table_view_exported_early_stays_valid_while_the_manager_fills() -> None:
+    """A view taken before the manager grows must never read freed memory (the table may
+    allocate with use, but an export must stay valid and follow the live records)."""
+    report = run_isolated(GROWTH_SCRIPT).check()
+    assert report["old_ids_ok"]
+    assert report["old_follows"], "the early view does not follow the live table"
+    assert report["late_len"] == 100_000
+    assert report["late_ready"] == 50_000

@@ -648,8 +648,19 @@ class BoomKey(bytes):
         raise Boom("__hash__")
 
 
+def interrupting_gen(*keys: bytes) -> Iterator[bytes]:
+    yield from keys
+    raise KeyboardInterrupt
+
+
 for target in POLICIES:
     case(target, "touch-gen-raises", lambda e: e.obj.touch(boom_gen(K[0]), e.ctx), Boom)
+    case(
+        target,
+        "touch-gen-interrupted",
+        lambda e: e.obj.touch(interrupting_gen(K[0]), e.ctx),
+        KeyboardInterrupt,
+    )
     case(target, "miss-gen-raises", lambda e: e.obj.on_store_miss(boom_gen(K[5]), e.ctx), Boom)
     case(target, "evict-protected-raises", lambda e: e.obj.evict(1, boom_gen(K[0])), Boom)
     case(
@@ -685,6 +696,12 @@ for where in ("insertion_only", "reused"):
         Boom,
     )
 for target in MANAGERS:
+    case(
+        target,
+        "prepare_store-gen-interrupted",
+        lambda e: e.obj.prepare_store(interrupting_gen(K[5]), e.ctx),
+        KeyboardInterrupt,
+    )
     for method, call in COLLECTION_MANAGER_CALLS.items():
         case(
             target,

@@ -13,6 +13,7 @@ Calling into a *different* object from a callback is ordinary and works.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -367,3 +368,49 @@ def test_a_callback_may_use_another_manager(kind: str) -> None:
     assert other.lookup(K[9]) is kvcache.LookupResult.HIT_PENDING
     manager.validate()
     other.validate()
+
+
+# --- finalizers that run inside a call --------------------------------------------------------
+
+
+class DyingChunk(ctypes.Structure):
+    """A chunk whose finalizer calls back into the policy holding it. ``remove`` and ``clear``
+    drop the policy's reference inside the call, so the finalizer runs there."""
+
+    _fields_ = [("ref_cnt", ctypes.c_int32), ("chunk_id", ctypes.c_int64)]
+
+    def __del__(self) -> None:
+        try:
+            self.policy.insert(K[9], ready(9))
+        except BaseException as exc:  # a finalizer cannot raise: record what it got
+            self.raised.append(exc)
+        else:
+            self.raised.append(AssertionError("the reentrant call succeeded"))
+
+
+@pytest.mark.xfail(strict=True, reason=REENTRANT)
+@pytest.mark.parametrize("kind", ["lru", "arc"])
+@pytest.mark.parametrize("method", ["remove", "clear"])
+def test_a_finalizer_that_calls_back_during_a_call_gets_reentrant_call_error(
+    kind: str, method: str
+) -> None:
+    reentrant = require_error("ReentrantCallError", RuntimeError)
+    raised: list[BaseException] = []
+    policy, _ = make_policy(kind)
+    control, _ = make_policy(kind)
+    for p in (policy, control):
+        chunk = DyingChunk(0, 7)
+        chunk.policy, chunk.raised = (p, raised) if p is policy else (None, [])
+        p.insert(K[5], chunk)
+        del chunk
+    if method == "remove":
+        policy.remove(K[5])
+    else:
+        policy.clear()
+    assert raised, "the finalizer never ran inside the call"
+    assert type(raised[0]) is reentrant, repr(raised[0])
+    if method == "remove":
+        control.remove(K[5])
+    else:
+        control.clear()
+    assert state_of(policy) == state_of(control)
