@@ -28,11 +28,6 @@ from tests.hostile import ready, require_error, state_of
 
 K = [make_key(i) for i in range(10)]
 
-REENTRANT = (
-    "a reentrant call from a callback raises RuntimeError('Already borrowed') "
-    "(PyO3's borrow flag), not ReentrantCallError"
-)
-
 
 @dataclass
 class Hook:
@@ -246,14 +241,7 @@ def cases() -> list[Any]:
                 inner = MANAGER_INNER if kind.startswith("m-") else ["prepare_store"]
                 for inner_name in inner:
                     out.append((kind, outer_name, inner_name))
-    return [
-        pytest.param(
-            *c,
-            id="-".join(c),
-            marks=pytest.mark.xfail(strict=True, reason=REENTRANT),
-        )
-        for c in out
-    ]
+    return [pytest.param(*c, id="-".join(c)) for c in out]
 
 
 def build(kind: str, outer: str) -> tuple[Any, Context]:
@@ -385,7 +373,6 @@ class DyingChunk(ctypes.Structure):
             self.raised.append(AssertionError("the reentrant call succeeded"))
 
 
-@pytest.mark.xfail(strict=True, reason=REENTRANT)
 @pytest.mark.parametrize("kind", ["lru", "arc"])
 @pytest.mark.parametrize("method", ["remove", "clear"])
 def test_a_finalizer_that_calls_back_during_a_call_gets_reentrant_call_error(

@@ -15,14 +15,6 @@ import pytest
 
 from tests.hostile import run_isolated
 
-THREADS = (
-    "a call made while another thread's call is inside Python code (a callback) fails with "
-    "RuntimeError('Already borrowed') instead of waiting"
-)
-VLLM_LOCK = (
-    "CPUOffloadingManager.lock is vLLM's default nullcontext, though the manager may be "
-    "entered from several threads"
-)
 TARGETS = ["policy-lru", "policy-arc", "manager-lru", "manager-arc"]
 
 
@@ -49,7 +41,6 @@ def test_the_harness_accepts_an_object_serialised_by_a_python_lock(target: str) 
     assert_serial(threaded(target, serialise=True))
 
 
-@pytest.mark.xfail(strict=True, reason=THREADS)
 @pytest.mark.parametrize("target", TARGETS)
 def test_eight_threads_of_mixed_calls_equal_a_serial_replay(target: str) -> None:
     assert_serial(threaded(target))
@@ -58,7 +49,6 @@ def test_eight_threads_of_mixed_calls_equal_a_serial_replay(target: str) -> None
 # --- vLLM's lock contract ---------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=VLLM_LOCK)
 def test_the_vllm_manager_lock_is_a_real_lock() -> None:
     from kvcache.vllm import CPUOffloadingManager
 

@@ -23,10 +23,10 @@ pub struct KeyIndex {
     table: HashTable<Idx>,
 }
 
-/// The most keys an index reserves room for up front (4 Mi keys: a 40 MiB table). Beyond it a
+/// The most keys an index reserves room for up front (1 Mi keys: a 10 MiB table). Beyond it a
 /// table grows by rehashing, which re-reads every key: presizing spares the scheduler those
 /// stalls while a cache fills, and the cap bounds what a mistaken capacity can cost.
-const MAX_PRESIZE: usize = 1 << 22;
+const MAX_PRESIZE: usize = 1 << 20;
 
 impl KeyIndex {
     /// An index with room for `expected` keys (at most [`MAX_PRESIZE`]), so a cache filling up

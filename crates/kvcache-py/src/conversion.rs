@@ -256,6 +256,39 @@ impl FromPyObject<'_, '_> for Count {
     }
 }
 
+/// A count that only bounds a search (`evict`'s `n`): any non-negative int, those beyond
+/// `usize` saturating (no such count can be met, which is what `usize::MAX` says too).
+pub struct EvictCount(pub usize);
+
+impl FromPyObject<'_, '_> for EvictCount {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        let py = obj.py();
+        match int_value(&obj, "the count") {
+            Ok(v) => match usize::try_from(v) {
+                Ok(n) => Ok(EvictCount(n)),
+                Err(_) if v > 0 => Ok(EvictCount(usize::MAX)),
+                Err(_) => Err(new_err(
+                    py,
+                    &exceptions(py).invalid_argument,
+                    format!("the count must be >= 0, got {v}"),
+                )),
+            },
+            // Beyond i128: huge positive saturates, huge negative is an error.
+            Err(e) if e.is_instance(py, &exceptions(py).invalid_argument.bind(py).clone()) => {
+                let negative = obj.lt(0i32).unwrap_or(false);
+                if negative {
+                    Err(e)
+                } else {
+                    Ok(EvictCount(usize::MAX))
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
 /// A `bool` argument (an int or anything else is refused, as vLLM passes real bools).
 pub struct Flag(pub bool);
 

@@ -60,7 +60,13 @@ macro_rules! policies {
 
         $(
             $(#[$doc])*
-            #[pyclass(extends = BaseCachePolicy, name = $class_name, module = "kvcache._core", frozen)]
+            #[pyclass(
+                extends = BaseCachePolicy,
+                name = $class_name,
+                module = "kvcache._core",
+                frozen,
+                weakref
+            )]
             pub struct $class;
 
             #[pymethods]

@@ -50,6 +50,7 @@ pub trait ManagerOps: Send {
     fn lookup(&self, key: Key<'_>) -> LookupResult;
     fn request(&mut self, current: Option<RequestToken>) -> RequestToken;
     fn is_live_request(&self, token: RequestToken) -> bool;
+    fn check_request_call(&self, keys: &[Key<'_>], load: bool) -> CoreResult<()>;
     fn release_request(&mut self, token: RequestToken);
     fn prepare_load(
         &mut self,
@@ -115,6 +116,9 @@ where
     }
     fn is_live_request(&self, token: RequestToken) -> bool {
         Manager::is_live_request(self, token)
+    }
+    fn check_request_call(&self, keys: &[Key<'_>], load: bool) -> CoreResult<()> {
+        Manager::check_request_call(self, keys, load)
     }
     fn release_request(&mut self, token: RequestToken) {
         Manager::release_request(self, token);
@@ -218,7 +222,13 @@ struct State {
 /// Offloading manager for host-memory KV chunks: vLLM 0.33.0's `CPUOffloadingManager`
 /// decisions, in Rust. Subclassed by `kvcache.OffloadingManager` and
 /// `kvcache.vllm.CPUOffloadingManager`, which choose the result types.
-#[pyclass(name = "OffloadingManager", module = "kvcache._core", subclass, frozen)]
+#[pyclass(
+    name = "OffloadingManager",
+    module = "kvcache._core",
+    subclass,
+    frozen,
+    weakref
+)]
 pub struct PyManager {
     inner: Guarded<State>,
     /// vLLM's `OffloadingManager.lock`, made on first use.
@@ -300,16 +310,31 @@ impl State {
         Ok((positions, walk.cursor()))
     }
 
-    /// What `prepare_load` and `prepare_store` start with: the keys (checked), their token
-    /// positions, and the request's state (in that order: the checks come before any change).
+    /// What `prepare_load` (`load`) and `prepare_store` start with: the keys (checked), their
+    /// token positions, and the request's state (in that order: the checks come before any
+    /// change). A request seen for the first time gets its state only once the call is known
+    /// not to be refused (vLLM checks before it records anything).
     fn request_call<'py>(
         &mut self,
         req_context: &Bound<'py, PyAny>,
         keys: &Bound<'py, PyAny>,
+        load: bool,
     ) -> PyResult<RequestCall<'py>> {
         let ctx = require_context(Some(req_context))?;
         let keys = collect_keys(keys)?;
         let (positions, cursor) = self.positions(ctx, &keys)?;
+        self.bury_dead();
+        let live = match self.owner.cached(ctx) {
+            Some(token) => self.ops.is_live_request(token),
+            None => self
+                .owner
+                .existing_token(ctx)?
+                .is_some_and(|t| self.ops.is_live_request(t)),
+        };
+        if !live {
+            let ks = self.keys(&keys);
+            self.ops.check_request_call(&ks, load).py_err()?;
+        }
         let token = self.request(ctx)?;
         Ok((keys, positions, cursor, token))
     }
@@ -345,40 +370,21 @@ impl PyManager {
         cache_policy = Text("lru".into()),
         cache_policy_module_path = None,
         enable_events = Flag(false),
-        store_threshold = None,
-        max_tracker_size = None,
-        **unexpected,
+        store_threshold = 1,
+        max_tracker_size = DEFAULT_MAX_TRACKER_SIZE,
     ),
     text_signature = "(num_chunks, cache_policy='lru', cache_policy_module_path=None, \
-                      enable_events=False, store_threshold=None, max_tracker_size=None)")]
+                      enable_events=False, store_threshold=1, max_tracker_size=64000)")]
     fn new(
         cls: &Bound<'_, PyType>,
-        num_chunks: Bound<'_, PyAny>,
+        #[pyo3(from_py_with = num_chunks_arg)] num_chunks: usize,
         cache_policy: Text,
         cache_policy_module_path: Option<Text>,
         enable_events: Flag,
-        store_threshold: Option<Bound<'_, PyAny>>,
-        max_tracker_size: Option<Bound<'_, PyAny>>,
-        unexpected: Option<Bound<'_, PyDict>>,
+        #[pyo3(from_py_with = store_threshold_arg)] store_threshold: i64,
+        #[pyo3(from_py_with = max_tracker_size_arg)] max_tracker_size: usize,
     ) -> PyResult<Self> {
         let py = cls.py();
-        if let Some(unexpected) = unexpected.filter(|d| !d.is_empty()) {
-            let names: Vec<String> = unexpected.keys().iter().map(|k| k.to_string()).collect();
-            return Err(new_err(
-                py,
-                &exceptions(py).invalid_type,
-                format!("unexpected keyword argument(s): {}", names.join(", ")),
-            ));
-        }
-        let num_chunks = count(&num_chunks, "num_chunks")?;
-        let store_threshold = match store_threshold {
-            Some(t) => int_in_range(&t, "store_threshold", "a 64-bit int")?,
-            None => 1,
-        };
-        let max_tracker_size = match max_tracker_size {
-            Some(n) => count(&n, "max_tracker_size")?,
-            None => DEFAULT_MAX_TRACKER_SIZE,
-        };
         let module_path = cache_policy_module_path.as_ref().map(|t| t.0.as_str());
         let Some(kind) = policy_kind(&cache_policy.0, module_path) else {
             return Err(new_err(
@@ -498,7 +504,7 @@ impl PyManager {
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let mut state = self.inner.lock(py)?;
-        let (keys, positions, cursor, token) = state.request_call(&req_context, &keys)?;
+        let (keys, positions, cursor, token) = state.request_call(&req_context, &keys, true)?;
         let ks = state.keys(&keys);
         let mut observed = Vec::new();
         let ids = state
@@ -547,7 +553,7 @@ impl PyManager {
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let mut state = self.inner.lock(py)?;
-        let (keys, positions, cursor, token) = state.request_call(&req_context, &keys)?;
+        let (keys, positions, cursor, token) = state.request_call(&req_context, &keys, false)?;
         let ks = state.keys(&keys);
         let mut observed = Vec::new();
         let out = state
@@ -740,6 +746,18 @@ impl PyManager {
             state.observed.clear();
         }
     }
+}
+
+fn num_chunks_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    count(obj, "num_chunks")
+}
+
+fn store_threshold_arg(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
+    int_in_range(obj, "store_threshold", "a 64-bit int")
+}
+
+fn max_tracker_size_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    count(obj, "max_tracker_size")
 }
 
 /// `a, b or c` of the policies' names.

@@ -14,7 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
 
 use crate::chunk::PyChunk;
 use crate::context::{order_request_keys, require_context, ContextTypeCache, Positions};
-use crate::conversion::{collect_keys, key_bytes, type_name, with_hashed_keys, Count, PyKey};
+use crate::conversion::{collect_keys, key_bytes, type_name, with_hashed_keys, EvictCount, PyKey};
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::guard::Guarded;
@@ -356,7 +356,13 @@ pub fn inspection_dict<'py>(
 }
 
 /// Shared implementation of the `CachePolicy` protocol; not instantiable itself.
-#[pyclass(name = "BaseCachePolicy", module = "kvcache._core", subclass, frozen)]
+#[pyclass(
+    name = "BaseCachePolicy",
+    module = "kvcache._core",
+    subclass,
+    frozen,
+    weakref
+)]
 pub struct BaseCachePolicy {
     inner: Guarded<Box<dyn PolicyOps>>,
 }
@@ -479,7 +485,7 @@ impl BaseCachePolicy {
     fn evict<'py>(
         &self,
         py: Python<'py>,
-        n: Count,
+        n: EvictCount,
         protected: Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyList>>> {
         self.inner.lock(py)?.evict(py, n.0, &protected)

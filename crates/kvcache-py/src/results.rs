@@ -14,6 +14,9 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyIterator, PyList, PyType};
 
 use kvcache_core::manager::{ChunkId, LookupResult};
+
+use crate::conversion::{int_in_range, type_name};
+use crate::exceptions::{exceptions, new_err};
 use kvcache_core::KeyBuf;
 
 /// Chunk ids of a load or store: `block_ids` is an `np.int32` array (as vLLM's spec).
@@ -25,10 +28,24 @@ pub struct LoadStoreSpec {
 #[pymethods]
 impl LoadStoreSpec {
     #[new]
-    fn new(py: Python<'_>, block_ids: Vec<i32>) -> Self {
-        LoadStoreSpec {
-            block_ids: PyArray1::from_vec(py, block_ids).unbind(),
+    fn new(py: Python<'_>, block_ids: Bound<'_, PyAny>) -> PyResult<Self> {
+        let items = block_ids.try_iter().map_err(|_| {
+            new_err(
+                py,
+                &exceptions(py).invalid_type,
+                format!(
+                    "block_ids must be an iterable of ints, got {}",
+                    type_name(&block_ids)
+                ),
+            )
+        })?;
+        let mut ids = Vec::new();
+        for item in items {
+            ids.push(int_in_range::<i32>(&item?, "a chunk id", "a 32-bit int")?);
         }
+        Ok(LoadStoreSpec {
+            block_ids: PyArray1::from_vec(py, ids).unbind(),
+        })
     }
 
     #[getter]
@@ -272,9 +289,12 @@ impl ResultTypes {
     /// Reads `cls._result_types` (see the module docs).
     pub fn from_class(cls: &Bound<'_, PyType>) -> PyResult<Self> {
         let types = cls.getattr("_result_types").map_err(|_| {
-            PyTypeError::new_err(
+            new_err(
+                cls.py(),
+                &exceptions(cls.py()).invalid_type,
                 "use kvcache.OffloadingManager or kvcache.vllm.CPUOffloadingManager \
-                 (the base class names no result types)",
+                 (the base class names no result types)"
+                    .into(),
             )
         })?;
         let get = |name: &str| types.getattr(name).map(Bound::unbind);

@@ -234,29 +234,28 @@ impl<P: Policy<ChunkId>> Manager<P> {
         }
     }
 
-    fn check_unique(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
-        if keys.len() < 2 {
-            return Ok(());
+    /// Whether `prepare_load` (`load`) or `prepare_store` of `keys` would be refused for
+    /// reasons that do not depend on the request (an absent or pending chunk; a key offered
+    /// twice). A caller about to create a request's state checks first, so that a refused
+    /// first call leaves no state behind.
+    pub fn check_request_call(&self, keys: &[Key<'_>], load: bool) -> CoreResult<()> {
+        if !load {
+            return unique_in(keys, &mut hashbrown::HashTable::new());
         }
-        let table = &mut self.scratch.offer;
-        table.clear();
-        table.reserve(keys.len(), |&j| keys[j].hash.0);
-        for (i, key) in keys.iter().enumerate() {
-            let entry = table.entry(
-                key.hash.0,
-                |&j| keys[j].bytes == key.bytes,
-                |&j| keys[j].hash.0,
-            );
-            match entry {
-                hashbrown::hash_table::Entry::Occupied(_) => {
-                    return Err(CoreError::DuplicateInOffer(KeyBuf::new(key.bytes)));
+        for (&key, found) in keys.iter().zip(self.policy.find_many(keys)) {
+            match found.and_then(|id| self.policy.chunk(id)) {
+                None => return Err(CoreError::KeyNotFound(KeyBuf::new(key.bytes))),
+                Some(&c) if self.table.record(c).ref_cnt() < 0 => {
+                    return Err(CoreError::ChunkPending(KeyBuf::new(key.bytes)));
                 }
-                hashbrown::hash_table::Entry::Vacant(slot) => {
-                    slot.insert(i);
-                }
+                Some(_) => {}
             }
         }
         Ok(())
+    }
+
+    fn check_unique(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
+        unique_in(keys, &mut self.scratch.offer)
     }
 
     /// vLLM asserts no new key is observed once a request finished.
@@ -763,6 +762,31 @@ impl<P: Policy<ChunkId>> Manager<P> {
         }
         Ok(())
     }
+}
+
+/// Refuses an offer that names a key twice (`table` is scratch space).
+fn unique_in(keys: &[Key<'_>], table: &mut hashbrown::HashTable<usize>) -> CoreResult<()> {
+    if keys.len() < 2 {
+        return Ok(());
+    }
+    table.clear();
+    table.reserve(keys.len(), |&j| keys[j].hash.0);
+    for (i, key) in keys.iter().enumerate() {
+        let entry = table.entry(
+            key.hash.0,
+            |&j| keys[j].bytes == key.bytes,
+            |&j| keys[j].hash.0,
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(_) => {
+                return Err(CoreError::DuplicateInOffer(KeyBuf::new(key.bytes)));
+            }
+            hashbrown::hash_table::Entry::Vacant(slot) => {
+                slot.insert(i);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `part / whole` as vLLM computes its usage gauges (0 for an empty cache).
