@@ -7,7 +7,10 @@
 //! ours at once. Multiple inheritance is not expressible with `create_exception!`, so the
 //! classes are made once with `type(name, bases, namespace)` at import.
 
-use pyo3::exceptions::{PyException, PyKeyError, PyTypeError, PyValueError};
+use pyo3::exceptions::{
+    PyException, PyIndexError, PyKeyError, PyMemoryError, PyRuntimeError, PyTypeError,
+    PyValueError,
+};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -22,6 +25,9 @@ pub struct Exceptions {
     pub invalid_key: Py<PyType>,
     pub invalid_chunk: Py<PyType>,
     pub invalid_state: Py<PyType>,
+    pub out_of_range: Py<PyType>,
+    pub transfer: Py<PyType>,
+    pub host_memory: Py<PyType>,
 }
 
 static EXCEPTIONS: PyOnceLock<Exceptions> = PyOnceLock::new();
@@ -108,6 +114,25 @@ fn build(py: Python<'_>) -> PyResult<Exceptions> {
             "A call that contradicts the state of a chunk, e.g. loading a chunk still being stored.",
             &[b, &value_error],
         )?,
+        out_of_range: make_type(
+            py,
+            "OutOfRangeError",
+            "An id or index outside its valid range, e.g. a block id beyond the KV cache.",
+            &[b, &py.get_type::<PyIndexError>()],
+        )?,
+        transfer: make_type(
+            py,
+            "TransferError",
+            "A transfer or host-memory operation the runtime refused: registration failed, \
+             the pool is busy, a copy could not be submitted.",
+            &[b, &py.get_type::<PyRuntimeError>()],
+        )?,
+        host_memory: make_type(
+            py,
+            "HostMemoryError",
+            "The operating system refused to map host memory for the chunk pool.",
+            &[b, &py.get_type::<PyMemoryError>()],
+        )?,
         invalid_type,
         base,
     })
@@ -126,6 +151,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         &e.invalid_key,
         &e.invalid_chunk,
         &e.invalid_state,
+        &e.out_of_range,
+        &e.transfer,
+        &e.host_memory,
     ] {
         let ty = ty.bind(py);
         m.add(ty.name()?, ty)?;
