@@ -5,9 +5,10 @@
 //!   a power of two; pages become resident only when touched (or when pinned). Optional
 //!   piecewise registration with an accelerator runtime through [`HostRegistrar`], undone
 //!   exactly once on [`HostRegion::close`] or on drop.
-//! - [`TransferLayout`] / [`CopyRuns`]: turn `(block ids, chunk ids)` into `(src, dst, len)`
-//!   copy descriptors, validating every id first and merging pages that are contiguous on
-//!   both sides into one run.
+//! - [`TransferLayout`] / [`CopyRuns`]: turn `(block ids, chunk ids, group spans)` into
+//!   `(src, dst, len)` copy descriptors, validating every id first and merging pages that are
+//!   contiguous on both sides into one run. Several KV-cache groups, partial first and last
+//!   chunks, padded pages and tensors shared by several layers are part of the geometry.
 //! - [`copy_runs`]: executes a plan with plain memory copies (the CPU path).
 //!
 //! Only `region` and `copy` contain `unsafe` (mmap/munmap/madvise/mincore and raw copies);
@@ -20,5 +21,8 @@ mod region;
 
 pub use copy::copy_runs;
 pub use error::{HostError, HostResult};
-pub use plan::{CopyRuns, Direction, LayerGeometry, PlanScratch, TransferLayout};
+pub use plan::{
+    CopyRuns, Direction, GroupRef, GroupSpan, HostGeometry, LayerGeometry, PlanScratch,
+    TransferLayout,
+};
 pub use region::{page_size, registration_piece_bytes, HostRegion, HostRegistrar, Lease};
