@@ -4,7 +4,9 @@
 //! - [`HostRegion`]: one page-aligned anonymous mapping owned by Rust. Nothing is rounded up to
 //!   a power of two; pages become resident only when touched (or when pinned). Optional
 //!   piecewise registration with an accelerator runtime through [`HostRegistrar`], undone
-//!   exactly once on [`HostRegion::close`] or on drop.
+//!   exactly once on [`HostRegion::close`] or on drop. Each piece is prefaulted by several
+//!   threads first; registration can run on a background thread while copies proceed on
+//!   the (still pageable) memory.
 //! - [`TransferLayout`] / [`CopyRuns`]: turn `(block ids, chunk ids, group spans)` into
 //!   `(src, dst, len)` copy descriptors, validating every id first and merging pages that are
 //!   contiguous on both sides into one run. Several KV-cache groups, partial first and last
@@ -25,4 +27,7 @@ pub use plan::{
     CopyRuns, Direction, GroupRef, GroupSpan, HostGeometry, LayerGeometry, PlanScratch,
     TransferLayout,
 };
-pub use region::{page_size, registration_piece_bytes, HostRegion, HostRegistrar, Lease};
+pub use region::{
+    page_size, prefault_threads, registration_piece_bytes, HostRegion, HostRegistrar, Lease,
+    PinStatus, BACKGROUND_PIECE_BYTES,
+};
