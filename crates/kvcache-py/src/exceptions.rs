@@ -8,8 +8,7 @@
 //! classes are made once with `type(name, bases, namespace)` at import.
 
 use pyo3::exceptions::{
-    PyException, PyIndexError, PyKeyError, PyMemoryError, PyRuntimeError, PyTypeError,
-    PyValueError,
+    PyException, PyIndexError, PyKeyError, PyMemoryError, PyRuntimeError, PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
