@@ -1,11 +1,11 @@
 """The CUDA backend's bookkeeping without a GPU.
 
-A stand-in for ``torch.cuda`` provides streams and events whose completion the test controls,
-and the "cudaMemcpyAsync" handed to Rust is a ctypes callback that copies host memory. Plans
-come from a CPU engine, so their addresses are real host memory and the DMA path's copies
-(argument order included) can be checked byte for byte. What stays untested here: real
-streams, real DMA, the Triton kernel on a GPU (see test_transfer_kernel.py for the kernel
-under the interpreter).
+A stand-in for ``torch.cuda`` provides streams and events whose completion the test controls;
+``cudaMemcpyAsync`` and ``cuMemcpyBatchAsync`` handed to Rust are ctypes callbacks that copy
+host memory. Plans come from a CPU engine, so their addresses are real host memory and both DMA
+paths' copies (argument order included) can be checked byte for byte. What stays untested here:
+real streams, real DMA, the Triton kernel on a GPU (see test_transfer_kernel.py for the kernel
+under the interpreter, and bench/gpu_worker_check.py for the GPU).
 """
 
 from __future__ import annotations
@@ -20,32 +20,70 @@ import numpy as np
 import pytest
 import torch
 
+from kvcache import InvalidArgumentError
 from kvcache.transfer import HostChunkPool, TransferEngine
-from kvcache.transfer._cuda import MEMCPY_DEFAULT
+from kvcache.transfer._cuda import (
+    MEMCPY_DEFAULT,
+    SRC_ACCESS_ORDER_ANY,
+    SRC_ACCESS_ORDER_STREAM,
+    BatchCopy,
+)
 from kvcache.transfer._engine import _CudaBackend
 
 MEMCPY = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
 )
+BATCH = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,  # dsts
+    ctypes.c_void_p,  # srcs
+    ctypes.c_void_p,  # sizes
+    ctypes.c_size_t,  # count
+    ctypes.c_void_p,  # attrs
+    ctypes.c_void_p,  # attrsIdxs
+    ctypes.c_size_t,  # numAttrs
+    ctypes.c_void_p,  # failIdx
+    ctypes.c_void_p,  # stream
+)
 
 
 class FakeRuntime:
-    """``cudaMemcpyAsync`` as a host memmove; fails the ``fail_on``-th call with code 700."""
+    """``cudaMemcpyAsync`` and ``cuMemcpyBatchAsync`` as host memmoves; the ``fail_on``-th
+    per-run call fails with code 700, a batch fails when ``batch_fails``."""
 
     host_register = host_unregister = get_last_error = 0
 
-    def __init__(self, *, fail_on: int | None = None) -> None:
+    def __init__(self, *, fail_on: int | None = None, batch_fails: bool = False) -> None:
         self.fail_on = fail_on
+        self.batch_fails = batch_fails
         self.calls: list[tuple[int, int, int, int, int]] = []
+        self.batches: list[tuple[int, int, int]] = []  # (count, src access order, stream)
         self.cleared = 0
         self._memcpy = MEMCPY(self._do_memcpy)
+        self._batch_fn = BATCH(self._do_batch)
         self.memcpy_async = ctypes.cast(self._memcpy, ctypes.c_void_p).value
+        self.batch = BatchCopy(ctypes.cast(self._batch_fn, ctypes.c_void_p).value, v2=False)
 
     def _do_memcpy(self, dst: int, src: int, size: int, kind: int, stream: int) -> int:
         self.calls.append((dst, src, size, kind, stream or 0))
         if len(self.calls) == self.fail_on:
             return 700
         ctypes.memmove(dst, src, size)
+        return 0
+
+    def _do_batch(self, dsts, srcs, sizes, count, attrs, idxs, num_attrs, fail_idx, stream) -> int:
+        order = ctypes.c_int.from_address(attrs).value
+        self.batches.append((count, order, stream or 0))
+        assert num_attrs == 1
+        assert ctypes.c_size_t.from_address(idxs).value == 0
+        if self.batch_fails:
+            ctypes.c_size_t.from_address(fail_idx).value = 0
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        d = (ctypes.c_uint64 * count).from_address(dsts)
+        s = (ctypes.c_uint64 * count).from_address(srcs)
+        n = (ctypes.c_size_t * count).from_address(sizes)
+        for i in range(count):
+            ctypes.memmove(d[i], s[i], n[i])
         return 0
 
     def clear_error(self) -> int:
@@ -55,17 +93,23 @@ class FakeRuntime:
     def error_string(self, code: int) -> str:
         return f"fake error {code}"
 
+    def driver_error_string(self, code: int) -> str:
+        return f"fake driver error {code}"
+
     def device_pointer(self, host_address: int) -> int | None:
         return host_address
 
 
 class FakeEvent:
-    def __init__(self) -> None:
+    def __init__(self, *, enable_timing: bool = False) -> None:
+        self.timing = enable_timing
         self.done = False
         self.fail = False
+        self.at = 0.0
 
     def record(self, stream: FakeStream) -> None:
         stream.events.append(self)
+        self.at = float(len(stream.events))
 
     def query(self) -> bool:
         if self.fail:
@@ -76,6 +120,11 @@ class FakeEvent:
         if self.fail:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         self.done = True
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.timing
+        assert end.timing
+        return end.at - self.at  # milliseconds
 
 
 class FakeStream:
@@ -93,6 +142,9 @@ class FakeStream:
 
     def synchronize(self) -> None:
         self.synchronized += 1
+
+    def end_events(self) -> list[FakeEvent]:
+        return self.events[1::2]
 
 
 class FakeCuda:
@@ -118,7 +170,9 @@ class FakeCuda:
         yield
 
 
-def setup(rt: FakeRuntime) -> tuple[Any, HostChunkPool, TransferEngine, Any, FakeCuda]:
+def setup(
+    rt: FakeRuntime, *, batch: Any = "auto"
+) -> tuple[Any, HostChunkPool, TransferEngine, Any, FakeCuda]:
     rng = np.random.default_rng(9)
     layers = [torch.from_numpy(rng.integers(0, 256, (32, 256), dtype=np.uint8)) for _ in range(2)]
     pool = HostChunkPool(16, 2 * 2 * 256, pin=False)
@@ -133,20 +187,37 @@ def setup(rt: FakeRuntime) -> tuple[Any, HostChunkPool, TransferEngine, Any, Fak
         kernel_programs=8,
         runtime=rt,
         cuda=cuda,
+        batch=batch,
     )
     return layers, pool, planner, backend, cuda
 
 
-def test_dma_jobs_complete_in_stream_order_and_release_the_pool() -> None:
+def plan(planner: TransferEngine, store: bool, blocks: list[int], chunks: list[int]) -> Any:
+    return planner.plan(store=store, gpu_block_ids=blocks, chunk_ids=chunks)
+
+
+def ids_ok(results: list[Any]) -> list[tuple[int, bool]]:
+    return [(r.job_id, r.success) for r in results]
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_dma_jobs_complete_in_stream_order_and_release_the_pool(batched: bool) -> None:
     rt = FakeRuntime()
-    layers, pool, planner, backend, cuda = setup(rt)
-    store_stream, load_stream = cuda.streams
+    layers, pool, planner, backend, cuda = setup(rt, batch="auto" if batched else None)
+    store_stream, load_stream, expedited_stream = cuda.streams
     blocks, chunks = [3, 4, 9, 1], [5, 2]
-    backend.submit(0, planner.plan(store=True, gpu_block_ids=blocks, chunk_ids=chunks), store=True)
-    backend.submit(1, planner.plan(store=True, gpu_block_ids=[7, 8], chunk_ids=[6]), store=True)
+    backend.submit(0, plan(planner, True, blocks, chunks), "store")
+    backend.submit(1, plan(planner, True, [7, 8], [6]), "store")
     assert store_stream.waited == 2  # each job waited for the current stream first
-    assert {c[3] for c in rt.calls} == {MEMCPY_DEFAULT}
-    assert {c[4] for c in rt.calls} == {store_stream.cuda_stream}
+    if batched:
+        # One batched call per job, in stream order, reading the live KV in stream order.
+        assert rt.calls == []
+        assert [(o, s) for _, o, s in rt.batches] == [
+            (SRC_ACCESS_ORDER_STREAM, store_stream.cuda_stream)
+        ] * 2
+    else:
+        assert {c[3] for c in rt.calls} == {MEMCPY_DEFAULT}
+        assert {c[4] for c in rt.calls} == {store_stream.cuda_stream}
     # Chunk layout, byte for byte: the "DMA" ran with (dst, src) in the right order.
     host = pool.tensor()
     assert torch.equal(
@@ -157,58 +228,113 @@ def test_dma_jobs_complete_in_stream_order_and_release_the_pool() -> None:
     assert backend.in_flight() == 2
     with pytest.raises(RuntimeError, match="in flight"):
         pool.close()  # unfinished jobs hold the pool
-    store_stream.events[1].done = True  # the later event alone cannot be reported first
+    store_stream.end_events()[1].done = True  # the later event alone cannot be reported first
     assert backend.collect() == []
-    store_stream.events[0].done = True
-    assert backend.collect() == [(0, True), (1, True)]
-    backend.submit(2, planner.plan(store=False, gpu_block_ids=[30, 31], chunk_ids=[5]), store=False)
-    assert load_stream.waited == 1
+    store_stream.end_events()[0].done = True
+    results = backend.collect()
+    assert ids_ok(results) == [(0, True), (1, True)]
+    # Sizes as vLLM reports them, times from the events (fake milliseconds -> seconds).
+    assert [r.nbytes for r in results] == [4 * 2 * 256, 2 * 2 * 256]
+    assert all(r.seconds is not None and r.seconds > 0 for r in results)
+    backend.submit(2, plan(planner, False, [30, 31], [5]), "load")
+    backend.submit(3, plan(planner, False, [20, 21], [2]), "expedited")
+    assert (load_stream.waited, expedited_stream.waited) == (1, 1)
+    if batched:
+        assert rt.batches[-1][1:] == (SRC_ACCESS_ORDER_ANY, expedited_stream.cuda_stream)
+    # The expedited job is reported without waiting for the regular load.
+    expedited_stream.end_events()[0].done = True
+    assert ids_ok(backend.collect()) == [(3, True)]
     backend.wait({2})
-    assert backend.collect() == [(2, True)]
+    assert ids_ok(backend.collect()) == [(2, True)]
     assert torch.equal(layers[1][30], layers[1][3])
+    assert torch.equal(layers[0][21], layers[0][1])
     del host
     planner.close()
     pool.close()  # every lease was released
 
 
-def test_failed_dma_reports_false_and_clears_the_error(caplog: pytest.LogCaptureFixture) -> None:
-    rt = FakeRuntime(fail_on=2)
-    _layers, pool, planner, backend, _cuda = setup(rt)
-    scattered = planner.plan(store=True, gpu_block_ids=[3, 9, 1, 20], chunk_ids=[0, 7])
-    with caplog.at_level(logging.ERROR):
-        backend.submit(0, scattered, store=True)
-    assert len(rt.calls) == 2
+def test_failed_batch_falls_back_to_per_run_copies(caplog: pytest.LogCaptureFixture) -> None:
+    rt = FakeRuntime(batch_fails=True)
+    layers, pool, planner, backend, _cuda = setup(rt)
+    scattered = plan(planner, True, [3, 9, 1, 20], [0, 7])
+    with caplog.at_level(logging.WARNING):
+        backend.submit(0, scattered, "store")
+    assert len(rt.batches) == 1
+    assert len(rt.calls) == len(scattered) == 8
     assert rt.cleared == 1
-    assert any("fake error 700" in r.getMessage() for r in caplog.records)
+    assert any("cuMemcpyBatchAsync failed" in r.getMessage() for r in caplog.records)
+    backend.submit(1, plan(planner, True, [5, 6], [1]), "store")
+    assert len(rt.batches) == 1  # later jobs go straight to the per-run path
     backend.wait(None)
-    assert backend.collect() == [(0, False)]
+    assert ids_ok(backend.collect()) == [(0, True), (1, True)]
+    assert torch.equal(pool.tensor()[7][:256], layers[0][1])
     planner.close()
     pool.close()
 
 
-def test_device_errors_and_submission_errors_report_false() -> None:
+def test_failed_dma_reports_failure_with_its_cause() -> None:
+    rt = FakeRuntime(fail_on=2)
+    _layers, pool, planner, backend, _cuda = setup(rt, batch=None)
+    backend.submit(0, plan(planner, True, [3, 9, 1, 20], [0, 7]), "store")
+    assert len(rt.calls) == 2
+    assert rt.cleared == 1
+    backend.wait(None)
+    (result,) = backend.collect()
+    assert (result.job_id, result.success, result.store) == (0, False, True)
+    assert result.error is not None
+    assert "fake error 700" in result.error
+    assert "after 1 of 8 runs" in result.error
+    planner.close()
+    pool.close()
+
+
+def test_device_errors_and_submission_errors_report_failure() -> None:
     rt = FakeRuntime()
     _layers, pool, planner, backend, cuda = setup(rt)
     store_stream = cuda.streams[0]
-    backend.submit(0, planner.plan(store=True, gpu_block_ids=[1, 2], chunk_ids=[0]), store=True)
-    store_stream.events[0].fail = True  # e.g. a sticky error surfacing at query time
-    assert backend.collect() == [(0, False)]
+    backend.submit(0, plan(planner, True, [1, 2], [0]), "store")
+    store_stream.end_events()[0].fail = True  # e.g. a sticky error surfacing at query time
+    (r0,) = backend.collect()
+    assert not r0.success
+    assert "illegal memory access" in r0.error
     store_stream.fail_wait = True
-    backend.submit(1, planner.plan(store=True, gpu_block_ids=[3, 4], chunk_ids=[1]), store=True)
+    backend.submit(1, plan(planner, True, [3, 4], [1]), "store")
     assert store_stream.synchronized == 1  # drained before the job's memory can be reused
-    assert backend.collect() == [(1, False)]
+    (r1,) = backend.collect()
+    assert not r1.success
+    assert "launch failure" in r1.error
     store_stream.fail_wait = False
-    backend.submit(2, planner.plan(store=True, gpu_block_ids=[5, 6], chunk_ids=[2]), store=True)
-    store_stream.events[-1].fail = True
+    backend.submit(2, plan(planner, True, [5, 6], [2]), "store")
+    store_stream.end_events()[-1].fail = True
     backend.wait(None)
-    assert backend.collect() == [(2, False)]
+    (r2,) = backend.collect()
+    assert not r2.success
+    planner.close()
+    pool.close()
+
+
+def test_engine_logs_a_failure_with_job_direction_and_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rt = FakeRuntime(fail_on=1)
+    _layers, pool, planner, backend, _cuda = setup(rt, batch=None)
+    planner._backend = backend  # drive the engine's bookkeeping over the fake CUDA backend
+    with caplog.at_level(logging.ERROR):
+        job = planner.load([3], [10, 11])
+        planner.wait([job])
+        assert planner.poll() == [(job, False)]
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    message = record.getMessage()
+    assert f"job {job}" in message
+    assert "load, host -> device" in message
+    assert "fake error 700" in message
     planner.close()
     pool.close()
 
 
 def test_kernel_needs_a_pinned_pool() -> None:
     rt = FakeRuntime()
-    with HostChunkPool(4, 64, pin=False) as pool, pytest.raises(ValueError, match="pinned"):
+    with HostChunkPool(4, 64, pin=False) as pool, pytest.raises(InvalidArgumentError, match="pin"):
         _CudaBackend(
             torch.device("cuda", 0),
             pool,
@@ -219,3 +345,22 @@ def test_kernel_needs_a_pinned_pool() -> None:
             runtime=rt,
             cuda=FakeCuda(),
         )
+
+
+def test_stores_use_dma_and_small_loads_the_kernel() -> None:
+    """The method choice alone (no launch): with a kernel-ready pool, stores stay on DMA, loads
+    take the kernel when their average run is small and there are enough runs."""
+    rt = FakeRuntime()
+    _layers, pool, planner, backend, _cuda = setup(rt)
+    backend._copy = "auto"
+    backend._triton = True
+    backend._pool_kernel_ready = lambda: True  # type: ignore[method-assign]
+    backend._kernel_min_runs = 2
+    backend.kernel_max_run_bytes = 1024
+    scattered = list(range(0, 16, 2))
+    assert not backend._use_kernel(plan(planner, True, scattered, [0, 1, 2, 3]))
+    assert backend._use_kernel(plan(planner, False, scattered, [0, 1, 2, 3]))
+    backend.kernel_max_run_bytes = 128  # runs of 256 bytes are now "large"
+    assert not backend._use_kernel(plan(planner, False, scattered, [0, 1, 2, 3]))
+    planner.close()
+    pool.close()

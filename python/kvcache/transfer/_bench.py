@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from kvcache.transfer._engine import TransferEngine, as_ids
+from kvcache.transfer._checks import as_ids
+from kvcache.transfer._engine import TransferEngine
 from kvcache.transfer._pool import HostChunkPool
 
 KiB = 1024
