@@ -66,7 +66,9 @@ def random_job(
         cpu += [chunks.pop() for _ in range(need)]
     if not gpu:
         return None
-    return Job(store, gpu, sizes, starts, cpu, expedited=not store and bool(rng.integers(0, 3) == 0))
+    return Job(
+        store, gpu, sizes, starts, cpu, expedited=not store and bool(rng.integers(0, 3) == 0)
+    )
 
 
 def submit(pair: RankPair, job_id: int, job: Job) -> None:
@@ -99,8 +101,16 @@ def finish(pairs: list[RankPair], job_ids: list[int]) -> None:
 def run_sequence(geometry: Geometry, seed: int, rounds: int = 3) -> int:
     """Store/load rounds through every rank; returns the number of jobs checked per rank."""
     rng = np.random.default_rng(seed)
-    cpu_bytes = 24 * -(-geometry.world_size * geometry.worker_kv_bytes_per_block
-                      * geometry.blocks_per_chunk // 4096) * 4096
+    cpu_bytes = (
+        24
+        * -(
+            -geometry.world_size
+            * geometry.worker_kv_bytes_per_block
+            * geometry.blocks_per_chunk
+            // 4096
+        )
+        * 4096
+    )
     with vllm_on_cpu():
         pairs = build_pairs(geometry, cpu_bytes_to_use=cpu_bytes, seed=seed)
         try:
@@ -129,9 +139,7 @@ def run_sequence(geometry: Geometry, seed: int, rounds: int = 3) -> int:
                                 pair.vllm_host_slot().contiguous().numpy().tobytes()
                             )
                         else:
-                            assert device_bytes(pair.our_tensors) == device_bytes(
-                                pair.vllm_tensors
-                            )
+                            assert device_bytes(pair.our_tensors) == device_bytes(pair.vllm_tensors)
             return next_id
         finally:
             for pair in pairs:
@@ -153,7 +161,9 @@ def geometries(draw: st.DrawFn) -> Geometry:
         refs = []
         for t in chosen:
             page = tensors[t][0]
-            payload = draw(st.sampled_from([page, page, max(1, page - 8 * draw(st.integers(0, 3)))]))
+            payload = draw(
+                st.sampled_from([page, page, max(1, page - 8 * draw(st.integers(0, 3)))])
+            )
             refs.append((t, max(1, payload)))
         groups.append(tuple(refs))
     return Geometry(

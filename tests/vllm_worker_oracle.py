@@ -79,7 +79,7 @@ class _FakePlatform:
     def is_xpu(self) -> bool:
         return False
 
-    def Stream(self) -> _FakeStream:  # noqa: N802 - vLLM's name
+    def Stream(self) -> _FakeStream:
         return _FakeStream()
 
     def current_stream(self) -> _FakeStream:
@@ -242,9 +242,7 @@ def offloading_config(
         extra_config={"cpu_bytes_to_use": cpu_bytes_to_use, **extra},
         engine_id=engine_id,
         model=OffloadingModelConfig(name="m", dtype="float16", max_model_len=4096),
-        cache=OffloadingCacheConfig(
-            tokens_per_hash=16, blocks_per_chunk=geometry.blocks_per_chunk
-        ),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=geometry.blocks_per_chunk),
         parallel=OffloadingParallelConfig(
             rank=rank,
             world_size=geometry.world_size,
