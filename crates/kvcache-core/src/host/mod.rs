@@ -24,7 +24,7 @@ mod region;
 pub use copy::copy_runs;
 pub use error::{HostError, HostResult};
 pub use plan::{
-    CopyRuns, Direction, GroupRef, GroupSpan, HostGeometry, LayerGeometry, PlanScratch,
+    CopyRuns, Direction, GroupRef, GroupSpan, HostGeometry, LayerGeometry, PlanScratch, Request,
     TransferLayout,
 };
 pub use region::{

@@ -648,6 +648,27 @@ impl TransferLayout {
         spans: &[GroupSpan],
         scratch: &mut PlanScratch,
     ) -> HostResult<CopyRuns> {
+        let req = self.validate(
+            dir,
+            gpu_ids.to_vec(),
+            chunk_ids.to_vec(),
+            spans.to_vec(),
+            scratch,
+        )?;
+        Ok(self.build(&req))
+    }
+
+    /// Checks a request completely (counts, ranges, no destination named twice) in time
+    /// linear in its ids, without building its runs: [`Self::build`] does that later, possibly
+    /// on another thread.
+    pub fn validate(
+        &self,
+        dir: Direction,
+        gpu_ids: Vec<i64>,
+        chunk_ids: Vec<i64>,
+        spans: Vec<GroupSpan>,
+        scratch: &mut PlanScratch,
+    ) -> HostResult<Request> {
         if spans.len() != self.groups.len() {
             return Err(invalid(format!(
                 "{} group spans for a layout of {} groups",
@@ -655,7 +676,6 @@ impl TransferLayout {
                 self.groups.len()
             )));
         }
-        // (gpu offset, gpu count, chunk offset, chunk count) per group.
         let mut parts = Vec::with_capacity(spans.len());
         let (mut g_off, mut c_off) = (0usize, 0usize);
         for (g, s) in spans.iter().enumerate() {
@@ -669,7 +689,13 @@ impl TransferLayout {
                 usize::try_from(logical.div_ceil(self.bpc))
                     .map_err(|_| invalid(format!("group {g}: span overflows")))?
             };
-            parts.push((g_off, s.blocks, c_off, chunks));
+            parts.push(Part {
+                gpu: g_off,
+                blocks: s.blocks,
+                chunk: c_off,
+                chunks,
+                skip: usize::try_from(s.first_index % self.bpc).unwrap_or(0),
+            });
             g_off = g_off
                 .checked_add(s.blocks)
                 .ok_or_else(|| invalid("group spans overflow".into()))?;
@@ -685,22 +711,27 @@ impl TransferLayout {
                 chunk_ids.len()
             )));
         }
-        Self::check_range(chunk_ids, self.host.num_chunks, "chunk", 0)?;
-        for (group, &(go, gn, _, _)) in self.groups.iter().zip(&parts) {
-            Self::check_range(&gpu_ids[go..go + gn], group.num_blocks, "block", go)?;
+        Self::check_range(&chunk_ids, self.host.num_chunks, "chunk", 0)?;
+        for (group, p) in self.groups.iter().zip(&parts) {
+            Self::check_range(
+                &gpu_ids[p.gpu..p.gpu + p.blocks],
+                group.num_blocks,
+                "block",
+                p.gpu,
+            )?;
         }
         let (dest, universe, what) = match dir {
-            Direction::Store => (chunk_ids, self.host.num_chunks, "chunk"),
-            Direction::Load => (gpu_ids, self.num_blocks_max(), "block"),
+            Direction::Store => (&chunk_ids, self.host.num_chunks, "chunk"),
+            Direction::Load => (&gpu_ids, self.num_blocks_max(), "block"),
         };
         let mut ranges = Vec::with_capacity(parts.len());
         for class in 0..self.num_classes {
             ranges.clear();
-            for (group, &(go, gn, co, cn)) in self.groups.iter().zip(&parts) {
+            for (group, p) in self.groups.iter().zip(&parts) {
                 if group.class == class {
                     ranges.push(match dir {
-                        Direction::Store => (co, cn),
-                        Direction::Load => (go, gn),
+                        Direction::Store => (p.chunk, p.chunks),
+                        Direction::Load => (p.gpu, p.blocks),
                     });
                 }
             }
@@ -712,45 +743,58 @@ impl TransferLayout {
                 )));
             }
         }
-        Ok(self.build(dir, gpu_ids, chunk_ids, spans, &parts))
+        let (mut pages, mut bytes, mut logical) = (0u64, 0u64, 0u64);
+        for (group, p) in self.groups.iter().zip(&parts) {
+            let n = to_u64(p.blocks);
+            pages += n * to_u64(group.refs.len());
+            bytes += n * group.bytes_per_block;
+            logical += n * group.logical_bytes_per_block;
+        }
+        Ok(Request {
+            dir,
+            gpu_ids,
+            chunk_ids,
+            parts,
+            pages,
+            bytes,
+            logical_bytes: logical,
+        })
     }
 
     fn num_blocks_max(&self) -> u64 {
         self.layers.iter().map(|l| l.num_blocks).max().unwrap_or(0)
     }
 
-    fn build(
-        &self,
-        dir: Direction,
-        gpu_ids: &[i64],
-        chunk_ids: &[i64],
-        spans: &[GroupSpan],
-        parts: &[(usize, usize, usize, usize)],
-    ) -> CopyRuns {
+    /// Builds the runs of a request this layout validated. Consecutive device blocks are
+    /// found once per chunk, so a fresh (unfragmented) request costs per chunk and tensor, not
+    /// per page; a scattered one costs per page.
+    pub fn build(&self, req: &Request) -> CopyRuns {
         let bpc = self.blocks_per_chunk;
-        let mut pages: u64 = 0;
-        let mut bytes: u64 = 0;
-        let mut logical: u64 = 0;
-        for (group, &(_, gn, _, _)) in self.groups.iter().zip(parts) {
-            let n = to_u64(gn);
-            pages += n * to_u64(group.refs.len());
-            bytes += n * group.bytes_per_block;
-            logical += n * group.logical_bytes_per_block;
-        }
-        let mut b = RunBuilder::new(usize::try_from(pages).unwrap_or(usize::MAX));
+        let mut b = RunBuilder::new(usize::try_from(req.pages).unwrap_or(usize::MAX));
         let mut prev_segment: Option<u64> = None;
-        for ((group, span), &(go, gn, co, cn)) in self.groups.iter().zip(spans).zip(parts) {
-            if gn == 0 {
+        // Lengths of the maximal runs of consecutive ids in the current chunk's slice.
+        let mut streaks: Vec<usize> = Vec::with_capacity(bpc);
+        for (group, p) in self.groups.iter().zip(&req.parts) {
+            if p.blocks == 0 {
                 continue;
             }
-            // Both fit in usize: skip < bpc, and the span was validated.
-            let skip = usize::try_from(span.first_index % self.bpc).unwrap_or(0);
-            let blocks = &gpu_ids[go..go + gn];
-            for (k, &chunk) in chunk_ids[co..co + cn].iter().enumerate() {
+            let blocks = &req.gpu_ids[p.gpu..p.gpu + p.blocks];
+            for (k, &chunk) in req.chunk_ids[p.chunk..p.chunk + p.chunks]
+                .iter()
+                .enumerate()
+            {
                 // Slots [lo, hi) of this chunk hold blocks [k*bpc + lo - skip, k*bpc + hi - skip).
-                let lo = if k == 0 { skip } else { 0 };
-                let hi = bpc.min(skip + gn - k * bpc);
-                let ids = &blocks[k * bpc + lo - skip..k * bpc + hi - skip];
+                let lo = if k == 0 { p.skip } else { 0 };
+                let hi = bpc.min(p.skip + p.blocks - k * bpc);
+                let ids = &blocks[k * bpc + lo - p.skip..k * bpc + hi - p.skip];
+                streaks.clear();
+                let mut start = 0;
+                for i in 1..=ids.len() {
+                    if i == ids.len() || ids[i] != ids[i - 1].wrapping_add(1) {
+                        streaks.push(i - start);
+                        start = i;
+                    }
+                }
                 let c = u64::try_from(chunk).unwrap_or(0);
                 let chunk_host = self.host.base + c * self.host.chunk_stride;
                 let at_boundary = self.split_chunks != 0 && c % self.split_chunks == 0;
@@ -761,21 +805,135 @@ impl TransferLayout {
                     let mut host = chunk_host + self.host_offsets[r.tensor] + to_u64(lo) * page;
                     let mut mergeable =
                         prev_segment == Some(layer.segment) && !(first_of_chunk && at_boundary);
-                    for &g in ids {
-                        let dev = layer.base + u64::try_from(g).unwrap_or(0) * layer.block_stride;
-                        match dir {
-                            Direction::Store => b.push(dev, host, r.bytes, mergeable),
-                            Direction::Load => b.push(host, dev, r.bytes, mergeable),
+                    // Whole pages of densely packed blocks: a streak is one contiguous range on
+                    // both sides.
+                    let dense = r.bytes == page && layer.block_stride == page;
+                    let mut i = 0;
+                    for &len in &streaks {
+                        if dense {
+                            let dev = layer.base
+                                + u64::try_from(ids[i]).unwrap_or(0) * layer.block_stride;
+                            let n = to_u64(len) * page;
+                            match req.dir {
+                                Direction::Store => b.push(dev, host, n, mergeable),
+                                Direction::Load => b.push(host, dev, n, mergeable),
+                            }
+                            mergeable = true;
+                            host += n;
+                        } else {
+                            for &g in &ids[i..i + len] {
+                                let dev =
+                                    layer.base + u64::try_from(g).unwrap_or(0) * layer.block_stride;
+                                match req.dir {
+                                    Direction::Store => b.push(dev, host, r.bytes, mergeable),
+                                    Direction::Load => b.push(host, dev, r.bytes, mergeable),
+                                }
+                                mergeable = true;
+                                host += page;
+                            }
                         }
-                        mergeable = true;
-                        host += page;
+                        i += len;
                     }
                     first_of_chunk = false;
                     prev_segment = Some(layer.segment);
                 }
             }
         }
-        b.finish(pages, bytes, logical)
+        b.finish(req.pages, req.bytes, req.logical_bytes)
+    }
+
+    /// Per-block addressing for a copy kernel that computes page addresses itself: for each
+    /// group, its blocks' device ids, the host address of the chunk holding each block, and
+    /// the block's slot in that chunk (three arrays of the group's length, appended to `out`
+    /// in that order). Per-tensor geometry comes from [`Self::group_refs`]. Linear in blocks.
+    pub fn block_table(&self, req: &Request, group: usize, out: &mut Vec<i64>) -> HostResult<()> {
+        let p = req
+            .parts
+            .get(group)
+            .ok_or_else(|| invalid(format!("group {group} of {}", req.parts.len())))?;
+        let bpc = self.blocks_per_chunk;
+        let signed =
+            |v: u64| i64::try_from(v).map_err(|_| invalid(format!("address {v:#x} exceeds int64")));
+        out.reserve(p.blocks.saturating_mul(3));
+        out.extend_from_slice(&req.gpu_ids[p.gpu..p.gpu + p.blocks]);
+        for slot in p.skip..p.skip + p.blocks {
+            let chunk = u64::try_from(req.chunk_ids[p.chunk + slot / bpc]).unwrap_or(0);
+            out.push(signed(self.host.base + chunk * self.host.chunk_stride)?);
+        }
+        for slot in p.skip..p.skip + p.blocks {
+            out.push(i64::try_from(slot % bpc).unwrap_or(0));
+        }
+        Ok(())
+    }
+
+    /// A group's distinct references as `(device base, block stride, segment offset in the
+    /// chunk, page slot bytes, bytes copied)` per tensor, for [`Self::block_table`]'s kernel.
+    pub fn group_refs(&self, group: usize) -> HostResult<Vec<[u64; 5]>> {
+        let g = self
+            .groups
+            .get(group)
+            .ok_or_else(|| invalid(format!("group {group} of {}", self.groups.len())))?;
+        Ok(g.refs
+            .iter()
+            .map(|r| {
+                let l = &self.layers[r.tensor];
+                [
+                    l.base,
+                    l.block_stride,
+                    self.host_offsets[r.tensor],
+                    l.page_bytes,
+                    r.bytes,
+                ]
+            })
+            .collect())
+    }
+}
+
+/// One group's share of a validated request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Part {
+    /// Offset and count of its device block ids.
+    gpu: usize,
+    blocks: usize,
+    /// Offset and count of its chunk ids.
+    chunk: usize,
+    chunks: usize,
+    /// Slots skipped in its first chunk.
+    skip: usize,
+}
+
+/// A request its layout has validated: the ids (owned), how they split into groups, and its
+/// size. Building its runs ([`TransferLayout::build`]) cannot fail.
+#[derive(Clone, Debug)]
+pub struct Request {
+    dir: Direction,
+    gpu_ids: Vec<i64>,
+    chunk_ids: Vec<i64>,
+    parts: Vec<Part>,
+    pages: u64,
+    bytes: u64,
+    logical_bytes: u64,
+}
+
+impl Request {
+    pub fn direction(&self) -> Direction {
+        self.dir
+    }
+    /// Number of (block, tensor) page copies.
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+    /// Bytes the request moves.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+    /// Bytes as vLLM's worker accounts them (see [`CopyRuns::logical_bytes`]).
+    pub fn logical_bytes(&self) -> u64 {
+        self.logical_bytes
+    }
+    /// Device blocks per group.
+    pub fn group_blocks(&self) -> impl Iterator<Item = usize> + '_ {
+        self.parts.iter().map(|p| p.blocks)
     }
 }
 

@@ -554,14 +554,36 @@ proptest! {
         let g = shuffled(n_blocks, case.seed)[..total_blocks].to_vec();
         let c = shuffled(num_chunks, case.seed ^ 0x5eed)[..total_chunks].to_vec();
         let dir = if case.load { Direction::Load } else { Direction::Store };
-        let runs = lay.plan_groups(dir, &g, &c, &spans, &mut PlanScratch::default()).unwrap();
+        let req = lay.validate(dir, g.clone(), c.clone(), spans.clone(), &mut PlanScratch::default())
+            .unwrap();
+        let runs = lay.build(&req);
         let arena_len = ARENA_DEV + us(num_chunks * chunk);
         let init: Vec<u8> = (0..arena_len).map(|k| u8::try_from((k * 31 + k / 256) % 251).unwrap()).collect();
+        let init_copy = init.clone();
         let mut ours = init.clone();
         apply_runs(&runs, &mut ours);
         let mut theirs = init;
         reference_copy(&lay, &groups, dir, &g, &c, &spans, &mut theirs);
         prop_assert!(ours == theirs);
+        // The per-block table a copy kernel expands gives the same bytes too.
+        let mut kernel = init_copy;
+        for group in 0..groups.len() {
+            let mut table = vec![];
+            lay.block_table(&req, group, &mut table).unwrap();
+            let n = table.len() / 3;
+            for rf in lay.group_refs(group).unwrap() {
+                let [dev_base, stride, off, page, bytes] = rf;
+                for i in 0..n {
+                    let dev = dev_base + u(table[i]) * stride;
+                    let host = u(table[n + i]) + off + u(table[2 * n + i]) * page;
+                    let (src, dst) = if case.load { (host, dev) } else { (dev, host) };
+                    let host0 = us(HOST) - ARENA_DEV;
+                    let fix = |a: u64| if a >= HOST { us(a) - host0 } else { us(a) };
+                    kernel.copy_within(fix(src)..fix(src) + us(bytes), fix(dst));
+                }
+            }
+        }
+        prop_assert!(kernel == ours);
         // Accounting: vLLM's size is blocks x the sum of the group's reference sizes.
         let logical: u64 = groups.iter().zip(&spans)
             .map(|(refs, s)| w(s.blocks) * refs.iter().map(|r| r.bytes).sum::<u64>())
