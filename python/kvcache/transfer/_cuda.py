@@ -36,6 +36,15 @@ SRC_ACCESS_ORDER_STREAM = 1
 SRC_ACCESS_ORDER_ANY = 3
 
 
+@dataclass(frozen=True)
+class BatchCopy:
+    """The driver's batched copy entry point: its address and whether it is the ``_v2``
+    signature (CUDA 13, no ``failIdx``)."""
+
+    address: int
+    v2: bool
+
+
 class Registrable(Protocol):
     """The pool as registration sees it (``kvcache.transfer.HostChunkPool``)."""
 
@@ -62,6 +71,23 @@ class Registrable(Protocol):
     ) -> int: ...
 
 
+#: CUDA runtime functions a DMA queue (``_core.CudaQueue``) calls from its thread.
+QUEUE_FUNCTIONS = (
+    "cudaEventCreateWithFlags",
+    "cudaEventDestroy",
+    "cudaEventRecord",
+    "cudaEventQuery",
+    "cudaEventSynchronize",
+    "cudaEventElapsedTime",
+    "cudaStreamWaitEvent",
+    "cudaStreamSynchronize",
+    "cudaMemcpyAsync",
+    "cudaSetDevice",
+    "cudaGetLastError",
+    "cudaGetErrorString",
+)
+
+
 class Runtime(Protocol):
     """What the pool and engine need from a CUDA runtime (the real one or a test fake)."""
 
@@ -69,21 +95,15 @@ class Runtime(Protocol):
     host_unregister: int
     get_last_error: int
     memcpy_async: int
+    #: ``QUEUE_FUNCTIONS`` by name -> address.
+    queue_functions: dict[str, int]
+    batch: BatchCopy | None
 
     def clear_error(self) -> int: ...
 
     def error_string(self, code: int) -> str: ...
 
     def device_pointer(self, host_address: int) -> int | None: ...
-
-
-@dataclass(frozen=True)
-class BatchCopy:
-    """The driver's batched copy entry point: its address and whether it is the ``_v2``
-    signature (CUDA 13, no ``failIdx``)."""
-
-    address: int
-    v2: bool
 
 
 @dataclass(frozen=True)
@@ -96,6 +116,7 @@ class CudaRuntime:
     get_last_error: int
     memcpy_async: int
     set_device: int
+    queue_functions: dict[str, int]
     driver: ctypes.CDLL | None
     batch: BatchCopy | None
 
@@ -125,6 +146,7 @@ class CudaRuntime:
             get_last_error=addr("cudaGetLastError"),
             memcpy_async=addr("cudaMemcpyAsync"),
             set_device=addr("cudaSetDevice"),
+            queue_functions={name: addr(name) for name in QUEUE_FUNCTIONS},
             driver=driver,
             batch=batch,
         )

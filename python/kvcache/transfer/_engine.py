@@ -17,7 +17,7 @@ from kvcache._core import (
     TransferError,
 )
 from kvcache.transfer._checks import as_ids, check_count
-from kvcache.transfer._cuda import MEMCPY_DEFAULT, SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
+from kvcache.transfer._cuda import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -100,8 +100,10 @@ class _Backend(Protocol):
 class _CpuBackend:
     """Copies in Rust on one worker thread per queue (GIL released), each in submission order."""
 
-    def __init__(self) -> None:
-        self._copiers = {q: _core.CpuCopier() for q in QUEUES}
+    def __init__(self, *, execute: bool = True) -> None:
+        """``execute=False`` builds every job's runs (on the copy threads) without copying:
+        the planning cost alone, for benchmarks."""
+        self._copiers = {q: _core.CpuCopier(execute=execute) for q in QUEUES}
         self._plans: dict[int, tuple[int, bool]] = {}
 
     def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
@@ -133,25 +135,28 @@ class _CpuBackend:
 
 
 @dataclass
-class _CudaJob:
+class _KernelJob:
     job_id: int
     plan: _core.Plan
     start: Any  # torch.cuda.Event (timing), or None when submission failed before recording
     end: Any
     ok: bool
     error: str | None
-    keep: tuple[Any, ...] = field(default=())  # descriptor tensors used by the kernel
+    keep: tuple[Any, ...] = field(default=())  # tables the kernel reads
 
 
 class _CudaBackend:
-    """One stream per queue (store, load, expedited load); each job is one batched DMA call
-    (``cuMemcpyBatchAsync``), one ``cudaMemcpyAsync`` per run (fallback), or one launch of the
-    copy kernel (small loads)."""
+    """Per queue (store, load, expedited load): a DMA stream fed by a Rust thread
+    (``_core.CudaQueue``: the caller records an event on its current stream and returns; the
+    thread builds the runs and enqueues one batched copy, or one copy per run), and a stream
+    for jobs the copy kernel runs (small-page loads), launched on the caller's thread from
+    per-block tables. Jobs of one queue and one method run in submission order."""
 
     def __init__(
         self,
         device: torch.device,
         pool: _core.HostChunkPool,
+        layout: _core.TransferLayout,
         *,
         copy: CopyMode,
         kernel_max_run_bytes: int | None,
@@ -161,8 +166,8 @@ class _CudaBackend:
         cuda: Any = None,
         batch: Any = "auto",
     ) -> None:
-        """``runtime`` and ``cuda`` (a ``torch.cuda`` stand-in) let tests drive the stream and
-        event bookkeeping without a GPU; by default the real ones are used. ``batch``: the
+        """``runtime`` and ``cuda`` (a ``torch.cuda`` stand-in) let tests drive the queues and
+        the kernel bookkeeping without a GPU; by default the real ones are used. ``batch``: the
         driver's batched copy (``_cuda.BatchCopy``), None for per-run copies, or "auto"."""
         import torch
 
@@ -175,10 +180,22 @@ class _CudaBackend:
         self._torch = torch
         self._cuda = torch.cuda if cuda is None else cuda
         self._device = device
+        self._device_index = device.index if device.index is not None else 0
         self._pool = pool
-        self._batch = getattr(rt, "batch", None) if batch == "auto" else batch
+        self._layout = layout
+        batch = getattr(rt, "batch", None) if batch == "auto" else batch
+        self._batched = batch is not None
         self._copy = copy
         self._triton = copy != "dma" and self._triton_available()
+        # Per group: the copy kernel's tensor table (device int64), its largest page, and
+        # whether every address and size is 8-byte aligned (the kernel moves words).
+        self._refs: list[tuple[Any, int, bool]] = []
+        for g in range(layout.num_groups):
+            rows = layout.group_refs(g)
+            aligned = all(v % 8 == 0 for row in rows for v in row)
+            biggest = max((row[4] for row in rows), default=0)
+            self._refs.append((rows, biggest, aligned))
+        self._refs_dev: dict[int, Any] = {}
         if copy == "kernel" and not (self._triton and self._pool_kernel_ready()):
             raise InvalidArgumentError(
                 "copy='kernel' needs Triton and a pool pinned with pin=True or 'auto'"
@@ -197,7 +214,21 @@ class _CudaBackend:
         self._kernel_programs = kernel_programs
         with self._cuda.device(device):
             self._streams = {q: self._cuda.Stream(device) for q in QUEUES}
-        self._queues: dict[Queue, deque[_CudaJob]] = {q: deque() for q in QUEUES}
+            self._kernel_streams = {q: self._cuda.Stream(device) for q in QUEUES}
+        self._dma = {
+            q: _core.CudaQueue(
+                self._streams[q].cuda_stream,
+                self._device_index,
+                rt.queue_functions,
+                rt,
+                batch_fn=batch.address if batch is not None else 0,
+                batch_v2=bool(batch.v2) if batch is not None else False,
+            )
+            for q in QUEUES
+        }
+        self._kernel_jobs: dict[Queue, deque[_KernelJob]] = {q: deque() for q in QUEUES}
+        # job id -> (bytes as vLLM counts them, store?) for DMA jobs in flight.
+        self._sizes: dict[int, tuple[int, bool]] = {}
 
     def _pool_kernel_ready(self) -> bool:
         ready = getattr(self._pool, "kernel_ready", None)
@@ -217,15 +248,18 @@ class _CudaBackend:
     def describe(self) -> dict[str, Any]:
         return {
             "backend": "cuda",
-            "dma": "batched" if self._batch is not None else "per-run",
+            "dma": "batched" if self._batched else "per-run",
             "kernel_max_run_bytes": self.kernel_max_run_bytes if self._triton else 0,
             "calibrated": self.calibration is not None,
         }
 
     def _use_kernel(self, plan: _core.Plan) -> bool:
         """Stores always use DMA (bandwidth-bound; the copy engine beats SMs and leaves them to
-        the model) unless ``copy='kernel'``; loads use the kernel when runs are small."""
-        if self._copy == "dma" or not self._triton or plan.alignment < 8:
+        the model) unless ``copy='kernel'``; loads use the kernel when pages are small."""
+        if self._copy == "dma" or not self._triton or plan.num_pages == 0:
+            return False
+        groups = [g for g, n in enumerate(plan.group_blocks) if n]
+        if not all(self._refs[g][2] for g in groups):
             return False
         if not self._pool_kernel_ready():  # e.g. still pinning in the background
             return False
@@ -233,84 +267,63 @@ class _CudaBackend:
             return True
         if plan.store:
             return False
-        runs = len(plan)
-        return runs >= self._kernel_min_runs and plan.nbytes <= runs * self.kernel_max_run_bytes
-
-    def _dma(self, plan: _core.Plan, stream: Any) -> str | None:
-        """Enqueues the plan's runs as DMA; returns the cause of a failure, or None."""
-        if self._batch is not None:
-            order = SRC_ACCESS_ORDER_STREAM if plan.store else SRC_ACCESS_ORDER_ANY
-            rc, failed_at = _core._cuda_memcpy_batch(
-                plan, self._batch.address, stream.cuda_stream, order, v2=self._batch.v2
-            )
-            if rc == 0:
-                return None
-            self._rt.clear_error()
-            name = getattr(self._rt, "driver_error_string", str)(rc)
-            logger.warning(
-                "cuMemcpyBatchAsync failed (%s, copy %d of %d); this and later jobs use one "
-                "cudaMemcpyAsync per run",
-                name,
-                failed_at,
-                len(plan),
-            )
-            # Re-issuing every run is safe: each copy writes the same bytes from the same
-            # source, in the same stream order.
-            self._batch = None
-        issued, err = _core._cuda_memcpy_runs(
-            plan, self._rt.memcpy_async, stream.cuda_stream, MEMCPY_DEFAULT
+        return (
+            plan.num_pages >= self._kernel_min_runs
+            and plan.nbytes <= plan.num_pages * self.kernel_max_run_bytes
         )
-        if err:
-            self._rt.clear_error()
-            return (
-                f"cudaMemcpyAsync failed after {issued} of {len(plan)} runs: "
-                f"{self._rt.error_string(err)}"
-            )
-        return None
 
-    def _enqueue(self, plan: _core.Plan, stream: Any, *, kernel: bool) -> tuple[Any, ...]:
-        if len(plan) == 0:
-            return ()
-        if kernel:
-            from kvcache.transfer import _kernel
-
+    def _refs_on_device(self, group: int) -> Any:
+        refs = self._refs_dev.get(group)
+        if refs is None:
             torch = self._torch
-            n = plan.num_pieces(_kernel.PIECE_BYTES)
-            host = torch.empty(3 * n, dtype=torch.int64, pin_memory=True)
-            plan.write_runs(host.numpy(), _kernel.PIECE_BYTES)
-            dev = host.to(self._device, non_blocking=True)
-            _kernel.launch(dev, n, programs=self._kernel_programs, max_run_bytes=plan.max_run_bytes)
-            return (host, dev)
-        error = self._dma(plan, stream)
-        if error is not None:
-            raise TransferError(error)
-        return ()
+            rows = self._refs[group][0]
+            refs = torch.tensor(rows, dtype=torch.int64).reshape(-1).to(self._device)
+            self._refs_dev[group] = refs
+        return refs
 
-    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
+    def _launch(self, plan: _core.Plan) -> tuple[Any, ...]:
+        from kvcache.transfer import _kernel
+
+        torch = self._torch
+        keep: list[Any] = []
+        for group, n in enumerate(plan.group_blocks):
+            if n == 0:
+                continue
+            host = torch.empty(3 * n, dtype=torch.int64, pin_memory=True)
+            plan.write_block_table(group, host.numpy())
+            table = host.to(self._device, non_blocking=True)
+            _kernel.launch(
+                table,
+                self._refs_on_device(group),
+                n,
+                to_device=not plan.store,
+                programs=self._kernel_programs,
+                max_page_bytes=self._refs[group][1],
+            )
+            keep += [host, table]
+        return tuple(keep)
+
+    def _submit_kernel(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
         cuda = self._cuda
-        stream = self._streams[queue]
+        stream = self._kernel_streams[queue]
         start = end = None
         keep: tuple[Any, ...] = ()
         error = None
-        kernel = self._use_kernel(plan)
         try:
             with cuda.device(self._device):
-                # A store reads KV the model may still be writing; a load overwrites blocks
-                # whose previous users may still be queued. Both wait for the current stream.
                 stream.wait_stream(cuda.current_stream(self._device))
                 with cuda.stream(stream):
                     start = cuda.Event(enable_timing=True)
                     end = cuda.Event(enable_timing=True)
                     start.record(stream)
-                    keep = self._enqueue(plan, stream, kernel=kernel)
+                    keep = self._launch(plan)
                     end.record(stream)
         except Exception as exc:
-            error = str(exc) if isinstance(exc, TransferError) else f"{type(exc).__name__}: {exc}"
-            logger.debug("submitting transfer job %d failed", job_id, exc_info=True)
+            error = f"{type(exc).__name__}: {exc}"
+            logger.debug("launching the copy kernel for job %d failed", job_id, exc_info=True)
             start = end = None
-            if not isinstance(exc, TransferError):  # _dma cleared its own errors already
-                self._rt.clear_error()
-            if kernel and self._copy == "auto":
+            self._rt.clear_error()
+            if self._copy == "auto":
                 # Most likely Triton could not compile or launch here: keep working on DMA.
                 self._triton = False
                 logger.warning("the copy kernel failed (%s); later jobs use DMA", error)
@@ -318,9 +331,20 @@ class _CudaBackend:
                 stream.synchronize()  # nothing of this job may still run when we drop it
             except Exception:
                 logger.exception("synchronising the transfer stream failed")
-        self._queues[queue].append(_CudaJob(job_id, plan, start, end, error is None, error, keep))
+        self._kernel_jobs[queue].append(
+            _KernelJob(job_id, plan, start, end, error is None, error, keep)
+        )
 
-    def _finish(self, job: _CudaJob, error: str | None) -> JobResult:
+    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
+        if self._use_kernel(plan):
+            self._submit_kernel(job_id, plan, queue)
+            return
+        order = SRC_ACCESS_ORDER_STREAM if plan.store else SRC_ACCESS_ORDER_ANY
+        current = self._cuda.current_stream(self._device).cuda_stream
+        self._sizes[job_id] = (plan.logical_nbytes, plan.store)
+        self._dma[queue].submit(job_id, plan, current, order)
+
+    def _finish_kernel(self, job: _KernelJob, error: str | None) -> JobResult:
         job.plan.release()
         ok = job.ok and error is None
         seconds = None
@@ -335,9 +359,20 @@ class _CudaBackend:
 
     def collect(self) -> list[JobResult]:
         done: list[JobResult] = []
-        for queue in self._queues.values():
-            while queue:
-                job = queue[0]
+        for queue in QUEUES:
+            dma = self._dma[queue]
+            for job_id, ok, seconds, error in dma.poll():
+                nbytes, store = self._sizes.pop(job_id)
+                done.append(JobResult(job_id, ok, nbytes, seconds, store, error))
+            if dma.take_batch_failure():
+                logger.warning(
+                    "cuMemcpyBatchAsync failed on the %s queue; it now issues one "
+                    "cudaMemcpyAsync per run",
+                    queue,
+                )
+            jobs = self._kernel_jobs[queue]
+            while jobs:
+                job = jobs[0]
                 error = None
                 try:
                     finished = job.end is None or job.end.query()
@@ -345,13 +380,15 @@ class _CudaBackend:
                     finished, error = True, f"the device reported: {exc}"
                 if not finished:
                     break  # jobs on one stream finish in order
-                queue.popleft()
-                done.append(self._finish(job, error))
+                jobs.popleft()
+                done.append(self._finish_kernel(job, error))
         return done
 
     def wait(self, job_ids: set[int] | None) -> None:
-        for queue in self._queues.values():
-            for job in list(queue):
+        ids = None if job_ids is None else list(job_ids)
+        for queue in QUEUES:
+            self._dma[queue].wait(ids)
+            for job in list(self._kernel_jobs[queue]):
                 if job.end is not None and (job_ids is None or job.job_id in job_ids):
                     try:
                         job.end.synchronize()
@@ -361,9 +398,11 @@ class _CudaBackend:
                         job.end = None
 
     def in_flight(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return sum(self._dma[q].in_flight() + len(self._kernel_jobs[q]) for q in QUEUES)
 
     def close(self) -> None:
+        for q in QUEUES:
+            self._dma[q].shutdown()
         self.wait(None)
 
 
@@ -477,6 +516,7 @@ class TransferEngine:
             self._backend = _CudaBackend(
                 device,
                 pool,
+                self._layout,
                 copy=copy,
                 kernel_max_run_bytes=kernel_max_run_bytes,
                 kernel_min_runs=kernel_min_runs,

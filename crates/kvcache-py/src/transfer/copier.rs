@@ -1,4 +1,5 @@
-//! `_core.CpuCopier`: runs CPU plans on a worker thread, reported through `poll()`/`wait()`.
+//! `_core.CpuCopier`: builds and runs CPU plans on a worker thread, reported through
+//! `poll()`/`wait()`.
 //!
 //! The worker never drops the last reference to a plan: a plan may hold Python buffers, whose
 //! release needs the interpreter, and a worker attaching to it while the owner joins the
@@ -44,16 +45,21 @@ impl Shared {
     }
 }
 
-fn run_jobs(rx: std::sync::mpsc::Receiver<Job>, shared: Arc<Shared>) {
+fn run_jobs(rx: std::sync::mpsc::Receiver<Job>, shared: Arc<Shared>, execute: bool) {
     // Ends when the sender is dropped and every queued job has been run.
     while let Ok(Job { id, plan }) = rx.recv() {
         let started = Instant::now();
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            // The runs are built here, off the submitting thread.
+            let runs = plan.runs();
+            if !execute {
+                return Ok(());
+            }
             // SAFETY: the plan was validated against the pool mapping and the layers'
             // exported buffers, all kept alive by `plan` (which this thread holds). The
             // engine's contract is that nobody touches a job's destination until it is
             // reported finished.
-            unsafe { copy_runs(plan.runs()) }
+            unsafe { copy_runs(runs) }
         }));
         let seconds = started.elapsed().as_secs_f64();
         let error = match outcome {
@@ -79,14 +85,17 @@ pub struct CpuCopier {
 
 #[pymethods]
 impl CpuCopier {
+    /// `execute=False` builds each job's runs but copies nothing (for measuring the planning
+    /// cost alone); jobs are then reported as succeeded.
     #[new]
-    fn new() -> PyResult<Self> {
+    #[pyo3(signature = (*, execute=true))]
+    fn new(execute: bool) -> PyResult<Self> {
         let shared = Arc::new(Shared::default());
         let (tx, rx) = channel();
         let worker_shared = Arc::clone(&shared);
         let worker = std::thread::Builder::new()
             .name("kvcache-copy".into())
-            .spawn(move || run_jobs(rx, worker_shared))
+            .spawn(move || run_jobs(rx, worker_shared, execute))
             .map_err(|e| typed(|e| &e.transfer, format!("cannot start copy thread: {e}")))?;
         Ok(CpuCopier {
             shared,

@@ -7,6 +7,7 @@
 
 use std::ffi::{c_int, c_uint, c_void};
 
+use kvcache_core::host::CopyRuns;
 use pyo3::prelude::*;
 
 use super::plan::Plan;
@@ -143,72 +144,82 @@ pub(crate) fn cuda_memcpy_batch(
     let data = plan.get().data();
     Ok(py.detach(move || {
         let _guard = data.region().copy_guard();
-        let runs = data.runs();
-        let count = runs.len();
-        if count == 0 {
-            return (0, -1);
-        }
-        // `size_t` lengths: a u64 slice reinterpreted only where usize is 64 bits wide; other
-        // targets get a converted copy.
-        let converted: Vec<usize>;
-        let sizes: &[usize] = if usize::BITS == 64 {
-            // SAFETY: on this target usize and u64 have the same size, alignment and validity,
-            // and the slice is only read.
-            unsafe { std::slice::from_raw_parts(runs.lens().as_ptr().cast::<usize>(), count) }
-        } else {
-            converted = runs
-                .lens()
-                .iter()
-                .map(|&l| usize::try_from(l).unwrap_or(usize::MAX))
-                .collect();
-            &converted
-        };
-        let attrs = MemcpyAttributes {
-            src_access_order,
-            ..MemcpyAttributes::default()
-        };
-        let first: usize = 0;
-        let mut fail_idx = usize::MAX;
-        let rc = if v2 {
-            // SAFETY: per the private caller contract `f` is cuMemcpyBatchAsync_v2; the three
-            // arrays hold `count` entries and stay alive (held by `data`) for the call, which
-            // reads them before returning; the copies themselves target memory validated as
-            // in `cuda_memcpy_runs`.
-            unsafe {
-                let call = std::mem::transmute::<usize, BatchV2Fn>(f);
-                call(
-                    runs.dst().as_ptr(),
-                    runs.src().as_ptr(),
-                    sizes.as_ptr(),
-                    count,
-                    &attrs,
-                    &first,
-                    1,
-                    stream_ptr(stream),
-                )
-            }
-        } else {
-            // SAFETY: as above, for cuMemcpyBatchAsync (which also writes `fail_idx`).
-            unsafe {
-                let call = std::mem::transmute::<usize, BatchFn>(f);
-                call(
-                    runs.dst().as_ptr(),
-                    runs.src().as_ptr(),
-                    sizes.as_ptr(),
-                    count,
-                    &attrs,
-                    &first,
-                    1,
-                    &mut fail_idx,
-                    stream_ptr(stream),
-                )
-            }
-        };
-        let failed_at = if rc != 0 && fail_idx < count {
-            i64::try_from(fail_idx).unwrap_or(-1)
-        } else {
-            -1
-        };
-        (rc, failed_at)
+        batch_copy(data.runs(), f, v2, stream, src_access_order)
     }))
+}
+
+/// One batched call for every run of `runs` on `stream` (see [`cuda_memcpy_batch`]); the
+/// caller holds the pool's copy guard and keeps the runs' memory alive.
+pub(crate) fn batch_copy(
+    runs: &CopyRuns,
+    f: usize,
+    v2: bool,
+    stream: usize,
+    src_access_order: i32,
+) -> (i32, i64) {
+    let count = runs.len();
+    if count == 0 {
+        return (0, -1);
+    }
+    // `size_t` lengths: a u64 slice reinterpreted only where usize is 64 bits wide; other
+    // targets get a converted copy.
+    let converted: Vec<usize>;
+    let sizes: &[usize] = if usize::BITS == 64 {
+        // SAFETY: on this target usize and u64 have the same size, alignment and validity,
+        // and the slice is only read.
+        unsafe { std::slice::from_raw_parts(runs.lens().as_ptr().cast::<usize>(), count) }
+    } else {
+        converted = runs
+            .lens()
+            .iter()
+            .map(|&l| usize::try_from(l).unwrap_or(usize::MAX))
+            .collect();
+        &converted
+    };
+    let attrs = MemcpyAttributes {
+        src_access_order,
+        ..MemcpyAttributes::default()
+    };
+    let first: usize = 0;
+    let mut fail_idx = usize::MAX;
+    let rc = if v2 {
+        // SAFETY: per the private caller contract `f` is cuMemcpyBatchAsync_v2; the three
+        // arrays hold `count` entries and stay alive for the call, which reads them before
+        // returning; the copies themselves target memory the plan was validated against.
+        unsafe {
+            let call = std::mem::transmute::<usize, BatchV2Fn>(f);
+            call(
+                runs.dst().as_ptr(),
+                runs.src().as_ptr(),
+                sizes.as_ptr(),
+                count,
+                &attrs,
+                &first,
+                1,
+                stream_ptr(stream),
+            )
+        }
+    } else {
+        // SAFETY: as above, for cuMemcpyBatchAsync (which also writes `fail_idx`).
+        unsafe {
+            let call = std::mem::transmute::<usize, BatchFn>(f);
+            call(
+                runs.dst().as_ptr(),
+                runs.src().as_ptr(),
+                sizes.as_ptr(),
+                count,
+                &attrs,
+                &first,
+                1,
+                &mut fail_idx,
+                stream_ptr(stream),
+            )
+        }
+    };
+    let failed_at = if rc != 0 && fail_idx < count {
+        i64::try_from(fail_idx).unwrap_or(-1)
+    } else {
+        -1
+    };
+    (rc, failed_at)
 }

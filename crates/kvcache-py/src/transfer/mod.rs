@@ -6,7 +6,8 @@
 //! side looks up the runtime and driver the process already loaded (torch's) and passes
 //! function addresses in, which also lets tests substitute fakes.
 //!
-//! Module dependencies run one way: `registrar` <- `pool` <- `plan` <- {`copier`, `cuda`}.
+//! Module dependencies run one way: `registrar` <- `pool` <- `plan` <- {`copier`, `cuda`} and
+//! `cuda` <- `queue`.
 
 use pyo3::prelude::*;
 
@@ -15,17 +16,20 @@ mod cuda;
 mod ids;
 mod plan;
 mod pool;
+mod queue;
 mod registrar;
 
 pub use copier::CpuCopier;
 pub use plan::{Plan, PyTransferLayout};
 pub use pool::PyHostChunkPool;
+pub use queue::CudaQueue;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHostChunkPool>()?;
     m.add_class::<PyTransferLayout>()?;
     m.add_class::<Plan>()?;
     m.add_class::<CpuCopier>()?;
+    m.add_class::<CudaQueue>()?;
     m.add_function(wrap_pyfunction!(cuda::cuda_memcpy_runs, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_memcpy_batch, m)?)?;
     m.add("PAGE_SIZE", kvcache_core::host::page_size())?;

@@ -1,10 +1,10 @@
 //! `_core.TransferLayout` (validated geometry) and `_core.Plan` (one job's copy runs).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use kvcache_core::host::{
     CopyRuns, Direction, GroupRef, GroupSpan, HostError, HostGeometry, HostRegion, LayerGeometry,
-    Lease, PlanScratch, TransferLayout,
+    Lease, PlanScratch, Request, TransferLayout,
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
@@ -14,8 +14,11 @@ use super::ids::{id_vec, small_ints};
 use super::pool::PyHostChunkPool;
 use crate::errors::{typed, IntoPyResult};
 
-/// Requests with at least this many pages are planned with the GIL released.
-const DETACH_PAGES: usize = 4096;
+/// `(device base, block stride, segment offset, page slot bytes, bytes copied)`.
+type RefRow = (u64, u64, u64, u64, u64);
+
+/// Requests with at least this many ids are validated with the GIL released.
+const DETACH_IDS: usize = 4096;
 
 /// What a plan needs to stay valid: the geometry, the pool mapping, and (CPU layers) the
 /// buffers that keep the layer memory alive.
@@ -291,34 +294,70 @@ impl PyTransferLayout {
             }
         };
         let shared = Arc::clone(&self.shared);
-        let build = || {
-            let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-            match &spans {
-                None => shared.layout.plan(dir, &g, &c, &mut scratch),
-                Some(s) => shared.layout.plan_groups(dir, &g, &c, s, &mut scratch),
+        let spans = match spans {
+            Some(s) => s,
+            None => {
+                let bpc = shared.layout.blocks_per_chunk();
+                if groups != 1 {
+                    return Err(typed(
+                        |e| &e.invalid_argument,
+                        format!("this layout has {groups} groups: give group_sizes"),
+                    ));
+                }
+                if c.len().checked_mul(bpc) != Some(g.len()) {
+                    return Err(typed(
+                        |e| &e.invalid_argument,
+                        format!(
+                            "{} block ids for {} chunk ids: expected blocks_per_chunk ({bpc}) \
+                             per chunk",
+                            g.len(),
+                            c.len()
+                        ),
+                    ));
+                }
+                vec![GroupSpan {
+                    blocks: g.len(),
+                    first_index: 0,
+                }]
             }
         };
-        let pages = g.len().saturating_mul(shared.layout.layers().len());
-        let runs = if pages >= DETACH_PAGES {
-            py.detach(build)
-        } else {
-            build()
-        }
-        .py_err()?;
+        let large = g.len() >= DETACH_IDS;
+        let check = move || {
+            let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            shared.layout.validate(dir, g, c, spans, &mut scratch)
+        };
+        let req = if large { py.detach(check) } else { check() }.py_err()?;
         let lease = self.shared.region.lease().py_err()?;
         Ok(Plan {
             data: Arc::new(PlanData {
-                runs,
-                shared,
+                req,
+                runs: OnceLock::new(),
+                shared: Arc::clone(&self.shared),
                 store,
                 lease: Mutex::new(Some(lease)),
             }),
         })
     }
+
+    /// A group's distinct references as `(device base, block stride, segment offset, page
+    /// slot bytes, bytes copied)` tuples (the copy kernel's per-tensor table).
+    fn group_refs(&self, group: usize) -> PyResult<Vec<RefRow>> {
+        Ok(self
+            .shared
+            .layout
+            .group_refs(group)
+            .py_err()?
+            .into_iter()
+            .map(|[a, b, c, d, e]| (a, b, c, d, e))
+            .collect())
+    }
 }
 
 pub(crate) struct PlanData {
-    runs: CopyRuns,
+    /// The validated request; its runs are built on first use ([`PlanData::runs`]), usually
+    /// by the thread that executes the job.
+    req: Request,
+    runs: OnceLock<CopyRuns>,
     shared: Arc<LayoutShared>,
     store: bool,
     /// Held until the copies are done; `close()` on the pool is refused meanwhile.
@@ -326,8 +365,10 @@ pub(crate) struct PlanData {
 }
 
 impl PlanData {
+    /// The copy runs, built the first time they are asked for.
     pub(crate) fn runs(&self) -> &CopyRuns {
-        &self.runs
+        self.runs
+            .get_or_init(|| self.shared.layout.build(&self.req))
     }
     pub(crate) fn is_host(&self) -> bool {
         self.shared.is_host()
@@ -361,9 +402,10 @@ impl Plan {
 
 #[pymethods]
 impl Plan {
-    /// Number of copy runs (descriptors) after coalescing.
-    fn __len__(&self) -> usize {
-        self.data.runs.len()
+    /// Number of copy runs (descriptors) after coalescing (builds them if needed).
+    fn __len__(&self, py: Python<'_>) -> usize {
+        let data = Arc::clone(&self.data);
+        py.detach(move || data.runs().len())
     }
 
     /// Whether this plan moves device blocks to host chunks.
@@ -375,30 +417,59 @@ impl Plan {
     /// Pages (block x tensor pairs) the job moves, before coalescing.
     #[getter]
     fn num_pages(&self) -> u64 {
-        self.data.runs.pages()
+        self.data.req.pages()
     }
 
     /// Bytes the job moves.
     #[getter]
     fn nbytes(&self) -> u64 {
-        self.data.runs.bytes()
+        self.data.req.bytes()
     }
 
     /// Bytes as vLLM's worker reports them (`TransferResult.transfer_size`).
     #[getter]
     fn logical_nbytes(&self) -> u64 {
-        self.data.runs.logical_bytes()
+        self.data.req.logical_bytes()
+    }
+
+    /// Device blocks of each group, in group order.
+    #[getter]
+    fn group_blocks(&self) -> Vec<usize> {
+        self.data.req.group_blocks().collect()
+    }
+
+    /// Writes group `group`'s block table (device ids, then chunk addresses, then slots; the
+    /// copy kernel's per-block input) into `out`, a writable int64 buffer of exactly
+    /// `3 * group_blocks[group]` entries.
+    fn write_block_table(&self, py: Python<'_>, group: usize, out: PyBuffer<i64>) -> PyResult<()> {
+        let mut table = Vec::new();
+        self.data
+            .shared
+            .layout
+            .block_table(&self.data.req, group, &mut table)
+            .py_err()?;
+        if out.item_count() != table.len() {
+            return Err(typed(
+                |e| &e.invalid_argument,
+                format!(
+                    "block table buffer holds {} entries, expected {}",
+                    out.item_count(),
+                    table.len()
+                ),
+            ));
+        }
+        out.copy_from_slice(py, &table)
     }
 
     #[getter]
     fn max_run_bytes(&self) -> u64 {
-        self.data.runs.max_run_bytes()
+        self.data.runs().max_run_bytes()
     }
 
     /// Largest power of two dividing every address and length (decides kernel word size).
     #[getter]
     fn alignment(&self) -> u64 {
-        self.data.runs.alignment()
+        self.data.runs().alignment()
     }
 
     /// Whether the plan has not been executed (its pool lease is still held).
@@ -415,7 +486,7 @@ impl Plan {
     /// Descriptors after cutting runs into pieces of at most `max_piece_bytes` (0: none).
     #[pyo3(signature = (max_piece_bytes=0))]
     fn num_pieces(&self, max_piece_bytes: u64) -> usize {
-        self.data.runs.count_pieces(max_piece_bytes)
+        self.data.runs().count_pieces(max_piece_bytes)
     }
 
     /// Writes every source, then every destination, then every length (int64, runs cut into
@@ -423,7 +494,7 @@ impl Plan {
     /// buffer of exactly `3 * num_pieces(max_piece_bytes)` entries.
     #[pyo3(signature = (out, max_piece_bytes=0))]
     fn write_runs(&self, py: Python<'_>, out: PyBuffer<i64>, max_piece_bytes: u64) -> PyResult<()> {
-        let n = self.data.runs.count_pieces(max_piece_bytes);
+        let n = self.data.runs().count_pieces(max_piece_bytes);
         if Some(out.item_count()) != n.checked_mul(3) {
             return Err(typed(
                 |e| &e.invalid_argument,
@@ -435,7 +506,10 @@ impl Plan {
         }
         // Sized by the plan (built from validated ids), checked against `out` above.
         let mut v = vec![0i64; out.item_count()];
-        self.data.runs.write_soa(max_piece_bytes, &mut v).py_err()?;
+        self.data
+            .runs()
+            .write_soa(max_piece_bytes, &mut v)
+            .py_err()?;
         out.copy_from_slice(py, &v)
     }
 }
