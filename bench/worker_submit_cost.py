@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(row)
                         print(
                             f"{layers:>6} {page // KiB:>4}Ki {blocks:>6} {pattern:<8} |"
-                            f"{'':>20}{t['vllm_store_submit']:>8.1f} {t['ours_store_submit']:>6.1f} "
+                            f"{'':>20}{t['vllm_store_submit']:>8.1f} "
+                            f"{t['ours_store_submit']:>6.1f} "
                             f"{row['ratio_store']:>5.0f}x {t['vllm_load_submit']:>8.1f} "
                             f"{t['ours_load_submit']:>6.1f} {row['ratio_load']:>5.0f}x | "
                             f"{t['vllm_store_total']:>7.0f}/{t['ours_store_total']:<6.0f} "

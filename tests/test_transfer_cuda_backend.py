@@ -267,7 +267,7 @@ def ids_ok(results: list[Any]) -> list[tuple[int, bool]]:
 def test_dma_jobs_run_off_thread_in_stream_order_and_release_the_pool(batched: bool) -> None:
     rt = FakeRuntime()
     layers, pool, planner, backend, cuda = setup(rt, batch="auto" if batched else None)
-    store_stream, load_stream, expedited_stream = (s.cuda_stream for s in cuda.streams[:3])
+    store_stream, _load_stream, _expedited_stream = (s.cuda_stream for s in cuda.streams[:3])
     backend.submit(0, plan(planner, True, [3, 4, 9, 1], [5, 2]), "store")
     backend.submit(1, plan(planner, True, [7, 8], [6]), "store")
     backend.wait(set())  # nothing to wait for: returns
@@ -342,7 +342,7 @@ def test_failed_batch_falls_back_to_per_run_copies(caplog: pytest.LogCaptureFixt
 
 def test_failed_dma_reports_failure_with_its_cause_once_the_stream_is_done() -> None:
     rt = FakeRuntime(fail_copy=2)
-    _layers, pool, planner, backend, cuda = setup(rt, batch=None)
+    _layers, pool, planner, backend, _cuda = setup(rt, batch=None)
     backend.submit(0, plan(planner, True, [3, 9, 1, 20], [0, 7]), "store")
     for _ in range(200):
         if rt.copies:
