@@ -50,6 +50,78 @@ def out(line: str = "") -> None:
     sys.stdout.flush()
 
 
+class Runner:
+    """One worker behind a small API: vLLM's or ours through their specs (vLLM installed), or
+    ours through kvcache.transfer directly (no vLLM: same engine, same layout)."""
+
+    def __init__(self, worker: Any, *, host_tensors: Any = None) -> None:
+        self.worker = worker
+        self.host_tensors = host_tensors  # vLLM's per-tensor host views, for byte checks
+
+    def submit(self, job_id: int, store: bool, blocks: list[int], chunks: list[int]) -> None:
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+        gpu = GPULoadStoreSpec(blocks, [len(blocks)], [0])
+        cpu = CPULoadStoreSpec(chunks)
+        if store:
+            assert self.worker.submit_store(job_id, gpu, cpu)
+        else:
+            assert self.worker.submit_load(job_id, cpu, gpu)
+
+    def finish(self, job_id: int) -> bool:
+        self.worker.wait({job_id})
+        results: list[Any] = []
+        while not results:
+            results = self.worker.get_finished()
+        assert [r.job_id for r in results] == [job_id], results
+        return bool(results[0].success)
+
+    def host_chunk(self, chunk: int) -> Any:
+        import torch
+
+        if self.host_tensors is not None:
+            return torch.cat([t[chunk] for t in self.host_tensors])
+        return self.worker.pool.tensor()[chunk].view(torch.int8)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class EngineRunner(Runner):
+    """kvcache's worker logic without vLLM: the engine the worker wraps, built the same way."""
+
+    def submit(self, job_id: int, store: bool, blocks: list[int], chunks: list[int]) -> None:
+        sizes, starts = [len(blocks)], [0]
+        gpu = np.asarray(blocks, dtype=np.int64)
+        cpu = np.asarray(chunks, dtype=np.int64)
+        engine = self.worker["engine"]
+        if store:
+            j = engine.store(gpu, cpu, group_sizes=sizes, block_indices=starts)
+        else:
+            j = engine.load(cpu, gpu, group_sizes=sizes, block_indices=starts)
+        self.worker["jobs"][job_id] = j
+
+    def finish(self, job_id: int) -> bool:
+        engine = self.worker["engine"]
+        j = self.worker["jobs"].pop(job_id)
+        engine.wait([j])
+        results: list[Any] = []
+        while not results:
+            results = engine.poll_results()
+        assert [r.job_id for r in results] == [j]
+        return bool(results[0].success)
+
+    def host_chunk(self, chunk: int) -> Any:
+        import torch
+
+        return self.worker["pool"].tensor()[chunk].view(torch.int8)
+
+    def shutdown(self) -> None:
+        self.worker["engine"].close()
+        self.worker["pool"].close()
+
+
 class Check:
     """Settings, clock, results."""
 
@@ -80,7 +152,7 @@ class Check:
         self.bpc = 16
         self.num_blocks = 2 * max(self.job_blocks) + self.bpc
         self.num_chunks = 2 * -(-max(self.job_blocks) // self.bpc) + 2
-        self.vllm = self._vllm_status()
+        self.vllm = "--without-vllm given" if args.without_vllm else self._vllm_status()
 
     def _vllm_status(self) -> str | None:
         """None when vLLM 0.33.0's worker can run here, else why not."""
@@ -162,7 +234,7 @@ class Check:
 
     @contextlib.contextmanager
     def vllm_context(self) -> Iterator[None]:
-        if self.cuda:
+        if self.cuda or self.vllm is not None:
             yield
             return
         sys.path.insert(0, str(REPO))
@@ -173,27 +245,48 @@ class Check:
 
     def build(self, page: int) -> dict[str, Any]:
         """Both workers over identical tensors (ours first, timed)."""
-        import kvcache.vllm
-
         seed = int(self.rng.integers(1 << 30))
         ours_t = self.tensors(page, seed)
         t0 = time.perf_counter()
-        spec = kvcache.vllm.CPUOffloadingSpec(self.config(page))
-        ours = spec.get_worker(self.canonical(ours_t, page))
+        if self.vllm is None:  # vLLM 0.33.0 is here: ours as vLLM builds it, through the spec
+            import kvcache.vllm
+
+            spec = kvcache.vllm.CPUOffloadingSpec(self.config(page))
+            worker = spec.get_worker(self.canonical(ours_t, page))
+            ours: Runner = Runner(worker)
+            pool, describe = worker.pool, worker.describe
+        else:
+            from kvcache.transfer import HostChunkPool, TransferEngine
+
+            chunk = self.layers * page * self.bpc
+            pool = HostChunkPool(self.num_chunks, chunk, pin="background" if self.cuda else False)
+            engine = TransferEngine(
+                ours_t,
+                pool,
+                blocks_per_chunk=self.bpc,
+                groups=[[(i, page) for i in range(self.layers)]],
+                offsets=[i * self.bpc * page for i in range(self.layers)],
+                log_failures=False,
+            )
+            ours = EngineRunner({"engine": engine, "pool": pool, "jobs": {}})
+
+            def describe() -> dict[str, Any]:
+                return {"pool_bytes": pool.nbytes, **engine.describe()}
+
         returned = time.perf_counter() - t0
-        pinned = ours.pool.wait_pinned(600.0) if self.cuda else {"state": "cpu"}
+        pinned = pool.wait_pinned(600.0) if self.cuda else {"state": "cpu"}
         pinned_s = time.perf_counter() - t0
-        ours.pool.kernel_ready  # noqa: B018 - finishes the pinning bookkeeping (and logs)
+        pool.kernel_ready  # noqa: B018 - finishes the pinning bookkeeping (and logs)
         built: dict[str, Any] = {
             "ours": ours,
             "ours_t": ours_t,
             "startup": {
                 "page_kib": page // KiB,
-                "pool_gib": ours.pool.nbytes / 2**30,
+                "pool_gib": pool.nbytes / 2**30,
                 "returned_s": returned,
                 "pinned_s": pinned_s,
                 "pin_state": pinned.get("state"),
-                **ours.describe(),
+                **describe(),
             },
         }
         if self.vllm is None:
@@ -201,8 +294,14 @@ class Check:
 
             vllm_t = self.tensors(page, seed)
             t0 = time.perf_counter()
-            built["vllm"] = VllmSpec(self.config(page)).get_worker(self.canonical(vllm_t, page))
+            try:
+                worker = VllmSpec(self.config(page)).get_worker(self.canonical(vllm_t, page))
+            except Exception as exc:  # e.g. a /dev/shm too small for vLLM's shared region
+                built["startup"]["vllm_error"] = f"{type(exc).__name__}: {exc}"
+                out(f"vLLM's worker could not be built at {page // KiB} KiB: {exc}")
+                return built
             built["startup"]["vllm_returned_s"] = time.perf_counter() - t0
+            built["vllm"] = Runner(worker, host_tensors=worker._store_handler.dst_tensors)
             built["vllm_t"] = vllm_t
         return built
 
@@ -211,10 +310,12 @@ class Check:
     def job(self, blocks: int, pattern: str, exclude: set[int]) -> tuple[list[int], list[int]]:
         chunks = -(-blocks // self.bpc)
         if pattern == "fresh":
-            starts = np.arange(self.num_blocks - blocks + 1)
-            if exclude:  # a range clear of the excluded ids (the pool has room for two jobs)
+            if exclude:  # a range clear of the excluded ids (sources sit in the lower half)
+                starts = np.arange(self.num_blocks - blocks + 1)
                 lo, hi = min(exclude), max(exclude) + 1
                 starts = starts[(starts + blocks <= lo) | (starts >= hi)]
+            else:
+                starts = np.arange(self.num_blocks // 2 - blocks + 1)
             b0 = int(self.rng.choice(starts))
             c0 = int(self.rng.integers(0, self.num_chunks - chunks + 1))
             return list(range(b0, b0 + blocks)), list(range(c0, c0 + chunks))
@@ -223,38 +324,16 @@ class Check:
         return ids, self.rng.choice(self.num_chunks, chunks, replace=False).tolist()
 
     def run(
-        self, worker: Any, store: bool, blocks: list[int], chunks: list[int]
-    ) -> tuple[float, float, Any]:
-        from vllm.v1.kv_offload.base import GPULoadStoreSpec
-        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-
-        gpu = GPULoadStoreSpec(blocks, [len(blocks)], [0])
-        cpu = CPULoadStoreSpec(chunks)
+        self, runner: Runner, store: bool, blocks: list[int], chunks: list[int]
+    ) -> tuple[float, float, bool]:
         job_id = int(self.rng.integers(1 << 40))
         self.sync()
         t0 = time.perf_counter()
         c0 = time.thread_time()
-        if store:
-            ok = worker.submit_store(job_id, gpu, cpu)
-        else:
-            ok = worker.submit_load(job_id, cpu, gpu)
+        runner.submit(job_id, store, blocks, chunks)
         submit_cpu = time.thread_time() - c0
-        worker.wait({job_id})
-        results = []
-        while not results:
-            results = worker.get_finished()
-        wall = time.perf_counter() - t0
-        assert ok
-        assert [r.job_id for r in results] == [job_id], results
-        return wall, submit_cpu, results[0]
-
-    def host_chunk(self, built: dict[str, Any], who: str, chunk: int) -> Any:
-        """A chunk's bytes in a worker's host memory (the two layouts are the same)."""
-        torch = self.torch
-        if who == "ours":
-            return built["ours"].pool.tensor()[chunk].view(torch.int8)
-        cpu_tensors = built["vllm"]._store_handler.dst_tensors
-        return torch.cat([t[chunk] for t in cpu_tensors])
+        ok = runner.finish(job_id)
+        return time.perf_counter() - t0, submit_cpu, ok
 
     def expected_chunk(self, tensors: list[Any], blocks: list[int], k: int, page: int) -> Any:
         """Chunk ``k`` of a store of ``blocks`` from ``tensors``, built with torch indexing."""
@@ -277,9 +356,9 @@ class Check:
             else self.rng.choice(len(chunks), 16, replace=False)
         )
         for k in sample:
-            ours = self.host_chunk(built, "ours", chunks[k])
+            ours = built["ours"].host_chunk(chunks[k])
             if "vllm" in built:
-                want = self.host_chunk(built, "vllm", chunks[k])
+                want = built["vllm"].host_chunk(chunks[k])
             else:
                 want = self.expected_chunk(built["ours_t"], blocks, int(k), page)
             n = min(len(blocks) - int(k) * self.bpc, self.bpc)
@@ -371,8 +450,8 @@ class Check:
                         walls, submits = [], []
                         for _ in range(self.reps):
                             ids = src if store else dst
-                            wall, submit, result = self.run(built[who], store, ids, chunks)
-                            if not result.success:
+                            wall, submit, ok = self.run(built[who], store, ids, chunks)
+                            if not ok:
                                 row[f"{who}_error"] = "job reported failure"
                             walls.append(wall)
                             submits.append(submit)
@@ -432,6 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--budget-s", type=float, default=250.0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--without-vllm",
+        action="store_true",
+        help="run kvcache's side alone, through the engine, as on a machine without vLLM",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -475,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": name,
         "torch": torch.__version__,
         "vllm": check.vllm or "0.33.0",
+        "ab": check.vllm is None,
         "baseline": baseline,
         "startup": startups,
         "rows": rows,

@@ -18,11 +18,13 @@ pytestmark = pytest.mark.oracle
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_worker_check.py"
 
 
-def test_gpu_script_dry_run_on_cpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ab", [True, False], ids=["vllm-ab", "without-vllm"])
+def test_gpu_script_dry_run_on_cpu(tmp_path: Path, ab: bool) -> None:
     require_oracle()
     out = tmp_path / "check.json"
+    extra = [] if ab else ["--without-vllm"]
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--json", str(out), *extra],
         capture_output=True,
         text=True,
         timeout=600,
@@ -30,11 +32,11 @@ def test_gpu_script_dry_run_on_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert report["vllm"] == "0.33.0"
+    assert report["ab"] is ab
     assert {r["direction"] for r in rows} == {"store", "load"}
     assert {r["ids"] for r in rows} == {"fresh", "churned"}
     assert len({r["page_kib"] for r in rows}) >= 2
     assert all(r["check"] == "ok" for r in rows)
-    assert all("vllm_gbps" in r and "ours_gbps" in r for r in rows)
+    assert all(("vllm_gbps" in r) is ab and "ours_gbps" in r for r in rows)
     assert len(report["startup"]) == len({r["page_kib"] for r in rows})
     assert "CPU dry run" in done.stdout

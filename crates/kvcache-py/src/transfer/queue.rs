@@ -230,11 +230,16 @@ fn enqueue_copies(shared: &Shared, plan: &PlanData, order: i32) -> Option<String
     if let Some(b) = batch {
         match super::cuda::batch_copy(runs, b.addr, b.v2, shared.stream, order) {
             (0, _) => return None,
-            (rc, failed_at) => {
+            (rc, _failed_at) => {
+                // Every run is re-issued one by one below (same bytes, same stream order).
                 shared.fns.describe("cuMemcpyBatchAsync", rc);
-                shared.batch_failed.store(true, Ordering::Release);
-                *shared.batch.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                let _ = failed_at; // reported through batch_failed; every run is re-issued below
+                if plan.region().is_registered() {
+                    // On pinned memory a failure means the driver cannot batch these copies:
+                    // stop trying. While a background registration is still running, pageable
+                    // ranges may be the cause, so only this job goes run by run.
+                    shared.batch_failed.store(true, Ordering::Release);
+                    *shared.batch.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                }
             }
         }
     }
