@@ -60,16 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = chunks * chunk
     threads = min(8, os.cpu_count() or 1)
     print(f"pool: {nbytes / 2**30:.1f} GiB; {os.cpu_count()} CPUs")
-    for n in sorted({1, threads}):
-        with HostChunkPool(chunks, chunk, pin=False) as pool:
-            t0 = time.perf_counter()
-            ok = pool.populate(n)
-            dt = time.perf_counter() - t0
-            resident = pool.resident_bytes()
+    best: dict[int, float] = {}
+    supported = True
+    for _ in range(2):  # twice each, alternating, best kept: the first run may reclaim page cache
+        for n in sorted({1, threads}):
+            with HostChunkPool(chunks, chunk, pin=False) as pool:
+                t0 = time.perf_counter()
+                supported &= pool.populate(n)
+                dt = time.perf_counter() - t0
+                assert pool.resident_bytes() >= nbytes or not supported
+            best[n] = min(best.get(n, dt), dt)
+    for n, dt in best.items():
         print(
             f"prefault with {n} thread(s): {dt:.2f} s, {nbytes / dt / 1e9:.1f} GB/s"
-            + ("" if ok else " (MADV_POPULATE_WRITE unsupported: nothing prefaulted)")
-            + f", {resident / 2**30:.1f} GiB resident"
+            + ("" if supported else " (MADV_POPULATE_WRITE unsupported: nothing prefaulted)")
         )
     rt = AcceptingRuntime()
     with HostChunkPool(chunks, chunk, pin=False) as pool:

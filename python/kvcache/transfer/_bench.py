@@ -469,8 +469,8 @@ def print_report(report: dict[str, Any]) -> None:
     for pattern in ("scattered", "contiguous"):
         x = d[pattern]
         _out(
-            f"descriptors ({pattern}): {x['ns_per_page']:.1f} ns/page, "
-            f"{x['pages']} pages -> {x['runs']} runs"
+            f"descriptors ({pattern}): {x['ns_per_page']:.1f} ns/page "
+            f"(validation {x['validate_ns_per_page']:.1f}), {x['pages']} pages -> {x['runs']} runs"
         )
     b = report["baseline"]
     _out(
