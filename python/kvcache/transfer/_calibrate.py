@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -61,11 +61,12 @@ def measure(
 
 
 @functools.cache
-def calibrate(device: torch.device) -> Calibration | None:
-    """Measures the cut-off on ``device`` (cached); None when it cannot be measured (no pinned
-    memory, no Triton): the caller keeps its default."""
+def calibrate(device: torch.device, engine_cls: Callable[..., Any]) -> Calibration | None:
+    """Measures the cut-off on ``device`` (cached) with engines of ``engine_cls`` (the
+    ``TransferEngine``, passed in so that this module does not import the engine's); None when
+    it cannot be measured (no pinned memory, no Triton): the caller keeps its default."""
     try:
-        return _calibrate(device)
+        return _calibrate(device, engine_cls)
     except Exception:
         logger.warning(
             "calibrating the kernel/DMA cut-off failed; using the default", exc_info=True
@@ -73,11 +74,10 @@ def calibrate(device: torch.device) -> Calibration | None:
         return None
 
 
-def _calibrate(device: torch.device) -> Calibration | None:
+def _calibrate(device: torch.device, engine_cls: Callable[..., Any]) -> Calibration | None:
     import numpy as np
     import torch
 
-    from kvcache.transfer._engine import TransferEngine
     from kvcache.transfer._pool import HostChunkPool
 
     started = time.perf_counter()
@@ -93,7 +93,7 @@ def _calibrate(device: torch.device) -> Calibration | None:
         def time_load(method: str, page: int) -> float:
             # The first `page` bytes of scattered (slots, page_max) slots: one run per page,
             # nothing coalesces, as with a churned block pool.
-            engine = TransferEngine(
+            engine = engine_cls(
                 [layer],
                 pool,
                 copy=method,  # type: ignore[arg-type]

@@ -206,7 +206,7 @@ class _CudaBackend:
             if copy == "auto" and self._triton and cuda is None:
                 from kvcache.transfer._calibrate import calibrate
 
-                self.calibration = calibrate(device)
+                self.calibration = calibrate(device, TransferEngine)
                 if self.calibration is not None:
                     kernel_max_run_bytes = self.calibration.kernel_max_run_bytes
         self.kernel_max_run_bytes = kernel_max_run_bytes
