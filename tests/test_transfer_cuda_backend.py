@@ -255,6 +255,15 @@ def setup(
     return layers, pool, planner, backend, cuda
 
 
+def settle(backend: _CudaBackend) -> None:
+    """Until every DMA queue's thread has put its jobs on the stream (bounded)."""
+    for _ in range(4000):
+        if all(q.queued() == 0 for q in backend._dma.values()):
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError("the DMA threads did not get to their jobs")
+
+
 def plan(planner: TransferEngine, store: bool, blocks: list[int], chunks: list[int]) -> Any:
     return planner.plan(store=store, gpu_block_ids=blocks, chunk_ids=chunks)
 
@@ -271,12 +280,9 @@ def test_dma_jobs_run_off_thread_in_stream_order_and_release_the_pool(batched: b
     backend.submit(0, plan(planner, True, [3, 4, 9, 1], [5, 2]), "store")
     backend.submit(1, plan(planner, True, [7, 8], [6]), "store")
     backend.wait(set())  # nothing to wait for: returns
+    settle(backend)
     # The queue's thread selected the device and made its stream wait for the caller's
     # stream before copying (the submission point).
-    for _ in range(200):
-        if len(rt.waits) == 2:
-            break
-        threading.Event().wait(0.005)
     assert rt.waits == [(store_stream, COMPUTE)] * 2
     assert {d for d, _ in rt.devices} == {3}
     assert threading.get_ident() not in {t for _, t in rt.devices}
@@ -370,10 +376,7 @@ def test_failed_dma_reports_failure_with_its_cause_once_the_stream_is_done() -> 
     rt = FakeRuntime(fail_copy=2)
     _layers, pool, planner, backend, _cuda = setup(rt, batch=None)
     backend.submit(0, plan(planner, True, [3, 9, 1, 20], [0, 7]), "store")
-    for _ in range(200):
-        if rt.copies:
-            break
-        threading.Event().wait(0.005)
+    settle(backend)
     assert backend.collect() == []  # not before the stream has drained
     rt.complete()
     backend.wait(None)

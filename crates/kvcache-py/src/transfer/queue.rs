@@ -617,6 +617,16 @@ impl CudaQueue {
         self.shared.lock().jobs.len()
     }
 
+    /// Jobs the thread has not put on the stream yet.
+    fn queued(&self) -> usize {
+        self.shared
+            .lock()
+            .jobs
+            .values()
+            .filter(|(s, _)| matches!(s, JobState::Queued))
+            .count()
+    }
+
     /// Lets the thread enqueue what is queued, stops it, and waits for the device to finish
     /// every job (GIL released). Results stay available to `poll()`. Idempotent.
     fn shutdown(&self, py: Python<'_>) {
