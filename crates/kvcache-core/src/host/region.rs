@@ -747,7 +747,7 @@ mod tests {
         assert_eq!(log.cleared.load(Ordering::Relaxed), 1);
         // A second attempt may follow a failure; close() stops it and rolls back.
         let (mut m, log) = mock(None);
-        m.delay = Duration::from_millis(20);
+        m.delay = Duration::from_millis(50); // 8 pieces: 400 ms unless close() stops it
         r.register_background(m, page, page).unwrap();
         assert!(r.register_background(mock(None).0, page, page).is_err());
         std::thread::sleep(Duration::from_millis(30));
