@@ -86,11 +86,13 @@ test-rust:
 test-py: install build wheel
 	KVCACHE_WHEEL="$(abspath $(wildcard dist/kvcache_offload-*.whl))" $(PY) -m pytest -q
 
-lint: install
+lint: install build
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -q -- -D warnings
+	cargo clippy --workspace --all-targets -q --features kvcache-py/validate -- -D warnings
 	$(VENV)/bin/ruff check python tests bench
 	$(VENV)/bin/ruff format --check python tests bench
+	$(PY) -m mypy.stubtest kvcache._core --allowlist python/stubtest-allowlist.txt
 
 fmt: install
 	cargo fmt --all

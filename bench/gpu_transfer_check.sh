@@ -1,26 +1,43 @@
 #!/usr/bin/env bash
-# GPU check of kvcache.transfer on a CUDA machine that has torch + Triton + numpy but no Rust.
+# GPU checks of kvcache on a CUDA machine that has torch + Triton + numpy but no Rust.
 #
 # Build the abi3 wheel where Rust is available:   maturin build --release -o dist
 # then, on the GPU machine, from the repository root:
-#   bash bench/gpu_transfer_check.sh [dist/kvcache-*.whl] [extra bench options]
-# The wheel is installed into a private directory (nothing else is touched) and
-# `python -m kvcache.transfer bench` runs from it: correctness round trips, then the bandwidth
-# sweep. The JSON report goes to $OUT/transfer_bench.json when OUT is set, else ./.
+#   bash bench/gpu_transfer_check.sh [dist/kvcache-*.whl] [worker|transfer|all] [extra options]
+# The wheel is installed into a private directory (nothing else is touched) and run from there:
+#   worker   (default, < 5 min on an H200) bench/gpu_worker_check.py: kvcache's vLLM worker vs
+#            vLLM 0.33.0's (when vLLM is installed) on identical layouts, with byte checks;
+#            JSON to $OUT/gpu_worker_check.json when OUT is set, else ./.
+#   transfer python -m kvcache.transfer bench: engine round trips and the bandwidth sweep;
+#            JSON to $OUT/transfer_bench.json.
+#   all      both (about 8 minutes).
 set -euo pipefail
 
+here="$(cd "$(dirname "$0")" && pwd)"
 wheel="${1:-}"
-if [[ -z "$wheel" ]]; then
+if [[ -z "$wheel" || "$wheel" == worker || "$wheel" == transfer || "$wheel" == all ]]; then
     wheel="$(ls dist/kvcache-*.whl 2>/dev/null | head -n 1 || true)"
+else
+    shift
 fi
 [[ -f "$wheel" ]] || { echo "no kvcache wheel found (build one with maturin build -o dist)" >&2; exit 2; }
-shift || true
+mode="${1:-worker}"
+[[ $# -gt 0 ]] && shift
 
 python="${PYTHON:-python3}"
-json="${OUT:-$PWD}/transfer_bench.json"
+out="${OUT:-$PWD}"
 target="$(mktemp -d)"
 trap 'rm -rf "$target"' EXIT
 
 "$python" -m pip install --quiet --no-deps --no-index --target "$target" "$wheel"
 cd "$target"  # so a checkout's python/ directory cannot shadow the installed wheel
-PYTHONPATH="$target" timeout 175 "$python" -m kvcache.transfer bench --json "$json" "$@"
+status=0
+if [[ "$mode" == worker || "$mode" == all ]]; then
+    PYTHONPATH="$target" timeout 290 "$python" "$here/gpu_worker_check.py" \
+        --json "$out/gpu_worker_check.json" "$@" || status=$?
+fi
+if [[ "$mode" == transfer || "$mode" == all ]]; then
+    PYTHONPATH="$target" timeout 175 "$python" -m kvcache.transfer bench \
+        --json "$out/transfer_bench.json" "$@" || status=$?
+fi
+exit "$status"

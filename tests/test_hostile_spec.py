@@ -19,12 +19,6 @@ from tests.hostile import raises_exactly
 
 pytestmark = pytest.mark.oracle
 
-FALLBACK = (
-    "get_manager catches every ValueError and falls back to vLLM's manager, so bad "
-    "configuration reads as 'cannot run this policy'"
-)
-UNTYPED = "configuration values are converted with int() and raise a bare ValueError/OverflowError"
-
 
 def spec_with(**extra: Any) -> Any:
     require_oracle()
@@ -42,37 +36,31 @@ def spec_with(**extra: Any) -> Any:
         pytest.param(
             {"max_tracker_size": -1},
             "InvalidArgumentError",
-            marks=pytest.mark.xfail(strict=True, reason=FALLBACK),
             id="max_tracker_size-negative",
         ),
         pytest.param(
             {"max_tracker_size": 2**70},
             "InvalidArgumentError",
-            marks=pytest.mark.xfail(strict=True, reason=FALLBACK),
             id="max_tracker_size-2**70",
         ),
         pytest.param(
             {"cpu_bytes_to_use": 2**32 * 4096},
             "InvalidArgumentError",
-            marks=pytest.mark.xfail(strict=True, reason=FALLBACK),
             id="num_chunks-2**32",
         ),
         pytest.param(
             {"store_threshold": 2**70},
             "InvalidArgumentError",
-            marks=pytest.mark.xfail(strict=True, reason=UNTYPED),
             id="store_threshold-2**70",
         ),
         pytest.param(
             {"store_threshold": "often"},
             "InvalidArgumentError",
-            marks=pytest.mark.xfail(strict=True, reason=UNTYPED),
             id="store_threshold-str",
         ),
         pytest.param(
             {"max_tracker_size": "big"},
             "InvalidArgumentError",
-            marks=pytest.mark.xfail(strict=True, reason=UNTYPED),
             id="max_tracker_size-str",
         ),
     ],

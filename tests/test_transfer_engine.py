@@ -319,7 +319,9 @@ def test_copier_guards_finish_on_shutdown_and_refuse_misuse() -> None:
         copier.submit(10, engine.plan(store=True, gpu_block_ids=[2], chunk_ids=[1]))
         copier.shutdown()
         assert copier.in_flight() == 0
-        assert sorted(copier.poll()) == [(7, True), (10, True)]
+        done = sorted(copier.poll())
+        assert [(j, ok, err) for j, ok, _, err in done] == [(7, True, None), (10, True, None)]
+        assert all(seconds >= 0 for _, _, seconds, _ in done)
         with pytest.raises(RuntimeError, match="shut down"):
             copier.submit(11, engine.plan(store=True, gpu_block_ids=[1], chunk_ids=[2]))
         assert torch.equal(pool.tensor()[:2], layer[[3, 2]].view(torch.uint8))

@@ -1,9 +1,9 @@
 """The Triton copy kernel and the bench CLI, exercised on CPU.
 
 The kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess because the
-variable is read when kernels are defined), on descriptors produced by real plans over host
-memory: this checks the kernel's indexing, the piece cutting and the descriptor format
-byte for byte, everything except the GPU itself.
+variable is read when kernels are defined), on block and tensor tables produced by real plans
+over host memory (groups, a partial chunk, padded pages): this checks the kernel's address
+arithmetic and the table formats byte for byte, everything except the GPU itself.
 """
 
 from __future__ import annotations
@@ -23,13 +23,20 @@ KERNEL_CHECK = textwrap.dedent(
     import numpy as np, torch
     from kvcache.transfer import HostChunkPool, TransferEngine, _kernel
 
-    def run(plan, programs):
-        n = plan.num_pieces(_kernel.PIECE_BYTES)
-        desc = torch.empty(3 * n, dtype=torch.int64)
-        plan.write_runs(desc.numpy(), _kernel.PIECE_BYTES)
-        _kernel.launch(desc, n, programs=programs, max_run_bytes=plan.max_run_bytes)
+    def run(engine, plan):
+        # What the CUDA backend does, with host tensors: per-group block table and tensor
+        # table, one launch per group.
+        layout = engine._layout
+        for group, n in enumerate(plan.group_blocks):
+            if n == 0:
+                continue
+            table = torch.empty(3 * n, dtype=torch.int64)
+            plan.write_block_table(group, table.numpy())
+            rows = layout.group_refs(group)
+            refs = torch.tensor(rows, dtype=torch.int64).reshape(-1)
+            _kernel.launch(table, refs, n, to_device=not plan.store, programs=3,
+                           max_page_bytes=max(r[4] for r in rows))
         plan.release()
-        return n
 
     rng = np.random.default_rng(11)
     page = 2048  # bytes per block per layer
@@ -38,26 +45,28 @@ KERNEL_CHECK = textwrap.dedent(
     with HostChunkPool(48, 2 * bpc * page, pin=False) as pool:
         engine = TransferEngine(layers, pool, blocks_per_chunk=bpc)
         host = pool.tensor()
-        # Scattered store: one run per page.
         chunks = rng.permutation(48)[:10]
         blocks = rng.permutation(96)[:20]
-        assert run(engine.plan(store=True, gpu_block_ids=blocks, chunk_ids=chunks), 3) == 40
+        run(engine, engine.plan(store=True, gpu_block_ids=blocks, chunk_ids=chunks))
         for j, c in enumerate(chunks):
             ids = torch.as_tensor(blocks[2 * j : 2 * j + 2])
             want = torch.cat([layer[ids].reshape(-1) for layer in layers])
             assert torch.equal(host[c], want), f"chunk {c}"
-        # Contiguous single-layer load: runs longer than a piece are cut, then copied.
-        one = [torch.zeros(96, 4 * page, dtype=torch.uint8)]
-        with HostChunkPool(96, 4 * page, pin=False) as pool2:
-            src = pool2.tensor()
-            src.copy_(torch.from_numpy(rng.integers(0, 256, (96, 4 * page), dtype=np.uint8)))
-            eng2 = TransferEngine(one, pool2)
-            plan = eng2.plan(store=False, gpu_block_ids=range(10, 60), chunk_ids=range(30, 80))
-            assert len(plan) == 1 and plan.num_pieces(_kernel.PIECE_BYTES) == 7
-            run(plan, 4)
-            assert torch.equal(one[0][10:60], src[30:80])
-            assert not one[0][:10].any() and not one[0][60:].any()
-            del src
+        # Two groups, a partial first chunk, padded pages (only 1024 of 2048 bytes move).
+        dst = [torch.zeros_like(t) for t in layers]
+        eng2 = TransferEngine(dst, pool, blocks_per_chunk=bpc, groups=[[(0, 1024)], [(1, 2048)]])
+        plan = eng2.plan(store=False, gpu_block_ids=[7, 8, 9, 40], chunk_ids=[int(chunks[0]),
+                         int(chunks[1]), int(chunks[2])], group_sizes=[3, 1], block_indices=[1, 0])
+        run(eng2, plan)
+        # Group 0: blocks 7, 8, 9 from slot 1 of chunk 0, then slots 0-1 of chunk 1.
+        src0 = [(chunks[0], 1), (chunks[1], 0), (chunks[1], 1)]
+        for b, (c, slot) in zip([7, 8, 9], src0):
+            want = host[c][slot * page : slot * page + 1024]
+            assert torch.equal(dst[0][b][:1024], want), b
+            assert not dst[0][b][1024:].any()
+        want = host[chunks[2]][bpc * page : bpc * page + page]
+        assert torch.equal(dst[1][40], want)
+        assert dst[0].count_nonzero() == 3 * 1024 - (dst[0][[7, 8, 9], :1024] == 0).sum()
         del host
     print("kernel ok")
     """

@@ -13,6 +13,7 @@ import pytest
 from kvcache.transfer import HostChunkPool, TransferEngine, _cuda
 
 REGISTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
+SET_DEVICE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
 UNREGISTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 GET_LAST_ERROR = ctypes.CFUNCTYPE(ctypes.c_int)
 
@@ -29,6 +30,9 @@ class FakeRuntime:
         self._register = REGISTER(self._do_register)
         self._unregister = UNREGISTER(self._do_unregister)
         self._get_last_error = GET_LAST_ERROR(self._do_get_last_error)
+        self.devices: list[tuple[int, int]] = []  # (device, thread id) per cudaSetDevice
+        self._set_device = SET_DEVICE(self._do_set_device)
+        self.set_device = ctypes.cast(self._set_device, ctypes.c_void_p).value
         self.host_register = ctypes.cast(self._register, ctypes.c_void_p).value
         self.host_unregister = ctypes.cast(self._unregister, ctypes.c_void_p).value
         self.get_last_error = ctypes.cast(self._get_last_error, ctypes.c_void_p).value
@@ -39,6 +43,12 @@ class FakeRuntime:
             self.last_error = 2  # cudaErrorMemoryAllocation
             return 2
         self.registered.append((ptr, size, flags))
+        return 0
+
+    def _do_set_device(self, device: int) -> int:
+        import threading
+
+        self.devices.append((device, threading.get_ident()))
         return 0
 
     def _do_unregister(self, ptr: int) -> int:
@@ -147,6 +157,48 @@ def test_copies_never_span_two_registrations() -> None:
     np.testing.assert_array_equal(pool.tensor().numpy(), layer[2:12].numpy())
     engine.close()
     pool.close()
+
+
+def test_background_registration_binds_its_thread_and_completes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import threading
+
+    rt = FakeRuntime()
+    with HostChunkPool(8, 4096, pin=False) as pool, caplog.at_level("INFO"):
+        assert _cuda.register_pool(
+            pool, rt, required=False, background=True, max_piece_bytes=2 * 4096, device=3
+        )
+        # Boundaries are known before the registration finishes.
+        assert pool.registration_piece_bytes == 2 * 4096
+        status = pool.wait_pinned(5.0)
+        assert status["state"] == "pinned"
+        assert status["pieces"] == 4
+        assert pool.pinned
+        assert pool.kernel_ready  # finishes the bookkeeping (device pointer check) and logs
+        assert any("pinned in the background" in r.getMessage() for r in caplog.records)
+        # The pinning thread selected the device before registering, and was not ours.
+        assert [d for d, _ in rt.devices] == [3]
+        assert rt.devices[0][1] != threading.get_ident()
+        assert len(rt.registered) == 4
+    assert len(rt.unregistered) == 4
+
+
+def test_failed_background_registration_is_reported_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rt = FakeRuntime(fail_on=2)
+    with HostChunkPool(8, 4096, pin=False) as pool, caplog.at_level("WARNING"):
+        assert _cuda.register_pool(
+            pool, rt, required=False, background=True, max_piece_bytes=2 * 4096, device=0
+        )
+        assert pool.wait_pinned(5.0)["state"] == "failed"
+        assert not pool.kernel_ready
+        assert not pool.kernel_ready
+        warnings = [r for r in caplog.records if "stays pageable" in r.getMessage()]
+        assert len(warnings) == 1
+        assert rt.unregistered == [rt.registered[0][0]]
+        assert rt.last_error == 0
 
 
 def test_real_runtime_without_a_gpu_fails_cleanly(caplog: pytest.LogCaptureFixture) -> None:

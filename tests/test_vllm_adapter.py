@@ -123,3 +123,121 @@ def test_our_spec_matches_what_vllms_spec_init_builds() -> None:
     assert out.store_spec.block_ids.dtype == reference.block_ids.dtype == np.int32
     assert out.store_spec.block_ids.tolist() == reference.block_ids.tolist()
     assert out.store_spec.block_ids.flags.writeable
+
+
+def our_spec(**extra: Any) -> Any:
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    return OffloadingSpecFactory.create_spec(
+        offloading_config(
+            spec_name="KvCacheOffloadingSpec", spec_module_path="kvcache.vllm", **extra
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "module", "kind"),
+    [
+        ("lru", None, "lru"),
+        ("arc", None, "arc"),
+        ("arc", "kvcache.vllm", "arc"),
+        ("lru", "kvcache", "lru"),
+        ("ARCCachePolicy", "kvcache.vllm", "arc"),
+        ("LRUCachePolicy", None, "lru"),
+    ],
+)
+def test_spec_runs_lru_and_arc_in_rust_by_either_name(
+    policy: str, module: str | None, kind: str
+) -> None:
+    require_oracle()
+    import kvcache.vllm
+
+    extra: dict[str, Any] = {"eviction_policy": policy}
+    if module is not None:
+        extra["cache_policy_module_path"] = module
+    manager = our_spec(**extra).get_manager()
+    assert isinstance(manager, kvcache.vllm.CPUOffloadingManager)
+    assert manager.cache_policy == kind
+
+
+def test_the_arc_name_trap_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM resolves its registered 'arc' before any module path: with vLLM's own spec this
+    configuration runs vLLM's Python ARC. Our spec runs Rust's, and says so."""
+    require_oracle()
+    from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy as VllmArc
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+    assert CachePolicyFactory.get_cache_policy_cls("arc", "kvcache.vllm") is VllmArc
+    with caplog.at_level("WARNING", logger="kvcache.vllm"):
+        spec = our_spec(eviction_policy="arc", cache_policy_module_path="kvcache.vllm")
+    (warning,) = [r for r in caplog.records if "resolves 'arc'" in r.getMessage()]
+    assert "'ARCCachePolicy'" in warning.getMessage()
+    assert spec.get_manager().cache_policy == "arc"
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvcache.vllm"):
+        our_spec(eviction_policy="ARCCachePolicy", cache_policy_module_path="kvcache.vllm")
+    assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    ("extra", "exc"),
+    [
+        ({"max_tracker_size": -5}, ValueError),
+        ({"cpu_bytes_to_use": (2**32 + 1) * 4096}, ValueError),  # more chunks than ids
+    ],
+)
+def test_manager_errors_propagate_instead_of_falling_back(extra: dict[str, Any], exc: type) -> None:
+    """Only an out-of-tree policy falls back to vLLM's manager; a bad setting raises."""
+    require_oracle()
+    import kvcache
+
+    spec = our_spec(eviction_policy="lru", **extra)
+    with pytest.raises(exc) as info:
+        spec.get_manager()
+    assert isinstance(info.value, kvcache.KvCacheError)
+
+
+def test_startup_line_names_manager_policy_and_worker(caplog: pytest.LogCaptureFixture) -> None:
+    require_oracle()
+    with caplog.at_level("INFO", logger="kvcache.vllm"):
+        our_spec(
+            eviction_policy="ARCCachePolicy", cache_policy_module_path="kvcache.vllm"
+        ).get_manager()
+    (line,) = [r.getMessage() for r in caplog.records if "ready:" in r.getMessage()]
+    assert "manager=kvcache (Rust)" in line
+    assert "policy=arc" in line
+    assert "worker=kvcache" in line
+    assert "pool=64 chunks" in line
+
+
+@pytest.mark.parametrize(
+    ("extra", "exc"),
+    [
+        ({"kvcache_worker": "no"}, TypeError),
+        ({"kvcache_pin": "sometimes"}, ValueError),
+        ({"kvcache_copy": "fast"}, ValueError),
+        ({"kvcache_kernel_max_run_bytes": -1}, ValueError),
+        ({"kvcache_kernel_max_run_bytes": 1.5}, TypeError),
+    ],
+)
+def test_bad_kvcache_settings_raise_typed_errors(extra: dict[str, Any], exc: type) -> None:
+    require_oracle()
+    import kvcache
+
+    with pytest.raises(exc) as info:
+        our_spec(**extra)
+    assert isinstance(info.value, kvcache.KvCacheError)
+
+
+def test_vllm_version_is_checked() -> None:
+    require_oracle()
+    import kvcache
+    from kvcache._vllm_version import TESTED_VLLM_VERSION, check_vllm_version
+    from kvcache.vllm import UnsupportedVersionError
+
+    check_vllm_version(TESTED_VLLM_VERSION, allow_untested=False)
+    with pytest.raises(UnsupportedVersionError, match="KVCACHE_ALLOW_UNTESTED_VLLM=1") as info:
+        check_vllm_version("0.34.0", allow_untested=False)
+    assert isinstance(info.value, kvcache.KvCacheError)
+    assert isinstance(info.value, RuntimeError)
+    check_vllm_version("0.34.0", allow_untested=True)  # warns, does not raise

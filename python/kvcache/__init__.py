@@ -22,7 +22,9 @@ from kvcache._core import (
     LRUCachePolicy,
     NotEvictableError,
     OutOfMemoryError,
+    OutOfRangeError,
     ReentrantCallError,
+    TransferError,
     __version__,
     order_request_keys,
 )
@@ -56,9 +58,11 @@ __all__ = [
     "OffloadingEvent",
     "OffloadingManager",
     "OutOfMemoryError",
+    "OutOfRangeError",
     "PrepareStoreOutput",
     "ReentrantCallError",
     "ReqContext",
+    "TransferError",
     "__version__",
     "order_request_keys",
 ]

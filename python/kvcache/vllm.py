@@ -1,30 +1,42 @@
 """The adapter vLLM 0.33.0 loads by configuration.
 
-Policies only (vLLM's manager, our policies)::
-
-    kv_connector_extra_config = {
-        "eviction_policy": "ARCCachePolicy",  # or "LRUCachePolicy"
-        "cache_policy_module_path": "kvcache.vllm",
-    }
-
-Our manager and policies (vLLM's worker is kept)::
+kvcache's manager, policies and worker (recommended)::
 
     kv_connector_extra_config = {
         "spec_name": "KvCacheOffloadingSpec",
         "spec_module_path": "kvcache.vllm",
-        "eviction_policy": "arc",  # or "lru"
+        "eviction_policy": "arc",  # or "lru"; "ARCCachePolicy"/"LRUCachePolicy" alike
+        "cpu_bytes_to_use": 64 << 30,
     }
 
 (vLLM's ``OffloadingSpecFactory`` resolves a registered name before any module path, and
-``CPUOffloadingSpec`` is registered to vLLM's own spec: hence the distinct name
+``CPUOffloadingSpec`` is registered to vLLM's spec: hence the distinct name
 ``KvCacheOffloadingSpec``, an alias of ``kvcache.vllm.CPUOffloadingSpec``.)
 
-vLLM's ``CachePolicyFactory`` asserts a policy class subclasses its ``CachePolicy``: the Rust
-classes are registered as *virtual* subclasses (``CachePolicy.register``), which satisfies
-``issubclass`` without a Python class in front of the Rust methods. ``CPUOffloadingManager``
-subclasses both the Rust manager (first in the MRO, so calls go straight to Rust) and vLLM's
-``OffloadingManager`` (for its defaults: ``lock``, ``on_schedule_end`` …), and returns vLLM's
-own result types. Importing this module imports vLLM; ``import kvcache`` does not.
+Policies only (vLLM's manager and worker, our policies): the policy must be named by its class
+name, because vLLM's ``CachePolicyFactory`` resolves the registered names ``lru``/``arc`` to its
+own Python classes *before* looking at the module path::
+
+    kv_connector_extra_config = {
+        "eviction_policy": "ARCCachePolicy",  # NOT "arc": that silently runs vLLM's ARC
+        "cache_policy_module_path": "kvcache.vllm",
+    }
+
+Switches (``kv_connector_extra_config``), all optional:
+
+- ``"kvcache_worker": false``: vLLM's worker moves the bytes (for A/B runs); default true.
+- ``"kvcache_pin"``: ``"background"`` (default: start at once, pin in pieces on a thread of
+  its own), ``"blocking"`` (pin before the worker starts) or ``"off"`` (pageable).
+- ``"kvcache_copy"``: ``"auto"`` (default), ``"dma"`` or ``"kernel"`` (loads; stores use DMA).
+- ``"kvcache_kernel_max_run_bytes"``: the kernel/DMA cut-off for loads in bytes (0: DMA only);
+  default: calibrated per device at start-up.
+
+Importing this module imports vLLM (and refuses a release other than 0.33.0 unless
+``KVCACHE_ALLOW_UNTESTED_VLLM=1``); ``import kvcache`` does not. vLLM's ``CachePolicyFactory``
+asserts a policy class subclasses its ``CachePolicy``: the Rust classes are registered as
+*virtual* subclasses (``CachePolicy.register``). ``CPUOffloadingManager`` subclasses both the
+Rust manager (first in the MRO, so calls go straight to Rust) and vLLM's ``OffloadingManager``,
+and returns vLLM's own result types.
 """
 
 from __future__ import annotations
@@ -33,38 +45,71 @@ import logging
 from types import SimpleNamespace
 from typing import Any
 
+from kvcache._vllm_version import (  # first: refuses an untested vLLM before importing it
+    ALLOW_UNTESTED_ENV,
+    TESTED_VLLM_VERSION,
+    UnsupportedVersionError,
+)
+
+# isort: split
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
     LookupResult,
     Medium,
     OffloadingEvent,
     OffloadingManager,
+    OffloadingWorker,
     PrepareStoreOutput,
     RequestOffloadingContext,
 )
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as _VllmManager
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as _VllmCachePolicy
+from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as _VllmCPUOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcache._core import ARCCachePolicy, LRUCachePolicy
+from kvcache._core import ARCCachePolicy, InvalidArgumentError, InvalidTypeError, LRUCachePolicy
 from kvcache._core import OffloadingManager as _RustManager
+from kvcache._vllm_worker import CPUOffloadingWorker
 
 __all__ = [
+    "ALLOW_UNTESTED_ENV",
+    "TESTED_VLLM_VERSION",
     "ARCCachePolicy",
     "CPUOffloadingManager",
     "CPUOffloadingSpec",
+    "CPUOffloadingWorker",
     "KvCacheOffloadingSpec",
     "LRUCachePolicy",
+    "UnsupportedVersionError",
+    "rust_policy",
 ]
 
 logger = logging.getLogger(__name__)
 
 _VllmCachePolicy.register(LRUCachePolicy)
 _VllmCachePolicy.register(ARCCachePolicy)
+
+#: Policy names kvcache's Rust manager runs, by the name given in ``eviction_policy``.
+RUST_POLICIES = {"lru": "lru", "arc": "arc", "LRUCachePolicy": "lru", "ARCCachePolicy": "arc"}
+#: ``cache_policy_module_path`` values that mean "kvcache's policies" (or none given).
+OUR_MODULES = (None, "kvcache.vllm", "kvcache")
+
+_PIN_SETTINGS = ("background", "blocking", "off")
+_COPY_SETTINGS = ("auto", "dma", "kernel")
+
+
+def rust_policy(name: str, module_path: str | None) -> str | None:
+    """``"lru"``/``"arc"`` when kvcache's Rust manager runs policy ``name`` from
+    ``module_path``; None for an out-of-tree Python policy (vLLM's manager must run it)."""
+    if module_path not in OUR_MODULES:
+        return None
+    return RUST_POLICIES.get(name)
 
 
 class CPUOffloadingManager(_RustManager, OffloadingManager):
@@ -137,31 +182,202 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
         return stats
 
 
-class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
-    """vLLM's CPU offloading spec (and worker) with kvcache's manager.
+def _flag(extra: Any, key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise InvalidTypeError(f"{key} in kv_connector_extra_config must be true or false")
+    return value
 
-    Policies the Rust manager does not run (an out-of-tree Python policy) fall back to vLLM's
-    manager, with a warning.
+
+def _choice(extra: Any, key: str, choices: tuple[str, ...]) -> str:
+    value = extra.get(key, choices[0])
+    if value not in choices:
+        raise InvalidArgumentError(
+            f"{key} in kv_connector_extra_config must be one of {list(choices)}, got {value!r}"
+        )
+    return str(value)
+
+
+class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
+    """vLLM's CPU offloading spec with kvcache's manager and worker.
+
+    The manager: kvcache's Rust manager for ``lru``/``arc`` (by either name); vLLM's manager
+    only for an out-of-tree Python policy, decided from the policy name and module before
+    anything is built. The worker: :class:`CPUOffloadingWorker`, unless the configuration is
+    one it does not support (canonical layout, replicated MLA layout, devices other than
+    CUDA) or ``"kvcache_worker": false``; then vLLM's worker, with one log line naming the
+    reason. Bad settings raise (a ``KvCacheError`` subclass); nothing falls back silently.
     """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        extra = self.extra_config
+        self.use_kvcache_worker = _flag(extra, "kvcache_worker", True)
+        self.pin_setting = _choice(extra, "kvcache_pin", _PIN_SETTINGS)
+        self.copy_setting = _choice(extra, "kvcache_copy", _COPY_SETTINGS)
+        cutoff = extra.get("kvcache_kernel_max_run_bytes")
+        if cutoff is not None and (isinstance(cutoff, bool) or not isinstance(cutoff, int)):
+            raise InvalidTypeError("kvcache_kernel_max_run_bytes must be an int (bytes) or null")
+        if cutoff is not None and cutoff < 0:
+            raise InvalidArgumentError("kvcache_kernel_max_run_bytes must be >= 0")
+        self.kernel_max_run_bytes: int | None = cutoff
+        self.policy_kind = rust_policy(self.eviction_policy, self.cache_policy_module_path)
+        if (
+            self.cache_policy_module_path in OUR_MODULES[1:]
+            and self.eviction_policy in CachePolicyFactory._registry
+        ):
+            logger.warning(
+                "eviction_policy %r with cache_policy_module_path %r: kvcache runs its Rust %s "
+                "here (spec %s), but under vLLM's own spec vLLM resolves %r to its Python class "
+                "first and never loads kvcache. Use %r to make the policy choice unambiguous.",
+                self.eviction_policy,
+                self.cache_policy_module_path,
+                self.policy_kind,
+                type(self).__name__,
+                self.eviction_policy,
+                f"{self.eviction_policy.upper()}CachePolicy",
+            )
+
+    def manager_description(self) -> str:
+        if self.policy_kind is None:
+            return (
+                f"vLLM's (out-of-tree policy {self.eviction_policy!r} from "
+                f"{self.cache_policy_module_path!r})"
+            )
+        return "kvcache (Rust)"
+
+    def _extra_int(self, name: str, default: int) -> int:
+        """An integer setting of ``kv_connector_extra_config``, converted as vLLM does
+        (``int(value)``), with a typed error naming the setting when it is not one."""
+        value = self.extra_config.get(name, default)
+        try:
+            return int(value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config[{name!r}] must be an integer, got {value!r}"
+            ) from exc
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is not None:
             return self._manager
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             num_chunks=self.num_chunks,
-            cache_policy=self.eviction_policy,
-            cache_policy_module_path=self.cache_policy_module_path,
             enable_events=self.kv_events_config.enable_kv_cache_events,
-            store_threshold=int(self.extra_config.get("store_threshold", 0)),
-            max_tracker_size=int(self.extra_config.get("max_tracker_size", 64_000)),
+            store_threshold=self._extra_int("store_threshold", 0),
+            max_tracker_size=self._extra_int("max_tracker_size", 64_000),
             info=self.cpu_info,
         )
-        try:
-            self._manager = CPUOffloadingManager(**kwargs)
-        except ValueError as exc:
-            logger.warning("kvcache cannot run this policy (%s); using vLLM's manager", exc)
-            self._manager = _VllmManager(**kwargs)
+        if self.policy_kind is None:
+            logger.warning(
+                "kvcache's manager runs lru/arc only; policy %r from %r runs in vLLM's manager",
+                self.eviction_policy,
+                self.cache_policy_module_path,
+            )
+            self._manager = _VllmManager(
+                cache_policy=self.eviction_policy,
+                cache_policy_module_path=self.cache_policy_module_path,
+                **kwargs,
+            )
+        else:
+            self._manager = CPUOffloadingManager(
+                cache_policy=self.policy_kind, cache_policy_module_path=None, **kwargs
+            )
+        self._announce("manager", None)
         return self._manager
+
+    def worker_unsupported(self, kv_caches: CanonicalKVCaches) -> str | None:
+        """Why kvcache's worker cannot serve this configuration (None: it can)."""
+        import torch
+
+        if not self.use_kvcache_worker:
+            return "kvcache_worker is false in kv_connector_extra_config"
+        if self.config.canonical_layout:
+            return "canonical_layout is set (kvcache keeps each rank's direct layout)"
+        if self.replicated_layout:
+            return "replicated (MLA) layout: ranks share one host copy, kvcache pools are per rank"
+        if self.num_chunks <= 0:
+            return "cpu_bytes_to_use buys no chunk"
+        if not kv_caches.tensors:
+            return "no KV cache tensors"
+        devices = {t.tensor.device for t in kv_caches.tensors}
+        if len(devices) != 1:
+            return f"KV tensors on several devices ({sorted(map(str, devices))})"
+        (device,) = devices
+        if device.type == "cuda" and getattr(torch.version, "hip", None):
+            return "ROCm (kvcache's worker supports CUDA)"
+        if device.type not in ("cuda", "cpu"):
+            return f"device type {device.type!r} (kvcache's worker supports CUDA)"
+        for i, t in enumerate(kv_caches.tensors):
+            tensor = t.tensor
+            if tensor.dim() == 0 or (tensor.numel() * tensor.element_size()) % t.page_size_bytes:
+                return f"KV tensor {i} is not a whole number of {t.page_size_bytes}-byte pages"
+        return None
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is not None:
+            return self._worker
+        reason = self.worker_unsupported(kv_caches)
+        if reason is not None:
+            logger.info("kvcache: vLLM's worker moves the KV bytes: %s", reason)
+            worker = super().get_worker(kv_caches)
+        else:
+            worker = CPUOffloadingWorker(
+                kv_caches,
+                blocks_per_chunk=self.blocks_per_chunk,
+                num_chunks=self.num_chunks,
+                pin=self.pin_setting,  # type: ignore[arg-type]
+                copy=self.copy_setting,  # type: ignore[arg-type]
+                kernel_max_run_bytes=self.kernel_max_run_bytes,
+            )
+            self._worker = worker  # type: ignore[assignment]
+        self._announce("worker", reason)
+        return worker
+
+    def _announce(self, built: str, worker_reason: str | None) -> None:
+        """The one start-up line: what runs, with the pool and copy settings."""
+        worker = self._worker
+        if isinstance(worker, CPUOffloadingWorker):
+            d = worker.describe()
+            worker_text = f"kvcache ({d['backend']}"
+            if d["backend"] == "cuda":
+                worker_text += f", DMA {d['dma']}"
+            worker_text += ")"
+            pool = (
+                f"{d['pool_bytes'] / 2**30:.2f} GiB on rank {self.config.parallel.rank} "
+                f"({d['num_chunks']} chunks of {d['chunk_bytes']} B)"
+            )
+            pinned = d["pinned"]
+            cutoff_bytes = d.get("kernel_max_run_bytes")
+            cutoff = (
+                "n/a"
+                if cutoff_bytes is None
+                else f"{cutoff_bytes // 1024} KiB"
+                + (" (calibrated)" if d.get("calibrated") else "")
+            )
+        else:
+            if worker is not None:
+                worker_text = f"vLLM's ({worker_reason})"
+            elif self.use_kvcache_worker:
+                worker_text = "kvcache (built on the worker side)"
+            else:
+                worker_text = "vLLM's (kvcache_worker is false)"
+            pool = (
+                f"{self.num_chunks} chunks, {self.num_chunks * self.kv_bytes_per_chunk / 2**30:.2f}"
+                " GiB across ranks"
+            )
+            pinned = "n/a" if worker is None else "vLLM's"
+            cutoff = "n/a"
+        logger.info(
+            "kvcache %s ready: manager=%s policy=%s worker=%s pool=%s pinned=%s "
+            "load kernel/DMA cut-off=%s",
+            built,
+            self.manager_description(),
+            self.policy_kind or self.eviction_policy,
+            worker_text,
+            pool,
+            pinned,
+            cutoff,
+        )
 
 
 #: The name to give vLLM's ``OffloadingSpecFactory`` (``spec_name``): ``CPUOffloadingSpec``

@@ -1,19 +1,11 @@
 //! CPU cost of building copy descriptors (`TransferLayout::plan`): validation, duplicate
-//! check and coalescing, per page. Target: <= 50 ns per page descriptor.
+//! check and coalescing, per page; and of validation alone (`validate`: what the thread that
+//! submits a job pays). Target: <= 50 ns per page descriptor.
 //!
 //! `cargo bench -p kvcache-core --bench transfer_plan` (criterion reports elements/s = pages/s).
 
-// Rebuilt with the transfer worker; its casts are audited one by one when that lands.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_possible_wrap,
-    clippy::cast_sign_loss,
-    clippy::cast_precision_loss,
-    clippy::cast_lossless
-)]
-
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kvcache_core::host::{Direction, LayerGeometry, PlanScratch, TransferLayout};
+use kvcache_core::host::{Direction, GroupSpan, LayerGeometry, PlanScratch, TransferLayout};
 
 const LAYERS: u64 = 32;
 const BPC: usize = 16;
@@ -30,10 +22,13 @@ fn scattered(n: usize, universe: u64, seed: u64) -> Vec<i64> {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        v.swap(i, (x % (i as u64 + 1)) as usize);
+        let bound = u64::try_from(i).expect("small") + 1;
+        v.swap(i, usize::try_from(x % bound).expect("below i"));
     }
     v.truncate(n);
-    v.into_iter().map(|i| i as i64).collect()
+    v.into_iter()
+        .map(|i| i64::try_from(i).expect("small"))
+        .collect()
 }
 
 fn bench_plan(c: &mut Criterion) {
@@ -46,10 +41,11 @@ fn bench_plan(c: &mut Criterion) {
             segment: l,
         })
         .collect();
-    let chunk_bytes = LAYERS * PAGE * BPC as u64;
+    let bpc = u64::try_from(BPC).expect("small");
+    let chunk_bytes = LAYERS * PAGE * bpc;
     let layout = TransferLayout::new(layers, BPC, 1 << 46, CHUNKS, chunk_bytes, 0).unwrap();
     let chunks = scattered(JOB_CHUNKS, CHUNKS, 7);
-    let pages = (JOB_CHUNKS * BPC) as u64 * LAYERS;
+    let pages = u64::try_from(JOB_CHUNKS * BPC).expect("small") * LAYERS;
     let mut group = c.benchmark_group("transfer_plan");
     group.throughput(Throughput::Elements(pages));
     let mut scratch = PlanScratch::default();
@@ -61,7 +57,25 @@ fn bench_plan(c: &mut Criterion) {
                 .unwrap()
         })
     });
-    let contiguous: Vec<i64> = (1000..1000 + (JOB_CHUNKS * BPC) as i64).collect();
+    let job_blocks = i64::try_from(JOB_CHUNKS * BPC).expect("small");
+    let contiguous: Vec<i64> = (1000..1000 + job_blocks).collect();
+    group.bench_function("scattered_validate_only", |b| {
+        b.iter(|| {
+            let spans = vec![GroupSpan {
+                blocks: blocks.len(),
+                first_index: 0,
+            }];
+            layout
+                .validate(
+                    Direction::Store,
+                    blocks.clone(),
+                    chunks.clone(),
+                    spans,
+                    &mut scratch,
+                )
+                .unwrap()
+        })
+    });
     group.bench_function("contiguous", |b| {
         b.iter(|| {
             layout

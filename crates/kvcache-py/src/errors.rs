@@ -1,10 +1,12 @@
 //! Mapping core errors to Python exceptions: the one place that decides which exception a
-//! [`CoreError`] becomes.
+//! [`CoreError`] or a [`HostError`] becomes.
 
+use kvcache_core::host::HostError;
 use kvcache_core::CoreError;
 use pyo3::prelude::*;
+use pyo3::types::PyType;
 
-use crate::exceptions::{exceptions, new_err};
+use crate::exceptions::{exceptions, new_err, Exceptions};
 
 /// A core error on its way to Python (a local type: `From<CoreError> for PyErr` would be an
 /// orphan impl).
@@ -49,4 +51,43 @@ impl<T> IntoPyResult<T> for Result<T, CoreError> {
     fn py_err(self) -> PyResult<T> {
         self.map_err(|e| Error(e).into())
     }
+}
+
+/// A host-memory error on its way to Python (the transfer half of the conversion point).
+pub struct HostErr(pub HostError);
+
+impl From<HostError> for HostErr {
+    fn from(e: HostError) -> Self {
+        HostErr(e)
+    }
+}
+
+impl From<HostErr> for PyErr {
+    fn from(HostErr(e): HostErr) -> PyErr {
+        Python::attach(|py| {
+            let ex = exceptions(py);
+            let message = e.to_string();
+            match e {
+                HostError::InvalidArgument(_) => new_err(py, &ex.invalid_argument, message),
+                HostError::OutOfRange(_) => new_err(py, &ex.out_of_range, message),
+                HostError::Closed => new_err(py, &ex.invalid_state, message),
+                HostError::Busy { .. } | HostError::Register { .. } => {
+                    new_err(py, &ex.transfer, message)
+                }
+                HostError::Map(_) => new_err(py, &ex.out_of_memory, message),
+            }
+        })
+    }
+}
+
+impl<T> IntoPyResult<T> for Result<T, HostError> {
+    #[inline]
+    fn py_err(self) -> PyResult<T> {
+        self.map_err(|e| HostErr(e).into())
+    }
+}
+
+/// Raises the `kvcache` exception `pick` selects, e.g. `typed(|e| &e.invalid_argument, msg)`.
+pub fn typed(pick: impl FnOnce(&Exceptions) -> &Py<PyType>, message: impl Into<String>) -> PyErr {
+    Python::attach(|py| new_err(py, pick(exceptions(py)), message.into()))
 }

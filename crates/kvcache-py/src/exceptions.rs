@@ -8,7 +8,7 @@
 //! classes are made once with `type(name, bases, namespace)` at import.
 
 use pyo3::exceptions::{
-    PyException, PyKeyError, PyMemoryError, PyRuntimeError, PyTypeError, PyValueError,
+    PyException, PyIndexError, PyKeyError, PyMemoryError, PyRuntimeError, PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -26,6 +26,8 @@ pub struct Exceptions {
     pub invalid_state: Py<PyType>,
     pub reentrant_call: Py<PyType>,
     pub out_of_memory: Py<PyType>,
+    pub out_of_range: Py<PyType>,
+    pub transfer: Py<PyType>,
 }
 
 static EXCEPTIONS: PyOnceLock<Exceptions> = PyOnceLock::new();
@@ -122,8 +124,22 @@ fn build(py: Python<'_>) -> PyResult<Exceptions> {
         out_of_memory: make_type(
             py,
             "OutOfMemoryError",
-            "Memory kvcache needed could not be allocated; nothing was changed.",
+            "Memory kvcache needed could not be had (an allocation, or host memory the operating \
+             system refused to map); nothing was changed.",
             &[b, &py.get_type::<PyMemoryError>()],
+        )?,
+        out_of_range: make_type(
+            py,
+            "OutOfRangeError",
+            "An id or index outside its valid range, e.g. a block id beyond the KV cache.",
+            &[b, &py.get_type::<PyIndexError>()],
+        )?,
+        transfer: make_type(
+            py,
+            "TransferError",
+            "A transfer or host-memory operation the runtime refused: registration failed, \
+             the pool is busy, a copy could not be submitted.",
+            &[b, &py.get_type::<PyRuntimeError>()],
         )?,
         invalid_type,
         base,
@@ -145,6 +161,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         &e.invalid_state,
         &e.reentrant_call,
         &e.out_of_memory,
+        &e.out_of_range,
+        &e.transfer,
     ] {
         let ty = ty.bind(py);
         m.add(ty.name()?, ty)?;

@@ -1,10 +1,14 @@
-"""Access to the CUDA runtime that torch already loaded, through ctypes.
+"""Access to the CUDA runtime and driver that torch already loaded, through ctypes.
 
-Why not ``torch.cuda.cudart()``: it does not expose ``cudaGetLastError`` (needed to clear the
+Why not ``torch.cuda.cudart()``: it exposes neither ``cudaGetLastError`` (needed to clear the
 sticky error a failed registration leaves) nor ``cudaMemcpyAsync``. Why the already-loaded
-library and not any ``libcudart`` found on disk: error state and contexts are per runtime
-instance, so we must talk to the same one torch uses. Rust receives plain function addresses
-(see ``crates/kvcache-py/src/transfer/cuda.rs``); nothing here is needed on CPU-only machines.
+libraries and not any found on disk: error state and contexts are per runtime instance, so we
+must talk to the same one torch uses. Rust receives plain function addresses (see
+``crates/kvcache-py/src/transfer/``); nothing here is needed on CPU-only machines.
+
+``cuMemcpyBatchAsync`` (one call for a whole job's copies) lives in the driver library and
+exists from CUDA 12.8 drivers on: it is looked up when a runtime is first used, and when it is
+missing the engine issues one ``cudaMemcpyAsync`` per run instead.
 """
 
 from __future__ import annotations
@@ -13,10 +17,9 @@ import ctypes
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kvcache.transfer._pool import HostChunkPool
+from kvcache._core import TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,62 @@ MAX_REGISTER_PIECE_BYTES = 64 << 30
 REGISTER_FLAGS = 0x01 | 0x02
 # cudaMemcpyDefault: direction inferred from unified virtual addresses.
 MEMCPY_DEFAULT = 4
+# CUmemcpySrcAccessOrder: STREAM for sources the device may still be writing (stores read the
+# live KV cache), ANY for host sources nothing writes meanwhile (loads).
+SRC_ACCESS_ORDER_STREAM = 1
+SRC_ACCESS_ORDER_ANY = 3
+
+
+@dataclass(frozen=True)
+class BatchCopy:
+    """The driver's batched copy entry point: its address and whether it is the ``_v2``
+    signature (CUDA 13, no ``failIdx``)."""
+
+    address: int
+    v2: bool
+
+
+class Registrable(Protocol):
+    """The pool as registration sees it (``kvcache.transfer.HostChunkPool``)."""
+
+    address: int
+    nbytes: int
+    device_can_use_host_pointer: bool
+    # The runtime that registered it, and whether a background registration's outcome has
+    # been seen (and logged) yet.
+    _pin_runtime: Runtime | None
+    _pin_reported: bool
+
+    def _register(
+        self,
+        register_fn: int,
+        unregister_fn: int,
+        get_last_error_fn: int,
+        flags: int,
+        max_piece_bytes: int,
+        keepalive: object,
+        *,
+        background: bool = False,
+        set_device_fn: int = 0,
+        device: int = 0,
+    ) -> int: ...
+
+
+#: CUDA runtime functions a DMA queue (``_core.CudaQueue``) calls from its thread.
+QUEUE_FUNCTIONS = (
+    "cudaEventCreateWithFlags",
+    "cudaEventDestroy",
+    "cudaEventRecord",
+    "cudaEventQuery",
+    "cudaEventSynchronize",
+    "cudaEventElapsedTime",
+    "cudaStreamWaitEvent",
+    "cudaStreamSynchronize",
+    "cudaMemcpyAsync",
+    "cudaSetDevice",
+    "cudaGetLastError",
+    "cudaGetErrorString",
+)
 
 
 class Runtime(Protocol):
@@ -36,6 +95,9 @@ class Runtime(Protocol):
     host_unregister: int
     get_last_error: int
     memcpy_async: int
+    #: ``QUEUE_FUNCTIONS`` by name -> address.
+    queue_functions: dict[str, int]
+    batch: BatchCopy | None
 
     def clear_error(self) -> int: ...
 
@@ -46,13 +108,17 @@ class Runtime(Protocol):
 
 @dataclass(frozen=True)
 class CudaRuntime:
-    """Entry points of the loaded ``libcudart`` as integer addresses, plus a few helpers."""
+    """Entry points of the loaded ``libcudart`` (and the driver) as integer addresses."""
 
     lib: ctypes.CDLL
     host_register: int
     host_unregister: int
     get_last_error: int
     memcpy_async: int
+    set_device: int
+    queue_functions: dict[str, int]
+    driver: ctypes.CDLL | None
+    batch: BatchCopy | None
 
     @classmethod
     def from_library(cls, lib: ctypes.CDLL) -> CudaRuntime:
@@ -72,12 +138,17 @@ class CudaRuntime:
             ctypes.c_void_p,
             ctypes.c_uint,
         ]
+        driver, batch = _driver_batch_copy()
         return cls(
             lib=lib,
             host_register=addr("cudaHostRegister"),
             host_unregister=addr("cudaHostUnregister"),
             get_last_error=addr("cudaGetLastError"),
             memcpy_async=addr("cudaMemcpyAsync"),
+            set_device=addr("cudaSetDevice"),
+            queue_functions={name: addr(name) for name in QUEUE_FUNCTIONS},
+            driver=driver,
+            batch=batch,
         )
 
     def clear_error(self) -> int:
@@ -88,6 +159,15 @@ class CudaRuntime:
         raw = self.lib.cudaGetErrorString(code)
         return raw.decode(errors="replace") if raw else f"CUDA error {code}"
 
+    def driver_error_string(self, code: int) -> str:
+        """Names a driver (``CUresult``) error code."""
+        if self.driver is None:
+            return f"CUDA driver error {code}"
+        out = ctypes.c_char_p()
+        if self.driver.cuGetErrorString(code, ctypes.byref(out)) != 0 or not out.value:
+            return f"CUDA driver error {code}"
+        return out.value.decode(errors="replace")
+
     def device_pointer(self, host_address: int) -> int | None:
         """The device address of registered host memory, or None (error cleared)."""
         out = ctypes.c_void_p()
@@ -95,6 +175,26 @@ class CudaRuntime:
             self.clear_error()
             return None
         return out.value
+
+
+def _driver_batch_copy() -> tuple[ctypes.CDLL | None, BatchCopy | None]:
+    """The driver library and its ``cuMemcpyBatchAsync``, when this driver has it."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None, None
+    driver.cuGetErrorString.restype = ctypes.c_int
+    driver.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    # Prefer the original export (with failIdx): 12.8+ and 13.x drivers both have it.
+    for name, v2 in (("cuMemcpyBatchAsync", False), ("cuMemcpyBatchAsync_v2", True)):
+        try:
+            fn = getattr(driver, name)
+        except AttributeError:
+            continue
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+        if address:
+            return driver, BatchCopy(address, v2)
+    return driver, None
 
 
 def _loaded_cudart_paths() -> list[str]:
@@ -131,17 +231,31 @@ def runtime() -> CudaRuntime | None:
     return None
 
 
+def _current_device() -> int:
+    import torch
+
+    return int(torch.cuda.current_device())
+
+
 def register_pool(
-    pool: HostChunkPool,
+    pool: Registrable,
     rt: Runtime,
     *,
     required: bool,
+    background: bool = False,
     max_piece_bytes: int = MAX_REGISTER_PIECE_BYTES,
+    device: int | None = None,
 ) -> bool:
     """Registers ``pool`` in pieces; on failure it is left pageable and the error cleared.
 
-    Returns whether the pool is now pinned; raises ``RuntimeError`` on failure if ``required``.
+    Blocking: returns whether the pool is now pinned; raises ``TransferError`` on failure if
+    ``required``. ``background``: starts the registration on a thread of its own (bound to
+    ``device``, default the current one) and returns True at once; the pool reports
+    ``pinned`` when it has finished (see ``HostChunkPool.pin_status``).
     """
+    set_device = getattr(rt, "set_device", 0) if background else 0
+    if background and set_device and device is None:
+        device = _current_device()
     try:
         pieces = pool._register(
             rt.host_register,
@@ -150,26 +264,32 @@ def register_pool(
             REGISTER_FLAGS,
             max_piece_bytes,
             rt,
+            background=background,
+            set_device_fn=set_device,
+            device=device or 0,
         )
-    except RuntimeError as exc:
+    except TransferError as exc:
         if required:
-            raise RuntimeError(f"pinning the host chunk pool failed: {exc}") from exc
+            raise TransferError(f"pinning the host chunk pool failed: {exc}") from exc
         logger.warning("pinning the host chunk pool failed, staying pageable (slower): %s", exc)
         return False
-    dev = rt.device_pointer(pool.address)
-    pool.device_can_use_host_pointer = dev == pool.address
-    if not pool.device_can_use_host_pointer:
-        logger.info("registered host memory has a separate device address; kernel copies off")
+    pool._pin_runtime = rt
+    if background:
+        pool._pin_reported = False
+        logger.debug("pinning %d bytes in %d background piece(s)", pool.nbytes, pieces)
+        return True
+    finish_registration(pool, rt)
     logger.debug("pinned %d bytes of host memory in %d piece(s)", pool.nbytes, pieces)
     return True
 
 
-def pin_pool(pool: HostChunkPool, *, required: bool) -> bool:
-    """Applies the pool's ``pin`` policy: register when CUDA is available."""
-    rt = runtime()
-    if rt is None:
-        if required:
-            raise RuntimeError("pin=True but CUDA is not available")
-        logger.debug("CUDA not available: the host chunk pool stays pageable")
-        return False
-    return register_pool(pool, rt, required=required)
+def finish_registration(pool: Registrable, rt: Runtime) -> None:
+    """After registration: may GPU kernels use the pool's host addresses directly?
+
+    Unified addressing normally maps registered memory at its host address; where it does not
+    (e.g. some WSL2 setups), the copy kernel would fault, so it is switched off.
+    """
+    dev = rt.device_pointer(pool.address)
+    pool.device_can_use_host_pointer = dev == pool.address
+    if not pool.device_can_use_host_pointer:
+        logger.info("registered host memory has a separate device address; kernel copies off")

@@ -1,4 +1,4 @@
-"""``TransferEngine``: asynchronous chunk moves between KV-cache layers and a host pool."""
+"""``TransferEngine``: asynchronous chunk moves between KV-cache tensors and a host pool."""
 
 from __future__ import annotations
 
@@ -7,78 +7,68 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Self
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, Self
 
 from kvcache import _core
-from kvcache.transfer._cuda import MEMCPY_DEFAULT
-from kvcache.transfer._pool import check_count
+from kvcache._core import (
+    InvalidArgumentError,
+    InvalidStateError,
+    InvalidTypeError,
+    TransferError,
+)
+from kvcache.transfer._checks import as_ids, check_count
+from kvcache.transfer._cuda import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     import torch
 
+    from kvcache.transfer._calibrate import Calibration
     from kvcache.transfer._cuda import Runtime
 
 logger = logging.getLogger(__name__)
 
 CopyMode = Literal["auto", "kernel", "dma"]
+Queue = Literal["store", "load", "expedited"]
+QUEUES: tuple[Queue, ...] = ("store", "load", "expedited")
 
-# Kernel vs DMA crossover (average bytes per run after coalescing) and the smallest batch worth
-# a kernel launch. Starting points from published H100 figures, not measured on this project's
-# hardware: `python -m kvcache.transfer bench` prints the measured crossover to set them from.
-DEFAULT_KERNEL_MAX_RUN_BYTES = 32 * 1024
+# The kernel/DMA cut-off for loads (average bytes per run after coalescing) when it is not
+# calibrated: vLLM 0.33.0's fixed threshold, tuned on one H100.
+DEFAULT_KERNEL_MAX_RUN_BYTES = 28 * 1024
+# The smallest batch worth a kernel launch.
 DEFAULT_KERNEL_MIN_RUNS = 16
 # Programs (thread blocks) of the copy kernel: enough PCIe requests in flight without taking
 # every SM away from the model.
 DEFAULT_KERNEL_PROGRAMS = 32
 
-_INT64_MAX = np.iinfo(np.int64).max
 
+class JobResult(NamedTuple):
+    """One finished job."""
 
-def as_ids(name: str, ids: object) -> np.ndarray:
-    """A 1-d contiguous int64 copy-free view of ``ids`` when possible, else a typed error.
-
-    Vectorised (no per-id Python work). Floats and bools are refused rather than truncated;
-    integers beyond int64 are out of range (``IndexError``), like any other bad id.
-    """
-    try:
-        arr = np.asarray(ids)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name} must be a sequence of ints: {exc}") from exc
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-d, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if arr.dtype == object:
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in arr.tolist()):
-            raise TypeError(f"{name} must contain only ints")
-        try:
-            arr = np.asarray(arr.tolist(), dtype=np.int64)
-        except OverflowError as exc:
-            raise IndexError(f"{name} contains an id beyond int64") from exc
-    elif arr.dtype.kind == "u":
-        if int(arr.max()) > _INT64_MAX:
-            raise IndexError(f"{name} contains an id beyond int64")
-    elif arr.dtype.kind != "i":
-        raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    job_id: int
+    success: bool
+    #: Bytes as vLLM's worker reports them (a padded page counts its payload only).
+    nbytes: int
+    #: Seconds the copies took (device time on CUDA, copy-thread time on CPU); None if unknown.
+    seconds: float | None
+    store: bool
+    #: Why the job failed (None on success).
+    error: str | None
 
 
 def _layer_spec(t: torch.Tensor, index: int, *, host: bool) -> tuple[Any, ...]:
-    """Describes one KV layer for ``_core.TransferLayout`` (see there)."""
+    """Describes one KV tensor for ``_core.TransferLayout`` (see there)."""
     import torch
 
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"gpu_layers[{index}] is a {type(t).__name__}, not a torch.Tensor")
+        raise InvalidTypeError(f"gpu_layers[{index}] is a {type(t).__name__}, not a torch.Tensor")
     if t.dim() == 0 or t.shape[0] == 0:
-        raise ValueError(f"gpu_layers[{index}] needs a leading block dimension with blocks")
+        raise InvalidArgumentError(f"gpu_layers[{index}] needs a leading block dimension")
     if t[0].numel() == 0:
-        raise ValueError(f"gpu_layers[{index}] has empty pages")
+        raise InvalidArgumentError(f"gpu_layers[{index}] has empty pages")
     if not t[0].is_contiguous():
-        raise ValueError(f"gpu_layers[{index}]: each block's page must be contiguous")
+        raise InvalidArgumentError(f"gpu_layers[{index}]: each block's page must be contiguous")
     item = t.element_size()
     num_blocks = t.shape[0]
     page = t[0].numel() * item
@@ -94,9 +84,9 @@ def _layer_spec(t: torch.Tensor, index: int, *, host: bool) -> tuple[Any, ...]:
 
 
 class _Backend(Protocol):
-    def submit(self, job_id: int, plan: _core.Plan, *, store: bool) -> None: ...
+    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None: ...
 
-    def collect(self) -> list[tuple[int, bool]]: ...
+    def collect(self) -> list[JobResult]: ...
 
     def wait(self, job_ids: set[int] | None) -> None: ...
 
@@ -104,80 +94,147 @@ class _Backend(Protocol):
 
     def close(self) -> None: ...
 
+    def describe(self) -> dict[str, Any]: ...
+
 
 class _CpuBackend:
-    """Copies in Rust on one worker thread (GIL released), in submission order."""
+    """Copies in Rust on one worker thread per queue (GIL released), each in submission order."""
 
-    def __init__(self) -> None:
-        self._copier = _core.CpuCopier()
+    def __init__(self, *, execute: bool = True) -> None:
+        """``execute=False`` builds every job's runs (on the copy threads) without copying:
+        the planning cost alone, for benchmarks."""
+        self._copiers = {q: _core.CpuCopier(execute=execute) for q in QUEUES}
+        self._plans: dict[int, tuple[int, bool]] = {}
 
-    def submit(self, job_id: int, plan: _core.Plan, *, store: bool) -> None:
-        self._copier.submit(job_id, plan)
+    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
+        self._copiers[queue].submit(job_id, plan)
+        self._plans[job_id] = (plan.logical_nbytes, plan.store)
 
-    def collect(self) -> list[tuple[int, bool]]:
-        return self._copier.poll()
+    def collect(self) -> list[JobResult]:
+        out = []
+        for copier in self._copiers.values():
+            for job_id, ok, seconds, error in copier.poll():
+                nbytes, store = self._plans.pop(job_id)
+                out.append(JobResult(job_id, ok, nbytes, seconds, store, error))
+        return out
 
     def wait(self, job_ids: set[int] | None) -> None:
-        self._copier.wait(None if job_ids is None else list(job_ids))
+        ids = None if job_ids is None else list(job_ids)
+        for copier in self._copiers.values():
+            copier.wait(ids)
 
     def in_flight(self) -> int:
-        return self._copier.in_flight()
+        return sum(c.in_flight() for c in self._copiers.values())
 
     def close(self) -> None:
-        self._copier.shutdown()
+        for copier in self._copiers.values():
+            copier.shutdown()
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": "cpu"}
 
 
 @dataclass
-class _CudaJob:
+class _KernelJob:
     job_id: int
     plan: _core.Plan
-    event: Any  # torch.cuda.Event, or None when submission failed before recording
+    start: Any  # torch.cuda.Event (timing), or None when submission failed before recording
+    end: Any
     ok: bool
-    keep: tuple[Any, ...] = field(default=())  # descriptor tensors used by the kernel
+    error: str | None
+    keep: tuple[Any, ...] = field(default=())  # tables the kernel reads
 
 
 class _CudaBackend:
-    """One stream per direction; each job is a batch of DMA copies or one kernel launch."""
+    """Per queue (store, load, expedited load): a DMA stream fed by a Rust thread
+    (``_core.CudaQueue``: the caller records an event on its current stream and returns; the
+    thread builds the runs and enqueues one batched copy, or one copy per run), and a stream
+    for jobs the copy kernel runs (small-page loads), launched on the caller's thread from
+    per-block tables. Jobs of one queue and one method run in submission order."""
 
     def __init__(
         self,
         device: torch.device,
         pool: _core.HostChunkPool,
+        layout: _core.TransferLayout,
         *,
         copy: CopyMode,
-        kernel_max_run_bytes: int,
+        kernel_max_run_bytes: int | None,
         kernel_min_runs: int,
         kernel_programs: int,
         runtime: Runtime | None = None,
         cuda: Any = None,
+        batch: Any = "auto",
     ) -> None:
-        """``runtime`` and ``cuda`` (a ``torch.cuda`` stand-in) let tests drive the stream and
-        event bookkeeping without a GPU; by default the real ones are used."""
+        """``runtime`` and ``cuda`` (a ``torch.cuda`` stand-in) let tests drive the queues and
+        the kernel bookkeeping without a GPU; by default the real ones are used. ``batch``: the
+        driver's batched copy (``_cuda.BatchCopy``), None for per-run copies, or "auto"."""
         import torch
 
         from kvcache.transfer import _cuda
 
         rt = runtime if runtime is not None else _cuda.runtime()
         if rt is None:
-            raise RuntimeError("CUDA layers given but the CUDA runtime is not available")
+            raise TransferError("CUDA layers given but the CUDA runtime is not available")
         self._rt: Runtime = rt
         self._torch = torch
         self._cuda = torch.cuda if cuda is None else cuda
         self._device = device
+        self._device_index = device.index if device.index is not None else 0
         self._pool = pool
-        kernel_ok = bool(pool.pinned and getattr(pool, "device_can_use_host_pointer", False))
-        if copy == "kernel" and not kernel_ok:
-            raise ValueError("copy='kernel' needs a pool pinned with pin=True or 'auto'")
-        self._kernel_allowed = copy != "dma" and kernel_ok and self._triton_available()
-        if copy == "kernel" and not self._kernel_allowed:
-            raise ValueError("copy='kernel' needs Triton")
+        self._layout = layout
+        batch = getattr(rt, "batch", None) if batch == "auto" else batch
+        self._batched = batch is not None
         self._copy = copy
-        self._kernel_max_run_bytes = kernel_max_run_bytes
+        self._triton = copy != "dma" and self._triton_available()
+        # Per group: the copy kernel's tensor table (device int64), its largest page, and
+        # whether every address and size is 8-byte aligned (the kernel moves words).
+        self._refs: list[tuple[Any, int, bool]] = []
+        for g in range(layout.num_groups):
+            rows = layout.group_refs(g)
+            aligned = all(v % 8 == 0 for row in rows for v in row)
+            biggest = max((row[4] for row in rows), default=0)
+            self._refs.append((rows, biggest, aligned))
+        self._refs_dev: dict[int, Any] = {}
+        if copy == "kernel" and not (self._triton and self._pool_kernel_ready()):
+            raise InvalidArgumentError(
+                "copy='kernel' needs Triton and a pool pinned with pin=True or 'auto'"
+            )
+        self.calibration: Calibration | None = None
+        if kernel_max_run_bytes is None:
+            kernel_max_run_bytes = DEFAULT_KERNEL_MAX_RUN_BYTES
+            if copy == "auto" and self._triton and cuda is None:
+                from kvcache.transfer._calibrate import calibrate
+
+                self.calibration = calibrate(device, TransferEngine)
+                if self.calibration is not None:
+                    kernel_max_run_bytes = self.calibration.kernel_max_run_bytes
+        self.kernel_max_run_bytes = kernel_max_run_bytes
         self._kernel_min_runs = kernel_min_runs
         self._kernel_programs = kernel_programs
         with self._cuda.device(device):
-            self._streams = {True: self._cuda.Stream(device), False: self._cuda.Stream(device)}
-        self._queues: dict[bool, deque[_CudaJob]] = {True: deque(), False: deque()}
+            self._streams = {q: self._cuda.Stream(device) for q in QUEUES}
+            self._kernel_streams = {q: self._cuda.Stream(device) for q in QUEUES}
+        self._dma = {
+            q: _core.CudaQueue(
+                self._streams[q].cuda_stream,
+                self._device_index,
+                rt.queue_functions,
+                rt,
+                batch_fn=batch.address if batch is not None else 0,
+                batch_v2=bool(batch.v2) if batch is not None else False,
+            )
+            for q in QUEUES
+        }
+        self._kernel_jobs: dict[Queue, deque[_KernelJob]] = {q: deque() for q in QUEUES}
+        # job id -> (bytes as vLLM counts them, store?) for DMA jobs in flight.
+        self._sizes: dict[int, tuple[int, bool]] = {}
+
+    def _pool_kernel_ready(self) -> bool:
+        ready = getattr(self._pool, "kernel_ready", None)
+        if ready is not None:
+            return bool(ready)
+        return bool(self._pool.pinned and getattr(self._pool, "device_can_use_host_pointer", 0))
 
     @staticmethod
     def _triton_available() -> bool:
@@ -188,110 +245,164 @@ class _CudaBackend:
             return False
         return True
 
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": "cuda",
+            "dma": "batched" if self._batched else "per-run",
+            "kernel_max_run_bytes": self.kernel_max_run_bytes if self._triton else 0,
+            "calibrated": self.calibration is not None,
+        }
+
     def _use_kernel(self, plan: _core.Plan) -> bool:
-        if not self._kernel_allowed or plan.alignment < 8:
+        """Stores always use DMA (bandwidth-bound; the copy engine beats SMs and leaves them to
+        the model) unless ``copy='kernel'``; loads use the kernel when pages are small."""
+        if self._copy == "dma" or not self._triton or plan.num_pages == 0:
+            return False
+        groups = [g for g, n in enumerate(plan.group_blocks) if n]
+        if not all(self._refs[g][2] for g in groups):
+            return False
+        if not self._pool_kernel_ready():  # e.g. still pinning in the background
             return False
         if self._copy == "kernel":
             return True
-        runs = len(plan)
-        return runs >= self._kernel_min_runs and plan.nbytes <= runs * self._kernel_max_run_bytes
-
-    def _enqueue(
-        self, plan: _core.Plan, stream: Any, *, kernel: bool
-    ) -> tuple[bool, tuple[Any, ...]]:
-        torch = self._torch
-        if len(plan) == 0:
-            return True, ()
-        if kernel:
-            from kvcache.transfer import _kernel
-
-            n = plan.num_pieces(_kernel.PIECE_BYTES)
-            host = torch.empty(3 * n, dtype=torch.int64, pin_memory=True)
-            plan.write_runs(host.numpy(), _kernel.PIECE_BYTES)
-            dev = host.to(self._device, non_blocking=True)
-            _kernel.launch(dev, n, programs=self._kernel_programs, max_run_bytes=plan.max_run_bytes)
-            return True, (host, dev)
-        issued, err = _core._cuda_memcpy_runs(
-            plan, self._rt.memcpy_async, stream.cuda_stream, MEMCPY_DEFAULT
+        if plan.store:
+            return False
+        return (
+            plan.num_pages >= self._kernel_min_runs
+            and plan.nbytes <= plan.num_pages * self.kernel_max_run_bytes
         )
-        if err:
-            self._rt.clear_error()
-            logger.error(
-                "cudaMemcpyAsync failed after %d of %d runs: %s",
-                issued,
-                len(plan),
-                self._rt.error_string(err),
-            )
-            return False, ()
-        return True, ()
 
-    def submit(self, job_id: int, plan: _core.Plan, *, store: bool) -> None:
+    def _refs_on_device(self, group: int) -> Any:
+        refs = self._refs_dev.get(group)
+        if refs is None:
+            torch = self._torch
+            rows = self._refs[group][0]
+            refs = torch.tensor(rows, dtype=torch.int64).reshape(-1).to(self._device)
+            self._refs_dev[group] = refs
+        return refs
+
+    def _launch(self, plan: _core.Plan) -> tuple[Any, ...]:
+        from kvcache.transfer import _kernel
+
+        torch = self._torch
+        keep: list[Any] = []
+        for group, n in enumerate(plan.group_blocks):
+            if n == 0:
+                continue
+            host = torch.empty(3 * n, dtype=torch.int64, pin_memory=True)
+            plan.write_block_table(group, host.numpy())
+            table = host.to(self._device, non_blocking=True)
+            _kernel.launch(
+                table,
+                self._refs_on_device(group),
+                n,
+                to_device=not plan.store,
+                programs=self._kernel_programs,
+                max_page_bytes=self._refs[group][1],
+            )
+            keep += [host, table]
+        return tuple(keep)
+
+    def _submit_kernel(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
         cuda = self._cuda
-        stream = self._streams[store]
-        event = None
-        ok = False
+        stream = self._kernel_streams[queue]
+        start = end = None
         keep: tuple[Any, ...] = ()
-        kernel = self._use_kernel(plan)
+        error = None
         try:
             with cuda.device(self._device):
-                # A store reads KV the model may still be writing; a load overwrites blocks
-                # whose previous users may still be queued. Both wait for the current stream.
                 stream.wait_stream(cuda.current_stream(self._device))
                 with cuda.stream(stream):
-                    ok, keep = self._enqueue(plan, stream, kernel=kernel)
-                    event = cuda.Event()
-                    event.record(stream)
-        except Exception:
-            logger.exception("submitting transfer job %d failed", job_id)
-            ok = False
-            event = None
+                    start = cuda.Event(enable_timing=True)
+                    end = cuda.Event(enable_timing=True)
+                    start.record(stream)
+                    keep = self._launch(plan)
+                    end.record(stream)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            logger.debug("launching the copy kernel for job %d failed", job_id, exc_info=True)
+            start = end = None
             self._rt.clear_error()
-            if kernel and self._copy == "auto":
+            if self._copy == "auto":
                 # Most likely Triton could not compile or launch here: keep working on DMA.
-                self._kernel_allowed = False
-                logger.warning("the copy kernel failed; later jobs use DMA")
+                self._triton = False
+                logger.warning("the copy kernel failed (%s); later jobs use DMA", error)
             try:
                 stream.synchronize()  # nothing of this job may still run when we drop it
             except Exception:
                 logger.exception("synchronising the transfer stream failed")
-        self._queues[store].append(_CudaJob(job_id, plan, event, ok, keep))
+        self._kernel_jobs[queue].append(
+            _KernelJob(job_id, plan, start, end, error is None, error, keep)
+        )
 
-    def _finish(self, job: _CudaJob, ok: bool) -> tuple[int, bool]:
+    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
+        if self._use_kernel(plan):
+            self._submit_kernel(job_id, plan, queue)
+            return
+        order = SRC_ACCESS_ORDER_STREAM if plan.store else SRC_ACCESS_ORDER_ANY
+        current = self._cuda.current_stream(self._device).cuda_stream
+        self._sizes[job_id] = (plan.logical_nbytes, plan.store)
+        self._dma[queue].submit(job_id, plan, current, order)
+
+    def _finish_kernel(self, job: _KernelJob, error: str | None) -> JobResult:
         job.plan.release()
-        return (job.job_id, job.ok and ok)
+        ok = job.ok and error is None
+        seconds = None
+        if ok and job.start is not None:
+            try:
+                seconds = job.start.elapsed_time(job.end) * 1e-3
+            except Exception:
+                seconds = None
+        return JobResult(
+            job.job_id, ok, job.plan.logical_nbytes, seconds, job.plan.store, job.error or error
+        )
 
-    def collect(self) -> list[tuple[int, bool]]:
-        done: list[tuple[int, bool]] = []
-        for queue in self._queues.values():
-            while queue:
-                job = queue[0]
+    def collect(self) -> list[JobResult]:
+        done: list[JobResult] = []
+        for queue in QUEUES:
+            dma = self._dma[queue]
+            for job_id, ok, seconds, error in dma.poll():
+                nbytes, store = self._sizes.pop(job_id)
+                done.append(JobResult(job_id, ok, nbytes, seconds, store, error))
+            if dma.take_batch_failure():
+                logger.warning(
+                    "cuMemcpyBatchAsync failed on the %s queue; it now issues one "
+                    "cudaMemcpyAsync per run",
+                    queue,
+                )
+            jobs = self._kernel_jobs[queue]
+            while jobs:
+                job = jobs[0]
+                error = None
                 try:
-                    finished = job.event is None or job.event.query()
-                    ok = True
-                except Exception:
-                    logger.exception("transfer job %d failed on the device", job.job_id)
-                    finished, ok = True, False
+                    finished = job.end is None or job.end.query()
+                except Exception as exc:
+                    finished, error = True, f"the device reported: {exc}"
                 if not finished:
                     break  # jobs on one stream finish in order
-                queue.popleft()
-                done.append(self._finish(job, ok))
+                jobs.popleft()
+                done.append(self._finish_kernel(job, error))
         return done
 
     def wait(self, job_ids: set[int] | None) -> None:
-        for queue in self._queues.values():
-            for job in list(queue):
-                if job.event is not None and (job_ids is None or job.job_id in job_ids):
+        ids = None if job_ids is None else list(job_ids)
+        for queue in QUEUES:
+            self._dma[queue].wait(ids)
+            for job in list(self._kernel_jobs[queue]):
+                if job.end is not None and (job_ids is None or job.job_id in job_ids):
                     try:
-                        job.event.synchronize()
-                    except Exception:
-                        logger.exception("transfer job %d failed on the device", job.job_id)
+                        job.end.synchronize()
+                    except Exception as exc:
                         job.ok = False
-                        job.event = None
+                        job.error = f"the device reported: {exc}"
+                        job.end = None
 
     def in_flight(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return sum(self._dma[q].in_flight() + len(self._kernel_jobs[q]) for q in QUEUES)
 
     def close(self) -> None:
+        for q in QUEUES:
+            self._dma[q].shutdown()
         self.wait(None)
 
 
@@ -299,26 +410,39 @@ class TransferEngine:
     """Moves chunks between per-layer KV-cache tensors and a :class:`HostChunkPool`.
 
     ``gpu_layers`` are tensors whose first dimension is the block index, each block's page
-    contiguous (any dtype; blocks may be strided apart). A chunk holds, for each layer in
-    order, ``blocks_per_chunk`` consecutive pages (layer-major), so ``pool.chunk_bytes`` must
-    equal ``blocks_per_chunk * sum(page bytes)``.
+    contiguous (any dtype; blocks may be strided apart). By default a chunk holds, for each
+    layer in order, ``blocks_per_chunk`` consecutive pages (layer-major), so ``pool.chunk_bytes``
+    must equal ``blocks_per_chunk * sum(page bytes)``, and every job moves whole chunks.
+
+    KV-cache groups (``groups``): a list, per group, of ``(layer index, bytes per block)``
+    references; a reference may copy less than the layer's page (a padded page moves its
+    payload only), several groups may share a layer. ``offsets`` places each layer's segment
+    inside a chunk (default: back to back); with either, ``pool.chunk_bytes`` only has to hold
+    every segment. Jobs then name each group's blocks and where its first block sits
+    (``group_sizes``, ``block_indices``: vLLM's ``GPULoadStoreSpec``), so a group may enter its
+    first chunk part-way and end on a short chunk.
 
     ``store(gpu_block_ids, chunk_ids)`` and ``load(chunk_ids, gpu_block_ids)`` validate every id
-    (``IndexError`` out of range, ``ValueError`` for wrong lengths or a destination named twice,
-    ``TypeError`` for non-integers) before anything is copied, then return a job id at once.
-    ``gpu_block_ids`` lists ``blocks_per_chunk`` blocks per chunk, in chunk order. Finished jobs
-    are reported once by :meth:`poll` as ``(job_id, success)``; :meth:`wait` blocks without
-    consuming them. A job reported ``False`` may have written part of its destination: treat
-    all of its chunks (or blocks) as invalid. Until a job is reported, its destination must be
-    neither read nor written, and its source not written.
+    (``OutOfRangeError`` out of range, ``InvalidArgumentError`` for wrong counts or a
+    destination named twice, ``InvalidTypeError`` for non-integers; all ``KvCacheError``
+    subclasses and the matching builtins) before anything is copied, then return a job id at
+    once. Finished jobs are reported once by :meth:`poll` as ``(job_id, success)`` or by
+    :meth:`poll_results` with sizes and times; :meth:`wait` blocks without consuming them. A job
+    reported failed may have written part of its destination: treat all of its chunks (or
+    blocks) as invalid. Until a job is reported, its destination must be neither read nor
+    written, and its source not written.
 
-    CUDA layers: copies run on two dedicated streams (one per direction, each in submission
-    order) after the work already queued on the current stream. Pages contiguous on both sides
-    are merged; small runs go through a Triton kernel that reads/writes pinned host memory
-    directly, larger ones through ``cudaMemcpyAsync`` (``copy="kernel"``/``"dma"`` forces one).
-    A pageable pool makes copies effectively synchronous (a CUDA limitation).
+    Queues: stores, loads, and expedited loads (``load(..., expedited=True)``) each run in
+    submission order on their own queue, so an expedited load never waits behind regular
+    loads. CUDA layers: one stream per queue, each job after the work already queued on the
+    current stream. Pages contiguous on both sides are merged. Stores use DMA; loads use a
+    Triton kernel that reads pinned host memory directly when runs are small (average at most
+    ``kernel_max_run_bytes``, chosen per device by a short calibration unless given) and DMA
+    otherwise; DMA is one ``cuMemcpyBatchAsync`` per job where the driver has it, else one
+    ``cudaMemcpyAsync`` per run. ``copy="kernel"``/``"dma"`` forces one method. A pageable pool
+    makes copies effectively synchronous (a CUDA limitation).
 
-    CPU layers: the same API; copies run in Rust on a worker thread, one job after another.
+    CPU layers: the same API; copies run in Rust on one thread per queue.
 
     Not thread-safe: use an engine from one thread at a time.
     """
@@ -329,41 +453,62 @@ class TransferEngine:
         pool: _core.HostChunkPool,
         *,
         blocks_per_chunk: int = 1,
+        groups: Sequence[Sequence[tuple[int, int]]] | None = None,
+        offsets: Sequence[int] | None = None,
         copy: CopyMode = "auto",
-        kernel_max_run_bytes: int = DEFAULT_KERNEL_MAX_RUN_BYTES,
+        kernel_max_run_bytes: int | None = None,
         kernel_min_runs: int = DEFAULT_KERNEL_MIN_RUNS,
         kernel_programs: int = DEFAULT_KERNEL_PROGRAMS,
+        log_failures: bool = True,
     ) -> None:
         self._closed = True  # until fully built, so __del__ has nothing to do
         import torch
 
         check_count("blocks_per_chunk", blocks_per_chunk)
-        check_count("kernel_max_run_bytes", kernel_max_run_bytes)
+        if kernel_max_run_bytes is not None:
+            if isinstance(kernel_max_run_bytes, bool) or not isinstance(kernel_max_run_bytes, int):
+                raise InvalidTypeError("kernel_max_run_bytes must be an int or None")
+            if kernel_max_run_bytes < 0:
+                raise InvalidArgumentError("kernel_max_run_bytes must be >= 0")
         check_count("kernel_min_runs", kernel_min_runs)
         check_count("kernel_programs", kernel_programs)
         if copy not in ("auto", "kernel", "dma"):
-            raise ValueError(f"copy must be 'auto', 'kernel' or 'dma', got {copy!r}")
+            raise InvalidArgumentError(f"copy must be 'auto', 'kernel' or 'dma', got {copy!r}")
         if not isinstance(pool, _core.HostChunkPool):
-            raise TypeError(f"pool must be a HostChunkPool, got {type(pool).__name__}")
+            raise InvalidTypeError(f"pool must be a HostChunkPool, got {type(pool).__name__}")
         if pool.closed:
-            raise ValueError("the host chunk pool is closed")
+            raise InvalidStateError("the host chunk pool is closed")
         if isinstance(gpu_layers, torch.Tensor):
-            raise TypeError("gpu_layers must be a sequence of tensors (one per layer)")
+            raise InvalidTypeError("gpu_layers must be a sequence of tensors (one per layer)")
         layers = list(gpu_layers)
         if not layers:
-            raise ValueError("gpu_layers is empty")
+            raise InvalidArgumentError("gpu_layers is empty")
         for i, t in enumerate(layers):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"gpu_layers[{i}] is a {type(t).__name__}, not a torch.Tensor")
+                raise InvalidTypeError(
+                    f"gpu_layers[{i}] is a {type(t).__name__}, not a torch.Tensor"
+                )
         devices = {t.device for t in layers}
         if len(devices) != 1:
-            raise ValueError(f"all layers must be on one device, got {sorted(map(str, devices))}")
+            raise InvalidArgumentError(
+                f"all layers must be on one device, got {sorted(map(str, devices))}"
+            )
         (device,) = devices
         if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"unsupported device {device}")
+            raise InvalidArgumentError(f"unsupported device {device}")
         host = device.type == "cpu"
         specs = [_layer_spec(t, i, host=host) for i, t in enumerate(layers)]
-        self._layout = _core.TransferLayout(pool, specs, blocks_per_chunk)
+        group_refs = None
+        if groups is not None:
+            group_refs = [[(int(t), int(n)) for t, n in refs] for refs in groups]
+        self._layout = _core.TransferLayout(
+            pool,
+            specs,
+            blocks_per_chunk,
+            group_refs,
+            None if offsets is None else [int(o) for o in offsets],
+        )
+        self._grouped = groups is not None or offsets is not None
         self._backend: _Backend
         if host:
             self._backend = _CpuBackend()
@@ -371,6 +516,7 @@ class TransferEngine:
             self._backend = _CudaBackend(
                 device,
                 pool,
+                self._layout,
                 copy=copy,
                 kernel_max_run_bytes=kernel_max_run_bytes,
                 kernel_min_runs=kernel_min_runs,
@@ -380,10 +526,11 @@ class TransferEngine:
         self._pool = pool
         self._device = device
         self._blocks_per_chunk = blocks_per_chunk
+        self._log_failures = log_failures
         self._next_id = itertools.count()
         self._issued = 0
         self._unreported: set[int] = set()
-        self._done: list[tuple[int, bool]] = []
+        self._done: list[JobResult] = []
         self._closed = False
 
     @property
@@ -399,6 +546,10 @@ class TransferEngine:
         return self._blocks_per_chunk
 
     @property
+    def num_groups(self) -> int:
+        return self._layout.num_groups
+
+    @property
     def num_blocks(self) -> int:
         """Valid block ids are ``range(num_blocks)`` (the smallest layer's block count)."""
         return self._layout.num_blocks
@@ -407,53 +558,112 @@ class TransferEngine:
     def closed(self) -> bool:
         return self._closed
 
-    def store(self, gpu_block_ids: Iterable[int], chunk_ids: Iterable[int]) -> int:
+    def describe(self) -> dict[str, Any]:
+        """How copies run: ``backend`` (cpu/cuda) and, on CUDA, the DMA method and the
+        kernel/DMA cut-off for loads."""
+        return self._backend.describe()
+
+    def store(
+        self,
+        gpu_block_ids: Iterable[int],
+        chunk_ids: Iterable[int],
+        *,
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+    ) -> int:
         """Device blocks -> host chunks. Returns the job id."""
-        return self._submit(True, gpu_block_ids, chunk_ids)
+        return self._submit("store", gpu_block_ids, chunk_ids, group_sizes, block_indices)
 
-    def load(self, chunk_ids: Iterable[int], gpu_block_ids: Iterable[int]) -> int:
-        """Host chunks -> device blocks. Returns the job id."""
-        return self._submit(False, gpu_block_ids, chunk_ids)
+    def load(
+        self,
+        chunk_ids: Iterable[int],
+        gpu_block_ids: Iterable[int],
+        *,
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+        expedited: bool = False,
+    ) -> int:
+        """Host chunks -> device blocks. Returns the job id. An expedited load runs on a queue
+        of its own (it never waits behind regular loads)."""
+        queue: Queue = "expedited" if expedited else "load"
+        return self._submit(queue, gpu_block_ids, chunk_ids, group_sizes, block_indices)
 
-    def plan(self, *, store: bool, gpu_block_ids: object, chunk_ids: object) -> _core.Plan:
+    def plan(
+        self,
+        *,
+        store: bool,
+        gpu_block_ids: object,
+        chunk_ids: object,
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+    ) -> _core.Plan:
         """Validates a request and returns its copy plan without running it (diagnostics:
         ``len(plan)`` runs after coalescing, ``plan.num_pages`` before). The plan keeps the
         pool from closing until it is dropped."""
         self._check_open()
         g = as_ids("gpu_block_ids", gpu_block_ids)
         c = as_ids("chunk_ids", chunk_ids)
-        return self._layout.plan(store, g, c)
+        if group_sizes is None and block_indices is None and self._layout.num_groups > 1:
+            raise InvalidArgumentError("this engine has several groups: give group_sizes")
+        return self._layout.plan(store, g, c, group_sizes, block_indices)
 
-    def _submit(self, store: bool, gpu_block_ids: object, chunk_ids: object) -> int:
-        plan = self.plan(store=store, gpu_block_ids=gpu_block_ids, chunk_ids=chunk_ids)
+    def _submit(
+        self,
+        queue: Queue,
+        gpu_block_ids: object,
+        chunk_ids: object,
+        group_sizes: Sequence[int] | None,
+        block_indices: Sequence[int] | None,
+    ) -> int:
+        plan = self.plan(
+            store=queue == "store",
+            gpu_block_ids=gpu_block_ids,
+            chunk_ids=chunk_ids,
+            group_sizes=group_sizes,
+            block_indices=block_indices,
+        )
         job_id = next(self._next_id)
-        self._backend.submit(job_id, plan, store=store)
+        self._backend.submit(job_id, plan, queue)
         self._issued = job_id + 1
         self._unreported.add(job_id)
         return job_id
 
     def _collect(self) -> None:
-        self._done.extend(self._backend.collect())
+        results = self._backend.collect()
+        if self._log_failures:
+            for r in results:
+                if not r.success:
+                    logger.error(
+                        "transfer job %d (%s) failed: %s",
+                        r.job_id,
+                        "store, device -> host" if r.store else "load, host -> device",
+                        r.error,
+                    )
+        self._done.extend(results)
+
+    def poll_results(self) -> list[JobResult]:
+        """Jobs finished since the last call (each reported once), with sizes and times."""
+        self._collect()
+        done, self._done = self._done, []
+        for r in done:
+            self._unreported.discard(r.job_id)
+        return done
 
     def poll(self) -> list[tuple[int, bool]]:
         """Jobs finished since the last call, as ``(job_id, success)``; each reported once."""
-        self._collect()
-        done, self._done = self._done, []
-        for job_id, _ in done:
-            self._unreported.discard(job_id)
-        return done
+        return [(r.job_id, r.success) for r in self.poll_results()]
 
     def wait(self, job_ids: Iterable[int] | None = None) -> None:
         """Blocks until the given jobs (default: all) have finished; :meth:`poll` still
-        reports them. Ids never issued by this engine raise ``ValueError``."""
+        reports them. Ids never issued by this engine raise ``InvalidArgumentError``."""
         wanted: set[int] | None = None
         if job_ids is not None:
             wanted = set()
             for j in job_ids:
                 if isinstance(j, bool) or not isinstance(j, int):
-                    raise TypeError(f"job ids are ints, got {type(j).__name__}")
+                    raise InvalidTypeError(f"job ids are ints, got {type(j).__name__}")
                 if not 0 <= j < self._issued:
-                    raise ValueError(f"job {j} was not issued by this engine")
+                    raise InvalidArgumentError(f"job {j} was not issued by this engine")
                 wanted.add(j)
             wanted &= self._unreported
             if not wanted:
@@ -477,7 +687,7 @@ class TransferEngine:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("the transfer engine is closed")
+            raise InvalidStateError("the transfer engine is closed")
 
     def __enter__(self) -> Self:
         return self

@@ -6,6 +6,9 @@ import logging
 from typing import TYPE_CHECKING, Literal, Self
 
 from kvcache import _core
+from kvcache._core import InvalidArgumentError, TransferError
+from kvcache.transfer import _cuda
+from kvcache.transfer._checks import check_count
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -14,17 +17,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PinMode = bool | Literal["auto"]
-
-
-def check_count(name: str, value: object) -> int:
-    """Positive ``int`` (not ``bool``) or a typed error: pyo3 alone would turn -1 into an
-    ``OverflowError`` and accept ``True``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
+PinMode = bool | Literal["auto", "background"]
 
 
 class HostChunkPool(_core.HostChunkPool):
@@ -38,40 +31,78 @@ class HostChunkPool(_core.HostChunkPool):
     Views: ``memoryview(pool)``, ``numpy.frombuffer(pool, ...)``, ``torch.frombuffer(pool, ...)``
     and :meth:`tensor` all alias the pool's memory without copying.
 
-    Pinning (``pin``): with ``True`` or ``"auto"`` and CUDA available, the memory is registered
-    with the CUDA runtime (``cudaHostRegister``, in pieces of at most 64 GiB aligned to chunks),
-    which makes DMA fast and lets GPU kernels read and write it directly. If registration
-    fails, the runtime's sticky error is cleared; ``"auto"`` then logs a warning and stays
-    pageable, ``True`` raises ``RuntimeError``. Without CUDA, ``"auto"`` stays pageable quietly
-    and ``True`` raises. :attr:`pinned` reports what actually happened.
+    Pinning (``pin``): with ``True``, ``"auto"`` or ``"background"`` and CUDA available, the
+    memory is registered with the CUDA runtime (``cudaHostRegister``, in pieces aligned to
+    chunks, each prefaulted by several threads first), which makes DMA fast and lets GPU kernels
+    read and write it directly. ``True`` and ``"auto"`` block until done; ``"background"``
+    returns at once and registers on a thread of its own, in pieces of at most 1 GiB, while
+    the pool is already usable as pageable memory (:attr:`pinned` turns True when every piece
+    is registered; :meth:`pin_status` reports progress). If registration fails, the pieces
+    already registered are rolled back and the runtime's sticky error cleared; ``"auto"`` and
+    ``"background"`` then log a warning and stay pageable, ``True`` raises ``TransferError``.
+    Without CUDA, ``"auto"``/``"background"`` stay pageable quietly and ``True`` raises.
 
-    Lifetime: :meth:`close` (also on ``with`` exit, or when the pool is collected) unregisters
-    the memory and returns its pages to the system, exactly once. It is refused
-    (``RuntimeError``) while transfers are in flight. Views that outlive ``close()`` never crash
-    the process: the address range stays mapped (reading zeros) until the last view and the
-    pool object are gone, and is unmapped then.
+    Lifetime: :meth:`close` (also on ``with`` exit, or when the pool is collected) stops a
+    background registration, unregisters the memory and returns its pages to the system,
+    exactly once. It is refused (``TransferError``) while transfers are in flight. Views that
+    outlive ``close()`` never crash the process: the address range stays mapped (reading zeros)
+    until the last view and the pool object are gone, and is unmapped then.
     """
 
     def __new__(cls, num_chunks: int, chunk_bytes: int, *, pin: PinMode = "auto") -> Self:
         check_count("num_chunks", num_chunks)
         check_count("chunk_bytes", chunk_bytes)
-        if pin is not True and pin is not False and pin != "auto":
-            raise ValueError(f"pin must be True, False or 'auto', got {pin!r}")
+        if pin is not True and pin is not False and pin not in ("auto", "background"):
+            raise InvalidArgumentError(
+                f"pin must be True, False, 'auto' or 'background', got {pin!r}"
+            )
         return super().__new__(cls, num_chunks, chunk_bytes)
 
     def __init__(self, num_chunks: int, chunk_bytes: int, *, pin: PinMode = "auto") -> None:
-        # Set before pinning: the engine reads it to decide whether a GPU kernel may address
-        # the pool with host pointers (true once registered on a unified-addressing system).
+        # Whether a GPU kernel may address the pool with host pointers: true once registered
+        # on a unified-addressing system (checked when registration completes).
         self.device_can_use_host_pointer = False
+        self._pin_runtime: _cuda.Runtime | None = None
+        self._pin_reported = True
         if pin is False:
             return
-        from kvcache.transfer import _cuda
-
         try:
-            _cuda.pin_pool(self, required=pin is True)
+            rt = _cuda.runtime()
+            if rt is None:
+                if pin is True:
+                    raise TransferError("pin=True but CUDA is not available")
+                logger.debug("CUDA not available: the host chunk pool stays pageable")
+                return
+            _cuda.register_pool(self, rt, required=pin is True, background=pin == "background")
         except BaseException:
             self.close()
             raise
+
+    @property
+    def kernel_ready(self) -> bool:
+        """Pinned, and GPU kernels may use the pool's host addresses. Finishes the bookkeeping
+        of a background registration the first time it is seen complete (and logs how it
+        ended, once)."""
+        if not self._pin_reported:
+            status = self.pin_status()
+            if status["state"] != "pinning":
+                self._pin_reported = True
+                if status["state"] == "pinned" and self._pin_runtime is not None:
+                    _cuda.finish_registration(self, self._pin_runtime)
+                    logger.info(
+                        "host chunk pool pinned in the background: %.1f GiB in %d piece(s), %.1f s",
+                        self.nbytes / 2**30,
+                        status["pieces"],
+                        status["seconds"],
+                    )
+                elif status["state"] == "failed":
+                    logger.warning(
+                        "pinning the host chunk pool failed (CUDA error %d at offset %d); it "
+                        "stays pageable (slower)",
+                        status["code"],
+                        status["offset"],
+                    )
+        return bool(self.pinned and self.device_can_use_host_pointer)
 
     def tensor(self) -> torch.Tensor:
         """A ``torch.uint8`` view of shape ``(num_chunks, chunk_bytes)`` (no copy)."""
@@ -104,7 +135,12 @@ class HostChunkPool(_core.HostChunkPool):
         return failures
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else ("pinned" if self.pinned else "pageable")
+        if self.closed:
+            state = "closed"
+        elif self.pinned:
+            state = "pinned"
+        else:
+            state = self.pin_status()["state"].replace("unpinned", "pageable")
         return (
             f"HostChunkPool(num_chunks={self.num_chunks}, chunk_bytes={self.chunk_bytes}, {state})"
         )

@@ -1,9 +1,11 @@
 //! The CPU copy path: executes a [`CopyRuns`] plan with `memmove`.
 #![allow(unsafe_code)]
 
+use super::error::{HostError, HostResult};
 use super::plan::CopyRuns;
 
-/// Copies every run of `runs`, in order.
+/// Copies every run of `runs`, in order. Fails (before copying anything more) on a run whose
+/// address or length does not fit in `usize`, which no plan over real memory contains.
 ///
 /// `memmove` rather than `memcpy`: a caller may (oddly, but legally) use views of the pool
 /// itself as the "device" layers, and then source and destination could overlap.
@@ -14,16 +16,26 @@ use super::plan::CopyRuns;
 /// access the destination ranges meanwhile. Plans from [`super::TransferLayout::plan`] stay
 /// inside the geometry they were built from, so the caller only has to keep that memory
 /// alive and unshared until this returns.
-pub unsafe fn copy_runs(runs: &CopyRuns) {
+pub unsafe fn copy_runs(runs: &CopyRuns) -> HostResult<()> {
     for ((&src, &dst), &len) in runs.src().iter().zip(runs.dst()).zip(runs.lens()) {
+        let (Ok(src), Ok(dst), Ok(len)) = (
+            usize::try_from(src),
+            usize::try_from(dst),
+            usize::try_from(len),
+        ) else {
+            return Err(HostError::InvalidArgument(format!(
+                "copy run {src:#x} -> {dst:#x} ({len} bytes) does not fit in this address space"
+            )));
+        };
         // SAFETY: the caller guarantees both ranges are valid (see above); `ptr::copy`
-        // tolerates overlap. Addresses came from real allocations, so they fit in usize.
+        // tolerates overlap. Integer-to-pointer conversion is how plans carry addresses.
         unsafe {
             std::ptr::copy(
-                src as usize as *const u8,
-                dst as usize as *mut u8,
-                len as usize,
+                std::ptr::with_exposed_provenance::<u8>(src),
+                std::ptr::with_exposed_provenance_mut::<u8>(dst),
+                len,
             );
         }
     }
+    Ok(())
 }

@@ -1,30 +1,38 @@
-//! Copy plans: `(block ids, chunk ids)` -> `(src, dst, len)` runs.
+//! Copy plans: `(block ids, chunk ids, group spans)` -> `(src, dst, len)` runs.
 //!
 //! # Chunk layout
-//! A chunk holds, for every layer in order, the pages of its `blocks_per_chunk` blocks back to
-//! back: `[layer 0: block 0 | block 1 | ...][layer 1: block 0 | ...]...` (layer-major). The
-//! chunk is thus a fixed sequence of per-layer *segments* of `blocks_per_chunk * page` bytes.
-//! Layer-major because device memory is layer-major too (one tensor per layer, block-indexed):
-//! when a chunk's blocks are consecutive on the device, each layer segment is a single copy
-//! instead of `blocks_per_chunk` page copies. A block-major chunk would never coalesce
-//! beyond one page with per-layer tensors.
+//! A chunk holds, for every KV tensor, a *segment* of `blocks_per_chunk` page slots of
+//! `page_bytes` (the tensor's padded page) each, at the tensor's `host_offset` inside the
+//! chunk: by default the tensors back to back, `[T0: b0 | b1 | ...][T1: b0 | ...]...`
+//! (tensor-major, as vLLM's worker lays out each rank's slot). Tensor-major because device
+//! memory is tensor-major too (one tensor per layer, block-indexed): when a chunk's blocks are
+//! consecutive on the device, each segment is a single copy instead of one per block.
+//!
+//! # Groups
+//! A layout has one or more KV-cache *groups*; a group copies, for each of its blocks, a
+//! prefix of `bytes <= page_bytes` of the page slot of each tensor it references (a padded
+//! page moves only its payload). A job lists its blocks group by group; for each group its
+//! span gives the number of blocks and the logical index of the first one. The first block
+//! enters its first chunk at slot `first_index % blocks_per_chunk` (the *skip*), and the last
+//! chunk may be short: a group of `n` blocks with skip `s` spans `ceil((s + n) / bpc)` chunks.
+//! This is vLLM 0.33.0's `GPULoadStoreSpec(group_sizes, block_indices)` contract.
 //!
 //! # Coalescing
-//! Pages are enumerated chunk by chunk, layer by layer, block by block, and a page is merged
-//! into the previous run when it continues it on *both* sides. That merges, with no special
-//! cases: consecutive blocks within a layer segment; consecutive chunks when there is a
-//! single layer; and whole chunks when the layers are interleaved views of one allocation
-//! (a "cross-layer" block layout) and `blocks_per_chunk == 1`. Runs never cross a host
-//! registration boundary, nor join two layers that live in different device allocations
+//! Pages are enumerated group by group, chunk by chunk, tensor by tensor, block by block, and a
+//! page is merged into the previous run when it continues it on *both* sides. That merges,
+//! with no special cases: consecutive blocks within a segment; consecutive chunks when there
+//! is a single tensor; and whole chunks when the tensors are interleaved views of one
+//! allocation (a "cross-layer" block layout) and `blocks_per_chunk == 1`. Runs never cross a
+//! host registration boundary, nor join two tensors that live in different device allocations
 //! (copy engines may reject a range that spans two allocations even when they are adjacent).
 //!
 //! # Validation
-//! Every id is checked (range, and no destination written twice in one job) before the plan is
-//! built, so a bad request has no effect at all.
+//! Every id and span is checked (range, counts, and no destination written twice in one job)
+//! before the plan is built, so a bad request has no effect at all.
 
 use super::error::{HostError, HostResult};
 
-/// One layer's device-side geometry: block `b`'s page is `page_bytes` bytes at
+/// One KV tensor's device-side geometry: block `b`'s page slot is `page_bytes` bytes at
 /// `base + b * block_stride`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerGeometry {
@@ -32,8 +40,34 @@ pub struct LayerGeometry {
     pub block_stride: u64,
     pub page_bytes: u64,
     pub num_blocks: u64,
-    /// Identifies the allocation the layer lives in; runs join two layers only when equal.
+    /// Identifies the allocation the tensor lives in; runs join two tensors only when equal.
     pub segment: u64,
+}
+
+/// One reference of a group to a tensor: each block copies the first `bytes` of its page slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupRef {
+    pub tensor: usize,
+    pub bytes: u64,
+}
+
+/// Where chunks live in host memory: `num_chunks` chunks, `chunk_stride` bytes apart, from
+/// `base`. `split_bytes` is the host registration piece size (0 if unregistered or one piece);
+/// it must be a multiple of `chunk_stride`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostGeometry {
+    pub base: u64,
+    pub num_chunks: u64,
+    pub chunk_stride: u64,
+    pub split_bytes: u64,
+}
+
+/// One group's part of a job: `blocks` device blocks, the first at logical block index
+/// `first_index` (only `first_index % blocks_per_chunk` matters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupSpan {
+    pub blocks: usize,
+    pub first_index: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,29 +84,55 @@ pub struct PlanScratch {
     bits: Vec<u64>,
 }
 
+/// Bit `id % 64` of word `id / 64`. Ids are validated non-negative and below the universe
+/// (whose words fit in memory), so the conversions cannot fail.
+#[inline(always)]
+fn word_bit(id: i64) -> (usize, u64) {
+    let id = u64::try_from(id).unwrap_or(0);
+    (usize::try_from(id / 64).unwrap_or(0), 1 << (id % 64))
+}
+
 impl PlanScratch {
-    /// Marks each id; on the first repeated id, unmarks everything and returns its position.
-    /// Ids must already be in `[0, universe)`.
-    fn find_duplicate(&mut self, ids: &[i64], universe: u64) -> Option<usize> {
-        let words = universe.div_ceil(64) as usize;
+    /// Marks the ids of every range of `ids`; on the first repeated id, returns its position.
+    /// Leaves the bitmap clean either way. Ids must already be in `[0, universe)`.
+    fn find_duplicate(
+        &mut self,
+        ids: &[i64],
+        ranges: &[(usize, usize)],
+        universe: u64,
+    ) -> HostResult<Option<usize>> {
+        let words = usize::try_from(universe.div_ceil(64))
+            .map_err(|_| HostError::InvalidArgument("id universe too large".into()))?;
         if self.bits.len() < words {
             self.bits.resize(words, 0);
         }
         let mut dup = None;
-        let mut marked = ids.len();
-        for (i, &id) in ids.iter().enumerate() {
-            let (w, b) = ((id as u64 / 64) as usize, id as u64 % 64);
-            if self.bits[w] & (1 << b) != 0 {
-                dup = Some(i);
-                marked = i;
-                break;
+        // How far marking got: every range before `done_ranges`, and `done_in_last` ids of it.
+        let mut done_ranges = 0;
+        let mut done_in_last = 0;
+        'outer: for &(start, len) in ranges {
+            for (i, &id) in ids[start..start + len].iter().enumerate() {
+                let (w, b) = word_bit(id);
+                if self.bits[w] & b != 0 {
+                    dup = Some(start + i);
+                    done_in_last = i;
+                    break 'outer;
+                }
+                self.bits[w] |= b;
             }
-            self.bits[w] |= 1 << b;
+            done_ranges += 1;
         }
-        for &id in &ids[..marked] {
-            self.bits[(id as u64 / 64) as usize] = 0;
+        for (k, &(start, len)) in ranges.iter().enumerate().take(done_ranges + 1) {
+            let end = if k < done_ranges {
+                start + len
+            } else {
+                start + done_in_last
+            };
+            for &id in &ids[start..end] {
+                self.bits[word_bit(id).0] = 0;
+            }
         }
-        dup
+        Ok(dup)
     }
 }
 
@@ -84,6 +144,7 @@ pub struct CopyRuns {
     len: Vec<u64>,
     pages: u64,
     bytes: u64,
+    logical_bytes: u64,
     /// OR of every address and length: its lowest set bit is the common alignment.
     or_bits: u64,
     max_len: u64,
@@ -106,12 +167,18 @@ impl CopyRuns {
     pub fn is_empty(&self) -> bool {
         self.len.is_empty()
     }
-    /// Number of pages before coalescing.
+    /// Number of (block, tensor) page copies before coalescing.
     pub fn pages(&self) -> u64 {
         self.pages
     }
+    /// Bytes actually moved.
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+    /// Bytes as vLLM's worker accounts them: blocks times the sum of the group's reference
+    /// sizes, counting twice a tensor a group references twice (moved once).
+    pub fn logical_bytes(&self) -> u64 {
+        self.logical_bytes
     }
     pub fn max_run_bytes(&self) -> u64 {
         self.max_len
@@ -134,8 +201,8 @@ impl CopyRuns {
         }
         self.len
             .iter()
-            .map(|&l| l.div_ceil(max_piece) as usize)
-            .sum()
+            .map(|&l| usize::try_from(l.div_ceil(max_piece)).unwrap_or(usize::MAX))
+            .fold(0usize, usize::saturating_add)
     }
 
     /// Writes the descriptors (runs cut as in [`Self::count_pieces`]) into `out` as the signed
@@ -143,12 +210,17 @@ impl CopyRuns {
     /// lengths. `out` must hold exactly `3 * count_pieces(max_piece)` entries.
     pub fn write_soa(&self, max_piece: u64, out: &mut [i64]) -> HostResult<()> {
         let n = self.count_pieces(max_piece);
-        if out.len() != 3 * n {
+        if Some(out.len()) != n.checked_mul(3) {
             return Err(HostError::InvalidArgument(format!(
                 "descriptor buffer holds {} entries, expected 3 * {n}",
                 out.len()
             )));
         }
+        let signed = |v: u64| {
+            i64::try_from(v).map_err(|_| {
+                HostError::InvalidArgument(format!("address or length {v:#x} exceeds int64"))
+            })
+        };
         let (s, rest) = out.split_at_mut(n);
         let (d, l) = rest.split_at_mut(n);
         let step = if max_piece == 0 { u64::MAX } else { max_piece };
@@ -157,9 +229,9 @@ impl CopyRuns {
             let mut off = 0;
             while off < len {
                 let piece = step.min(len - off);
-                s[i] = (src + off) as i64;
-                d[i] = (dst + off) as i64;
-                l[i] = piece as i64;
+                s[i] = signed(src + off)?;
+                d[i] = signed(dst + off)?;
+                l[i] = signed(piece)?;
                 i += 1;
                 off += piece;
             }
@@ -178,7 +250,8 @@ struct RunBuilder {
 
 impl RunBuilder {
     fn new(pages: usize) -> Self {
-        // Enough for a fully scattered request, capped: coalesced requests need far fewer.
+        // Enough for a fully scattered request (pages come from validated id arrays times the
+        // layout's tensor count), capped: coalesced requests need far fewer.
         let cap = pages.min(1 << 20);
         RunBuilder {
             out: CopyRuns {
@@ -216,26 +289,43 @@ impl RunBuilder {
         }
     }
 
-    fn finish(mut self, pages: u64, bytes: u64) -> CopyRuns {
+    fn finish(mut self, pages: u64, bytes: u64, logical_bytes: u64) -> CopyRuns {
         self.flush();
         self.out.pages = pages;
         self.out.bytes = bytes;
+        self.out.logical_bytes = logical_bytes;
         self.out
     }
 }
 
-/// Validated geometry of one (device layers, host pool, `blocks_per_chunk`) triple.
+/// A group after validation: its distinct tensor references and bookkeeping.
+#[derive(Clone, Debug)]
+struct Group {
+    /// `(tensor, bytes)`, one per distinct tensor (the largest size asked for it).
+    refs: Vec<GroupRef>,
+    /// Sum of the sizes as given (duplicates included): vLLM's per-block accounting.
+    logical_bytes_per_block: u64,
+    /// Sum of `refs` sizes: bytes moved per block.
+    bytes_per_block: u64,
+    /// Valid device block ids are `[0, num_blocks)`.
+    num_blocks: u64,
+    /// Groups of one class share device tensors: a destination may be named once per class.
+    class: usize,
+}
+
+/// Validated geometry of one (device tensors, groups, host pool, `blocks_per_chunk`) set.
 #[derive(Clone, Debug)]
 pub struct TransferLayout {
     layers: Vec<LayerGeometry>,
-    /// Offset of each layer's segment inside a chunk.
-    seg_offsets: Vec<u64>,
+    /// Offset of each tensor's segment inside a chunk.
+    host_offsets: Vec<u64>,
+    groups: Vec<Group>,
+    num_classes: usize,
     blocks_per_chunk: usize,
-    chunk_bytes: u64,
-    num_chunks: u64,
-    /// Valid device block ids are `[0, num_blocks)` (the smallest layer's count).
+    bpc: u64,
+    host: HostGeometry,
+    /// Valid device block ids for [`Self::plan`] (the smallest tensor's count).
     num_blocks: u64,
-    host_base: u64,
     /// Host registration pieces span this many chunks (0: no boundaries to respect).
     split_chunks: u64,
 }
@@ -244,11 +334,22 @@ fn invalid(msg: String) -> HostError {
     HostError::InvalidArgument(msg)
 }
 
+fn to_u64(v: usize) -> u64 {
+    // usize is at most 64 bits on every target Rust supports for this crate.
+    u64::try_from(v).unwrap_or(u64::MAX)
+}
+
+fn find(parent: &mut [usize], mut i: usize) -> usize {
+    while parent[i] != i {
+        parent[i] = parent[parent[i]];
+        i = parent[i];
+    }
+    i
+}
+
 impl TransferLayout {
-    /// Checks the geometry: positive sizes, pages not overlapping within a layer, addresses
-    /// that cannot overflow, and `chunk_bytes == blocks_per_chunk * sum(page_bytes)`.
-    /// `split_bytes` is the host registration piece size (0 if unregistered or one piece); it
-    /// must be a multiple of `chunk_bytes`.
+    /// One group over every tensor, each copying whole pages, tensors back to back in a
+    /// chunk of exactly `chunk_bytes == blocks_per_chunk * sum(page_bytes)` bytes.
     pub fn new(
         layers: Vec<LayerGeometry>,
         blocks_per_chunk: usize,
@@ -257,19 +358,92 @@ impl TransferLayout {
         chunk_bytes: u64,
         split_bytes: u64,
     ) -> HostResult<Self> {
+        let refs = layers
+            .iter()
+            .enumerate()
+            .map(|(tensor, l)| GroupRef {
+                tensor,
+                bytes: l.page_bytes,
+            })
+            .collect();
+        let offsets = Self::packed_offsets(&layers, blocks_per_chunk)?;
+        let packed = offsets.last().copied().unwrap_or(0);
+        if packed != chunk_bytes {
+            return Err(invalid(format!(
+                "chunk_bytes is {chunk_bytes} but blocks_per_chunk ({blocks_per_chunk}) x the \
+                 sum of layer page bytes is {packed}"
+            )));
+        }
+        let offsets = offsets[..offsets.len().saturating_sub(1)].to_vec();
+        Self::with_groups(
+            layers,
+            offsets,
+            vec![refs],
+            blocks_per_chunk,
+            HostGeometry {
+                base: host_base,
+                num_chunks,
+                chunk_stride: chunk_bytes,
+                split_bytes,
+            },
+        )
+    }
+
+    /// Offsets of tensors packed back to back in a chunk, plus the total as a last entry.
+    pub fn packed_offsets(
+        layers: &[LayerGeometry],
+        blocks_per_chunk: usize,
+    ) -> HostResult<Vec<u64>> {
+        let bpc = to_u64(blocks_per_chunk);
+        let mut offsets = Vec::with_capacity(layers.len() + 1);
+        let mut off: u64 = 0;
+        offsets.push(0);
+        for l in layers {
+            off = l
+                .page_bytes
+                .checked_mul(bpc)
+                .and_then(|s| s.checked_add(off))
+                .ok_or_else(|| invalid("chunk size overflows".into()))?;
+            offsets.push(off);
+        }
+        Ok(offsets)
+    }
+
+    /// The general form: `layers` (device tensors), the offset of each tensor's segment in a
+    /// chunk, and the groups' references. Checks positive sizes, pages not overlapping within a
+    /// tensor, segments inside the chunk and not overlapping each other, references in range
+    /// with `0 < bytes <= page_bytes`, and addresses that cannot overflow.
+    pub fn with_groups(
+        layers: Vec<LayerGeometry>,
+        host_offsets: Vec<u64>,
+        groups: Vec<Vec<GroupRef>>,
+        blocks_per_chunk: usize,
+        host: HostGeometry,
+    ) -> HostResult<Self> {
         if layers.is_empty() {
             return Err(invalid("at least one layer is required".into()));
+        }
+        if groups.is_empty() {
+            return Err(invalid("at least one group is required".into()));
         }
         if blocks_per_chunk == 0 {
             return Err(invalid("blocks_per_chunk must be at least 1".into()));
         }
-        if num_chunks == 0 || chunk_bytes == 0 {
+        let bpc = to_u64(blocks_per_chunk);
+        if host.num_chunks == 0 || host.chunk_stride == 0 {
             return Err(invalid(
                 "the pool must hold at least one non-empty chunk".into(),
             ));
         }
-        let mut page_sum: u64 = 0;
-        for (i, l) in layers.iter().enumerate() {
+        if host_offsets.len() != layers.len() {
+            return Err(invalid(format!(
+                "{} segment offsets for {} layers",
+                host_offsets.len(),
+                layers.len()
+            )));
+        }
+        let mut segments = Vec::with_capacity(layers.len());
+        for (i, (l, &off)) in layers.iter().zip(&host_offsets).enumerate() {
             if l.page_bytes == 0 || l.num_blocks == 0 {
                 return Err(invalid(format!("layer {i} has no blocks or empty pages")));
             }
@@ -286,51 +460,125 @@ impl TransferLayout {
             if end.is_none() {
                 return Err(invalid(format!("layer {i}: address range overflows")));
             }
-            page_sum = page_sum
-                .checked_add(l.page_bytes)
-                .ok_or_else(|| invalid("page sizes overflow".into()))?;
+            let seg_end = l
+                .page_bytes
+                .checked_mul(bpc)
+                .and_then(|s| s.checked_add(off))
+                .filter(|&e| e <= host.chunk_stride)
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "layer {i}: its {blocks_per_chunk} page slots of {} bytes at offset {off} \
+                         do not fit in a chunk of {} bytes",
+                        l.page_bytes, host.chunk_stride
+                    ))
+                })?;
+            segments.push((off, seg_end, i));
         }
-        let expected = page_sum.checked_mul(blocks_per_chunk as u64);
-        if expected != Some(chunk_bytes) {
-            return Err(invalid(format!(
-                "chunk_bytes is {chunk_bytes} but blocks_per_chunk ({blocks_per_chunk}) x the \
-                 sum of layer page bytes ({page_sum}) is {}",
-                expected.map_or_else(|| "too large".to_string(), |e| e.to_string())
-            )));
+        segments.sort_unstable();
+        for w in segments.windows(2) {
+            if w[0].1 > w[1].0 {
+                return Err(invalid(format!(
+                    "the chunk segments of layers {} and {} overlap",
+                    w[0].2, w[1].2
+                )));
+            }
         }
-        if num_chunks
-            .checked_mul(chunk_bytes)
-            .and_then(|n| n.checked_add(host_base))
+        if host
+            .num_chunks
+            .checked_mul(host.chunk_stride)
+            .and_then(|n| n.checked_add(host.base))
             .is_none()
         {
             return Err(invalid("host address range overflows".into()));
         }
-        if split_bytes % chunk_bytes != 0 {
+        if host.split_bytes % host.chunk_stride != 0 {
             return Err(invalid(format!(
-                "registration pieces of {split_bytes} bytes do not hold whole chunks"
+                "registration pieces of {} bytes do not hold whole chunks",
+                host.split_bytes
             )));
         }
-        let mut seg_offsets = Vec::with_capacity(layers.len());
-        let mut off = 0;
-        for l in &layers {
-            seg_offsets.push(off);
-            off += l.page_bytes * blocks_per_chunk as u64;
+        let min_blocks = layers.iter().map(|l| l.num_blocks).min().unwrap_or(0);
+        // Classes: groups that reference a common tensor (union-find over tensors).
+        let mut parent: Vec<usize> = (0..groups.len()).collect();
+        let mut owner: Vec<Option<usize>> = vec![None; layers.len()];
+        let mut checked = Vec::with_capacity(groups.len());
+        for (g, refs) in groups.into_iter().enumerate() {
+            let mut distinct: Vec<GroupRef> = Vec::with_capacity(refs.len());
+            let mut logical: u64 = 0;
+            for (k, r) in refs.iter().enumerate() {
+                let layer = layers.get(r.tensor).ok_or_else(|| {
+                    invalid(format!(
+                        "group {g}, reference {k}: tensor {} of {}",
+                        r.tensor,
+                        layers.len()
+                    ))
+                })?;
+                if r.bytes == 0 || r.bytes > layer.page_bytes {
+                    return Err(invalid(format!(
+                        "group {g}, reference {k}: copies {} bytes of a {}-byte page",
+                        r.bytes, layer.page_bytes
+                    )));
+                }
+                logical = logical
+                    .checked_add(r.bytes)
+                    .ok_or_else(|| invalid("reference sizes overflow".into()))?;
+                match distinct.iter_mut().find(|d| d.tensor == r.tensor) {
+                    Some(d) => d.bytes = d.bytes.max(r.bytes),
+                    None => distinct.push(*r),
+                }
+                match owner[r.tensor] {
+                    Some(o) => {
+                        let (a, b) = (find(&mut parent, o), find(&mut parent, g));
+                        parent[a] = b;
+                    }
+                    None => owner[r.tensor] = Some(g),
+                }
+            }
+            let num_blocks = distinct
+                .iter()
+                .map(|r| layers[r.tensor].num_blocks)
+                .min()
+                .unwrap_or(min_blocks);
+            let bytes_per_block = distinct.iter().map(|r| r.bytes).sum();
+            checked.push(Group {
+                refs: distinct,
+                logical_bytes_per_block: logical,
+                bytes_per_block,
+                num_blocks,
+                class: 0,
+            });
         }
-        let num_blocks = layers.iter().map(|l| l.num_blocks).min().unwrap_or(0);
+        let mut class_of_root = vec![usize::MAX; checked.len()];
+        let mut num_classes = 0;
+        for (g, group) in checked.iter_mut().enumerate() {
+            let root = find(&mut parent, g);
+            if class_of_root[root] == usize::MAX {
+                class_of_root[root] = num_classes;
+                num_classes += 1;
+            }
+            group.class = class_of_root[root];
+        }
         Ok(TransferLayout {
             layers,
-            seg_offsets,
+            host_offsets,
+            groups: checked,
+            num_classes,
             blocks_per_chunk,
-            chunk_bytes,
-            num_chunks,
-            num_blocks,
-            host_base,
-            split_chunks: split_bytes / chunk_bytes,
+            bpc,
+            host,
+            num_blocks: min_blocks,
+            split_chunks: host.split_bytes / host.chunk_stride,
         })
     }
 
     pub fn layers(&self) -> &[LayerGeometry] {
         &self.layers
+    }
+    pub fn host_offsets(&self) -> &[u64] {
+        &self.host_offsets
+    }
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
     }
     pub fn blocks_per_chunk(&self) -> usize {
         self.blocks_per_chunk
@@ -339,27 +587,28 @@ impl TransferLayout {
         self.num_blocks
     }
     pub fn num_chunks(&self) -> u64 {
-        self.num_chunks
+        self.host.num_chunks
     }
     pub fn chunk_bytes(&self) -> u64 {
-        self.chunk_bytes
+        self.host.chunk_stride
     }
 
-    fn check_range(ids: &[i64], limit: u64, what: &str) -> HostResult<()> {
+    fn check_range(ids: &[i64], limit: u64, what: &str, offset: usize) -> HostResult<()> {
         if let Some((pos, &id)) = ids
             .iter()
             .enumerate()
-            .find(|&(_, &id)| id < 0 || id as u64 >= limit)
+            .find(|&(_, &id)| u64::try_from(id).map_or(true, |id| id >= limit))
         {
             return Err(HostError::OutOfRange(format!(
-                "{what} id {id} at position {pos} is out of range [0, {limit})"
+                "{what} id {id} at position {} is out of range [0, {limit})",
+                pos + offset
             )));
         }
         Ok(())
     }
 
-    /// Validates a request and builds its runs. `gpu_ids` lists `blocks_per_chunk` device
-    /// blocks per entry of `chunk_ids`, in chunk order. Nothing is copied here.
+    /// Whole chunks of the single group: `gpu_ids` lists `blocks_per_chunk` device blocks per
+    /// entry of `chunk_ids`, in chunk order. Nothing is copied here.
     pub fn plan(
         &self,
         dir: Direction,
@@ -368,6 +617,12 @@ impl TransferLayout {
         scratch: &mut PlanScratch,
     ) -> HostResult<CopyRuns> {
         let bpc = self.blocks_per_chunk;
+        if self.groups.len() != 1 {
+            return Err(invalid(format!(
+                "this layout has {} groups: give each group's span",
+                self.groups.len()
+            )));
+        }
         if chunk_ids.len().checked_mul(bpc) != Some(gpu_ids.len()) {
             return Err(invalid(format!(
                 "{} block ids for {} chunk ids: expected blocks_per_chunk ({bpc}) per chunk",
@@ -375,299 +630,312 @@ impl TransferLayout {
                 chunk_ids.len()
             )));
         }
-        Self::check_range(chunk_ids, self.num_chunks, "chunk")?;
-        Self::check_range(gpu_ids, self.num_blocks, "block")?;
-        let (dest, universe, what) = match dir {
-            Direction::Store => (chunk_ids, self.num_chunks, "chunk"),
-            Direction::Load => (gpu_ids, self.num_blocks, "block"),
+        let span = GroupSpan {
+            blocks: gpu_ids.len(),
+            first_index: 0,
         };
-        if let Some(pos) = scratch.find_duplicate(dest, universe) {
-            return Err(invalid(format!(
-                "{what} id {} at position {pos} repeats: one job may write each destination once",
-                dest[pos]
-            )));
-        }
-        Ok(self.build(dir, gpu_ids, chunk_ids))
+        self.plan_groups(dir, gpu_ids, chunk_ids, &[span], scratch)
     }
 
-    fn build(&self, dir: Direction, gpu_ids: &[i64], chunk_ids: &[i64]) -> CopyRuns {
-        let bpc = self.blocks_per_chunk;
-        let pages = gpu_ids.len() * self.layers.len();
-        let mut b = RunBuilder::new(pages);
-        let mut prev_segment: Option<u64> = None;
-        for (c, ids) in chunk_ids.iter().zip(gpu_ids.chunks_exact(bpc)) {
-            let c = *c as u64;
-            let chunk_host = self.host_base + c * self.chunk_bytes;
-            let at_boundary = self.split_chunks != 0 && c % self.split_chunks == 0;
-            for (l, (layer, &seg_off)) in self.layers.iter().zip(&self.seg_offsets).enumerate() {
-                let page = layer.page_bytes;
-                let mut host = chunk_host + seg_off;
-                let mut mergeable = prev_segment == Some(layer.segment) && !(l == 0 && at_boundary);
-                for &g in ids {
-                    let dev = layer.base + g as u64 * layer.block_stride;
-                    match dir {
-                        Direction::Store => b.push(dev, host, page, mergeable),
-                        Direction::Load => b.push(host, dev, page, mergeable),
-                    }
-                    mergeable = true;
-                    host += page;
+    /// Validates a request and builds its runs. `gpu_ids` holds the blocks of every group in
+    /// group order, `chunk_ids` their chunks in the same order; `spans[g]` says how many blocks
+    /// group `g` has and where its first block sits (see the module docs).
+    pub fn plan_groups(
+        &self,
+        dir: Direction,
+        gpu_ids: &[i64],
+        chunk_ids: &[i64],
+        spans: &[GroupSpan],
+        scratch: &mut PlanScratch,
+    ) -> HostResult<CopyRuns> {
+        let req = self.validate(
+            dir,
+            gpu_ids.to_vec(),
+            chunk_ids.to_vec(),
+            spans.to_vec(),
+            scratch,
+        )?;
+        Ok(self.build(&req))
+    }
+
+    /// Checks a request completely (counts, ranges, no destination named twice) in time
+    /// linear in its ids, without building its runs: [`Self::build`] does that later, possibly
+    /// on another thread.
+    pub fn validate(
+        &self,
+        dir: Direction,
+        gpu_ids: Vec<i64>,
+        chunk_ids: Vec<i64>,
+        spans: Vec<GroupSpan>,
+        scratch: &mut PlanScratch,
+    ) -> HostResult<Request> {
+        if spans.len() != self.groups.len() {
+            return Err(invalid(format!(
+                "{} group spans for a layout of {} groups",
+                spans.len(),
+                self.groups.len()
+            )));
+        }
+        let mut parts = Vec::with_capacity(spans.len());
+        let (mut g_off, mut c_off) = (0usize, 0usize);
+        for (g, s) in spans.iter().enumerate() {
+            let chunks = if s.blocks == 0 {
+                0
+            } else {
+                let skip = s.first_index % self.bpc;
+                let logical = to_u64(s.blocks)
+                    .checked_add(skip)
+                    .ok_or_else(|| invalid(format!("group {g}: span overflows")))?;
+                usize::try_from(logical.div_ceil(self.bpc))
+                    .map_err(|_| invalid(format!("group {g}: span overflows")))?
+            };
+            parts.push(Part {
+                gpu: g_off,
+                blocks: s.blocks,
+                chunk: c_off,
+                chunks,
+                skip: usize::try_from(s.first_index % self.bpc).unwrap_or(0),
+            });
+            g_off = g_off
+                .checked_add(s.blocks)
+                .ok_or_else(|| invalid("group spans overflow".into()))?;
+            c_off = c_off
+                .checked_add(chunks)
+                .ok_or_else(|| invalid("group spans overflow".into()))?;
+        }
+        if g_off != gpu_ids.len() || c_off != chunk_ids.len() {
+            return Err(invalid(format!(
+                "the group spans cover {g_off} block ids and {c_off} chunk ids, but the job has \
+                 {} block ids and {} chunk ids",
+                gpu_ids.len(),
+                chunk_ids.len()
+            )));
+        }
+        Self::check_range(&chunk_ids, self.host.num_chunks, "chunk", 0)?;
+        for (group, p) in self.groups.iter().zip(&parts) {
+            Self::check_range(
+                &gpu_ids[p.gpu..p.gpu + p.blocks],
+                group.num_blocks,
+                "block",
+                p.gpu,
+            )?;
+        }
+        let (dest, universe, what) = match dir {
+            Direction::Store => (&chunk_ids, self.host.num_chunks, "chunk"),
+            Direction::Load => (&gpu_ids, self.num_blocks_max(), "block"),
+        };
+        let mut ranges = Vec::with_capacity(parts.len());
+        for class in 0..self.num_classes {
+            ranges.clear();
+            for (group, p) in self.groups.iter().zip(&parts) {
+                if group.class == class {
+                    ranges.push(match dir {
+                        Direction::Store => (p.chunk, p.chunks),
+                        Direction::Load => (p.gpu, p.blocks),
+                    });
                 }
-                prev_segment = Some(layer.segment);
+            }
+            if let Some(pos) = scratch.find_duplicate(dest, &ranges, universe)? {
+                return Err(invalid(format!(
+                    "{what} id {} at position {pos} repeats: one job may write each destination \
+                     once",
+                    dest[pos]
+                )));
             }
         }
-        let bytes = chunk_ids.len() as u64 * self.chunk_bytes;
-        b.finish(pages as u64, bytes)
+        let (mut pages, mut bytes, mut logical) = (0u64, 0u64, 0u64);
+        for (group, p) in self.groups.iter().zip(&parts) {
+            let n = to_u64(p.blocks);
+            pages += n * to_u64(group.refs.len());
+            bytes += n * group.bytes_per_block;
+            logical += n * group.logical_bytes_per_block;
+        }
+        Ok(Request {
+            dir,
+            gpu_ids,
+            chunk_ids,
+            parts,
+            pages,
+            bytes,
+            logical_bytes: logical,
+        })
+    }
+
+    fn num_blocks_max(&self) -> u64 {
+        self.layers.iter().map(|l| l.num_blocks).max().unwrap_or(0)
+    }
+
+    /// Builds the runs of a request this layout validated. Consecutive device blocks are
+    /// found once per chunk, so a fresh (unfragmented) request costs per chunk and tensor, not
+    /// per page; a scattered one costs per page.
+    pub fn build(&self, req: &Request) -> CopyRuns {
+        let bpc = self.blocks_per_chunk;
+        let mut b = RunBuilder::new(usize::try_from(req.pages).unwrap_or(usize::MAX));
+        let mut prev_segment: Option<u64> = None;
+        // Lengths of the maximal runs of consecutive ids in the current chunk's slice.
+        let mut streaks: Vec<usize> = Vec::with_capacity(bpc);
+        for (group, p) in self.groups.iter().zip(&req.parts) {
+            if p.blocks == 0 {
+                continue;
+            }
+            let blocks = &req.gpu_ids[p.gpu..p.gpu + p.blocks];
+            for (k, &chunk) in req.chunk_ids[p.chunk..p.chunk + p.chunks]
+                .iter()
+                .enumerate()
+            {
+                // Slots [lo, hi) of this chunk hold blocks [k*bpc + lo - skip, k*bpc + hi - skip).
+                let lo = if k == 0 { p.skip } else { 0 };
+                let hi = bpc.min(p.skip + p.blocks - k * bpc);
+                let ids = &blocks[k * bpc + lo - p.skip..k * bpc + hi - p.skip];
+                streaks.clear();
+                let mut start = 0;
+                for i in 1..=ids.len() {
+                    if i == ids.len() || ids[i] != ids[i - 1].wrapping_add(1) {
+                        streaks.push(i - start);
+                        start = i;
+                    }
+                }
+                let c = u64::try_from(chunk).unwrap_or(0);
+                let chunk_host = self.host.base + c * self.host.chunk_stride;
+                let at_boundary = self.split_chunks != 0 && c % self.split_chunks == 0;
+                let mut first_of_chunk = true;
+                for r in &group.refs {
+                    let layer = &self.layers[r.tensor];
+                    let page = layer.page_bytes;
+                    let mut host = chunk_host + self.host_offsets[r.tensor] + to_u64(lo) * page;
+                    let mut mergeable =
+                        prev_segment == Some(layer.segment) && !(first_of_chunk && at_boundary);
+                    // Whole pages of densely packed blocks: a streak is one contiguous range on
+                    // both sides.
+                    let dense = r.bytes == page && layer.block_stride == page;
+                    let mut i = 0;
+                    for &len in &streaks {
+                        if dense {
+                            let dev = layer.base
+                                + u64::try_from(ids[i]).unwrap_or(0) * layer.block_stride;
+                            let n = to_u64(len) * page;
+                            match req.dir {
+                                Direction::Store => b.push(dev, host, n, mergeable),
+                                Direction::Load => b.push(host, dev, n, mergeable),
+                            }
+                            mergeable = true;
+                            host += n;
+                        } else {
+                            for &g in &ids[i..i + len] {
+                                let dev =
+                                    layer.base + u64::try_from(g).unwrap_or(0) * layer.block_stride;
+                                match req.dir {
+                                    Direction::Store => b.push(dev, host, r.bytes, mergeable),
+                                    Direction::Load => b.push(host, dev, r.bytes, mergeable),
+                                }
+                                mergeable = true;
+                                host += page;
+                            }
+                        }
+                        i += len;
+                    }
+                    first_of_chunk = false;
+                    prev_segment = Some(layer.segment);
+                }
+            }
+        }
+        b.finish(req.pages, req.bytes, req.logical_bytes)
+    }
+
+    /// Per-block addressing for a copy kernel that computes page addresses itself: for each
+    /// group, its blocks' device ids, the host address of the chunk holding each block, and
+    /// the block's slot in that chunk (three arrays of the group's length, appended to `out`
+    /// in that order). Per-tensor geometry comes from [`Self::group_refs`]. Linear in blocks.
+    pub fn block_table(&self, req: &Request, group: usize, out: &mut Vec<i64>) -> HostResult<()> {
+        let p = req
+            .parts
+            .get(group)
+            .ok_or_else(|| invalid(format!("group {group} of {}", req.parts.len())))?;
+        let bpc = self.blocks_per_chunk;
+        let signed =
+            |v: u64| i64::try_from(v).map_err(|_| invalid(format!("address {v:#x} exceeds int64")));
+        out.reserve(p.blocks.saturating_mul(3));
+        out.extend_from_slice(&req.gpu_ids[p.gpu..p.gpu + p.blocks]);
+        for slot in p.skip..p.skip + p.blocks {
+            let chunk = u64::try_from(req.chunk_ids[p.chunk + slot / bpc]).unwrap_or(0);
+            out.push(signed(self.host.base + chunk * self.host.chunk_stride)?);
+        }
+        for slot in p.skip..p.skip + p.blocks {
+            out.push(i64::try_from(slot % bpc).unwrap_or(0));
+        }
+        Ok(())
+    }
+
+    /// A group's distinct references as `(device base, block stride, segment offset in the
+    /// chunk, page slot bytes, bytes copied)` per tensor, for [`Self::block_table`]'s kernel.
+    pub fn group_refs(&self, group: usize) -> HostResult<Vec<[u64; 5]>> {
+        let g = self
+            .groups
+            .get(group)
+            .ok_or_else(|| invalid(format!("group {group} of {}", self.groups.len())))?;
+        Ok(g.refs
+            .iter()
+            .map(|r| {
+                let l = &self.layers[r.tensor];
+                [
+                    l.base,
+                    l.block_stride,
+                    self.host_offsets[r.tensor],
+                    l.page_bytes,
+                    r.bytes,
+                ]
+            })
+            .collect())
+    }
+}
+
+/// One group's share of a validated request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Part {
+    /// Offset and count of its device block ids.
+    gpu: usize,
+    blocks: usize,
+    /// Offset and count of its chunk ids.
+    chunk: usize,
+    chunks: usize,
+    /// Slots skipped in its first chunk.
+    skip: usize,
+}
+
+/// A request its layout has validated: the ids (owned), how they split into groups, and its
+/// size. Building its runs ([`TransferLayout::build`]) cannot fail.
+#[derive(Clone, Debug)]
+pub struct Request {
+    dir: Direction,
+    gpu_ids: Vec<i64>,
+    chunk_ids: Vec<i64>,
+    parts: Vec<Part>,
+    pages: u64,
+    bytes: u64,
+    logical_bytes: u64,
+}
+
+impl Request {
+    pub fn direction(&self) -> Direction {
+        self.dir
+    }
+    /// Number of (block, tensor) page copies.
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+    /// Bytes the request moves.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+    /// Bytes as vLLM's worker accounts them (see [`CopyRuns::logical_bytes`]).
+    pub fn logical_bytes(&self) -> u64 {
+        self.logical_bytes
+    }
+    /// Device blocks per group.
+    pub fn group_blocks(&self) -> impl Iterator<Item = usize> + '_ {
+        self.parts.iter().map(|p| p.blocks)
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn layer(base: u64, stride: u64, page: u64, n: u64, segment: u64) -> LayerGeometry {
-        LayerGeometry {
-            base,
-            block_stride: stride,
-            page_bytes: page,
-            num_blocks: n,
-            segment,
-        }
-    }
-
-    const HOST: u64 = 1 << 40;
-
-    /// Reference: one descriptor per page, no merging, same enumeration order.
-    fn pages_of(
-        lay: &TransferLayout,
-        dir: Direction,
-        g: &[i64],
-        c: &[i64],
-    ) -> Vec<(u64, u64, u64)> {
-        let mut v = vec![];
-        for (j, &cid) in c.iter().enumerate() {
-            for (l, layer) in lay.layers.iter().enumerate() {
-                for k in 0..lay.blocks_per_chunk {
-                    let host = HOST
-                        + cid as u64 * lay.chunk_bytes
-                        + lay.seg_offsets[l]
-                        + k as u64 * layer.page_bytes;
-                    let dev =
-                        layer.base + g[j * lay.blocks_per_chunk + k] as u64 * layer.block_stride;
-                    v.push(match dir {
-                        Direction::Store => (dev, host, layer.page_bytes),
-                        Direction::Load => (host, dev, layer.page_bytes),
-                    });
-                }
-            }
-        }
-        v
-    }
-
-    fn expand(r: &CopyRuns, pages: &[(u64, u64, u64)]) -> Vec<(u64, u64, u64)> {
-        // Split each run back into pages of the sizes the reference used, in order.
-        let mut out = vec![];
-        let mut it = pages.iter();
-        for i in 0..r.len() {
-            let (mut s, mut d, mut left) = (r.src()[i], r.dst()[i], r.lens()[i]);
-            while left > 0 {
-                let &(_, _, len) = it.next().expect("runs cover more than the pages");
-                out.push((s, d, len));
-                s += len;
-                d += len;
-                left -= len;
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn geometry_checks() {
-        let l = layer(0, 64, 64, 10, 0);
-        assert!(TransferLayout::new(vec![l], 2, HOST, 4, 128, 0).is_ok());
-        assert!(TransferLayout::new(vec![l], 2, HOST, 4, 127, 0).is_err());
-        assert!(TransferLayout::new(vec![], 1, HOST, 4, 64, 0).is_err());
-        assert!(TransferLayout::new(vec![l], 0, HOST, 4, 64, 0).is_err());
-        assert!(TransferLayout::new(vec![layer(0, 32, 64, 10, 0)], 1, HOST, 4, 64, 0).is_err());
-        assert!(
-            TransferLayout::new(vec![layer(u64::MAX - 10, 64, 64, 2, 0)], 1, HOST, 4, 64, 0)
-                .is_err()
-        );
-        assert!(TransferLayout::new(vec![l], 1, HOST, 4, 64, 96).is_err());
-    }
-
-    #[test]
-    fn rejects_bad_requests() {
-        let lay = TransferLayout::new(vec![layer(0, 64, 64, 10, 0)], 2, HOST, 4, 128, 0).unwrap();
-        let mut s = PlanScratch::default();
-        let st = Direction::Store;
-        assert!(matches!(
-            lay.plan(st, &[1, 2, 3], &[0, 1], &mut s),
-            Err(HostError::InvalidArgument(_))
-        ));
-        assert!(matches!(
-            lay.plan(st, &[1, 2], &[4], &mut s),
-            Err(HostError::OutOfRange(_))
-        ));
-        assert!(matches!(
-            lay.plan(st, &[1, 10], &[0], &mut s),
-            Err(HostError::OutOfRange(_))
-        ));
-        assert!(matches!(
-            lay.plan(st, &[-1, 0], &[0], &mut s),
-            Err(HostError::OutOfRange(_))
-        ));
-        assert!(matches!(
-            lay.plan(st, &[1, 2, 3, 4], &[1, 1], &mut s),
-            Err(HostError::InvalidArgument(_))
-        ));
-        // Duplicate sources are fine for a store; duplicate destinations are not for a load.
-        assert!(lay.plan(st, &[1, 1, 1, 1], &[0, 1], &mut s).is_ok());
-        assert!(lay.plan(Direction::Load, &[1, 1], &[0], &mut s).is_err());
-        // The scratch bitmap is left clean after both outcomes.
-        assert!(lay
-            .plan(Direction::Load, &[1, 2, 3, 4], &[0, 0], &mut s)
-            .is_ok());
-        assert!(s.bits.iter().all(|&w| w == 0));
-    }
-
-    #[test]
-    fn contiguous_blocks_merge_per_layer_segment() {
-        let layers = vec![layer(0, 100, 100, 64, 1), layer(1 << 20, 50, 50, 64, 2)];
-        let lay = TransferLayout::new(layers, 4, HOST, 8, 600, 0).unwrap();
-        let runs = lay
-            .plan(
-                Direction::Store,
-                &[8, 9, 10, 11, 20, 21, 22, 23],
-                &[3, 4],
-                &mut PlanScratch::default(),
-            )
-            .unwrap();
-        // Two chunks x two layers, each segment one run; nothing merges across layers.
-        assert_eq!(runs.len(), 4);
-        assert_eq!(runs.pages(), 16);
-        assert_eq!(runs.bytes(), 1200);
-        assert_eq!(runs.lens(), &[400, 200, 400, 200]);
-        assert_eq!(runs.src()[0], 800);
-        assert_eq!(runs.dst()[0], HOST + 3 * 600);
-    }
-
-    #[test]
-    fn single_layer_merges_across_chunks_but_not_registration_pieces() {
-        let lay =
-            TransferLayout::new(vec![layer(0, 64, 64, 64, 0)], 2, HOST, 8, 128, 4 * 128).unwrap();
-        let g: Vec<i64> = (0..12).collect();
-        let runs = lay
-            .plan(
-                Direction::Load,
-                &g,
-                &[1, 2, 3, 4, 5, 6],
-                &mut PlanScratch::default(),
-            )
-            .unwrap();
-        // Chunks 1..=3 then 4..=6: chunk 4 starts a new registration piece.
-        assert_eq!(runs.lens(), &[384, 384]);
-    }
-
-    #[test]
-    fn cross_layer_block_layout_merges_whole_chunks() {
-        // Two layers interleaved in one allocation: block b of layer l at b*256 + l*128.
-        let layers = vec![layer(0, 256, 128, 16, 7), layer(128, 256, 128, 16, 7)];
-        let lay = TransferLayout::new(layers, 1, HOST, 16, 256, 0).unwrap();
-        let runs = lay
-            .plan(
-                Direction::Store,
-                &[5, 6, 9],
-                &[0, 1, 2],
-                &mut PlanScratch::default(),
-            )
-            .unwrap();
-        assert_eq!(runs.lens(), &[512, 256]);
-        // The same addresses in different allocations must not merge.
-        let layers = vec![layer(0, 256, 128, 16, 7), layer(128, 256, 128, 16, 8)];
-        let lay = TransferLayout::new(layers, 1, HOST, 16, 256, 0).unwrap();
-        let runs = lay
-            .plan(Direction::Store, &[5], &[0], &mut PlanScratch::default())
-            .unwrap();
-        assert_eq!(runs.len(), 2);
-    }
-
-    #[test]
-    fn soa_and_alignment() {
-        let lay = TransferLayout::new(vec![layer(0, 64, 24, 8, 0)], 1, HOST, 8, 24, 0).unwrap();
-        let runs = lay
-            .plan(
-                Direction::Load,
-                &[3, 1],
-                &[5, 6],
-                &mut PlanScratch::default(),
-            )
-            .unwrap();
-        assert_eq!(runs.alignment(), 8);
-        let mut out = vec![0i64; 6];
-        runs.write_soa(0, &mut out).unwrap();
-        assert_eq!(
-            out,
-            vec![(HOST + 120) as i64, (HOST + 144) as i64, 192, 64, 24, 24]
-        );
-        assert!(runs.write_soa(0, &mut [0i64; 5]).is_err());
-        // Cutting: one 48-byte run becomes pieces of 16 + 16 + 16.
-        let lay = TransferLayout::new(vec![layer(0, 24, 24, 8, 0)], 2, HOST, 8, 48, 0).unwrap();
-        let runs = lay
-            .plan(Direction::Store, &[2, 3], &[1], &mut PlanScratch::default())
-            .unwrap();
-        assert_eq!(
-            (runs.len(), runs.count_pieces(16), runs.count_pieces(0)),
-            (1, 3, 1)
-        );
-        let mut out = vec![0i64; 9];
-        runs.write_soa(16, &mut out).unwrap();
-        let h = (HOST + 48) as i64;
-        assert_eq!(out, vec![48, 64, 80, h, h + 16, h + 32, 16, 16, 16]);
-    }
-
-    proptest! {
-        #[test]
-        fn runs_cover_exactly_the_pages(
-            bpc in 1usize..4,
-            pages in proptest::collection::vec(1u64..5, 1..4),
-            gap in 0u64..2,
-            seed in proptest::collection::vec(0i64..12, 0..24),
-            load in any::<bool>(),
-        ) {
-            let n_blocks = 12u64;
-            let mut base = 0;
-            let layers: Vec<_> = pages.iter().map(|&p| {
-                let l = layer(base, (p + gap) * 8, p * 8, n_blocks, 0);
-                base += n_blocks * (p + gap) * 8;
-                l
-            }).collect();
-            let chunk_bytes = pages.iter().sum::<u64>() * 8 * bpc as u64;
-            let lay = TransferLayout::new(layers, bpc, HOST, 6, chunk_bytes, 0).unwrap();
-            let n_chunks = seed.len() / bpc;
-            let g: Vec<i64> = seed[..n_chunks * bpc].to_vec();
-            let c: Vec<i64> = (0..n_chunks as i64).map(|i| (i * 5) % 6).collect();
-            let dir = if load { Direction::Load } else { Direction::Store };
-            match lay.plan(dir, &g, &c, &mut PlanScratch::default()) {
-                Ok(runs) => {
-                    let want = pages_of(&lay, dir, &g, &c);
-                    prop_assert_eq!(expand(&runs, &want), want.clone());
-                    prop_assert_eq!(runs.bytes(), want.iter().map(|p| p.2).sum::<u64>());
-                    // Maximal merging: no two consecutive runs continue each other.
-                    for i in 1..runs.len() {
-                        prop_assert!(!(runs.src()[i - 1] + runs.lens()[i - 1] == runs.src()[i]
-                            && runs.dst()[i - 1] + runs.lens()[i - 1] == runs.dst()[i]));
-                    }
-                }
-                Err(_) => {
-                    // Only a repeated destination can fail here.
-                    let dest = if load { g.clone() } else { c.clone() };
-                    let mut sorted = dest.clone();
-                    sorted.sort_unstable();
-                    sorted.dedup();
-                    prop_assert!(sorted.len() < dest.len());
-                }
-            }
-        }
-    }
-}
+mod tests;

@@ -14,7 +14,10 @@
 #![allow(unsafe_code)]
 
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use super::error::{HostError, HostResult};
 
@@ -38,6 +41,75 @@ pub trait HostRegistrar: Send {
     /// Clears the error state a failed call may leave behind. CUDA keeps the last error per
     /// thread and reports it again from unrelated later calls unless it is read and reset.
     fn clear_error(&mut self);
+    /// Called first on a thread that is about to register (background pinning): the CUDA
+    /// runtime must be told which device the thread works for, or it initialises device 0.
+    fn bind_thread(&mut self) -> Result<(), i32> {
+        Ok(())
+    }
+}
+
+/// Background pieces are at most this large: a copy submitted while a piece is being
+/// registered waits for that piece (about 0.1 s per GiB), never for the whole pool.
+pub const BACKGROUND_PIECE_BYTES: usize = 1 << 30;
+
+/// Where pinning stands (see [`HostRegion::pin_status`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum PinStatus {
+    /// Never registered, or unregistered by `close()`.
+    Unpinned,
+    /// A background registration is running: `done` of `total` pieces registered.
+    Pinning { done: usize, total: usize },
+    /// Registered in `pieces` pieces; `seconds` is how long it took (prefault included).
+    Pinned { pieces: usize, seconds: f64 },
+    /// The last background registration failed and was rolled back (the region is pageable).
+    Failed {
+        code: i32,
+        offset: usize,
+        len: usize,
+    },
+}
+
+/// Prefaults `len` bytes at `addr` (page aligned, inside one mapping) with up to `threads`
+/// threads: `MADV_POPULATE_WRITE` allocates the pages without changing their contents, so it
+/// may run while copies use the memory. Returns false when the kernel lacks it (< 5.14): the
+/// registration then faults the pages in itself.
+fn populate(addr: usize, len: usize, threads: usize) -> bool {
+    let page = page_size();
+    let threads = threads.max(1);
+    let part = len.div_ceil(threads).next_multiple_of(page).max(page);
+    let one = |start: usize, n: usize| {
+        // SAFETY: `[start, start + n)` lies inside the caller's mapping (page aligned); the
+        // advice only allocates missing pages and never modifies existing contents.
+        let rc = unsafe {
+            libc::madvise(
+                std::ptr::with_exposed_provenance_mut::<libc::c_void>(start),
+                n,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        rc == 0
+    };
+    if threads == 1 || len <= part {
+        return one(addr, len);
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..len)
+            .step_by(part)
+            .map(|off| {
+                let n = part.min(len - off);
+                scope.spawn(move || one(addr + off, n))
+            })
+            .collect();
+        handles.into_iter().all(|h| h.join().unwrap_or(false))
+    })
+}
+
+/// Threads used to prefault before registering (bounded: page zeroing saturates memory
+/// bandwidth long before it saturates cores).
+pub fn prefault_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, std::num::NonZeroUsize::get)
+        .min(8)
 }
 
 /// Bytes per registration piece for a mapping of `total` bytes whose chunks are `unit` bytes.
@@ -88,7 +160,6 @@ struct Registration {
     registrar: Box<dyn HostRegistrar>,
     /// `(address, length)` of every registered piece, in registration order.
     pieces: Vec<(usize, usize)>,
-    piece_bytes: usize,
 }
 
 impl Registration {
@@ -109,6 +180,11 @@ struct State {
     registration: Option<Registration>,
     leases: usize,
     closed: bool,
+    /// Piece size and count of the registration in place or under way (layouts built while
+    /// pinning runs must already respect its boundaries).
+    planned: Option<(usize, usize)>,
+    status: PinStatus,
+    pin_thread: Option<JoinHandle<()>>,
 }
 
 /// A private anonymous mapping of at least `len` bytes (rounded up to whole pages), never
@@ -118,6 +194,11 @@ pub struct HostRegion {
     len: usize,
     map_len: usize,
     state: Mutex<State>,
+    /// Held for writing while one piece is being registered, for reading by whoever submits
+    /// DMA on the region ([`HostRegion::copy_guard`]): a copy never runs on a range whose
+    /// registration is half done.
+    pin_lock: RwLock<()>,
+    cancel: AtomicBool,
 }
 
 // SAFETY: `ptr` designates a mapping owned exclusively by this value and unmapped only in
@@ -165,7 +246,12 @@ impl HostRegion {
                 registration: None,
                 leases: 0,
                 closed: false,
+                planned: None,
+                status: PinStatus::Unpinned,
+                pin_thread: None,
             }),
+            pin_lock: RwLock::new(()),
+            cancel: AtomicBool::new(false),
         })
     }
 
@@ -207,9 +293,15 @@ impl HostRegion {
         self.lock().registration.is_some()
     }
 
-    /// Bytes per registration piece while registered (the last piece may be shorter).
+    /// Bytes per registration piece while registered or being registered in the background
+    /// (the last piece may be shorter).
     pub fn registration_piece_bytes(&self) -> Option<usize> {
-        self.lock().registration.as_ref().map(|r| r.piece_bytes)
+        self.lock().planned.map(|(bytes, _)| bytes)
+    }
+
+    /// Number of pieces of the registration in place or under way (0 when none).
+    pub fn registration_piece_count(&self) -> usize {
+        self.lock().planned.map_or(0, |(_, count)| count)
     }
 
     /// Number of registered pieces (0 when not registered).
@@ -220,13 +312,30 @@ impl HostRegion {
             .map_or(0, |r| r.pieces.len())
     }
 
+    pub fn pin_status(&self) -> PinStatus {
+        self.lock().status.clone()
+    }
+
+    /// Taken around every DMA submission on the region: waits while a background
+    /// registration is registering a piece (never longer than one piece takes).
+    pub fn copy_guard(&self) -> RwLockReadGuard<'_, ()> {
+        self.pin_lock.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Prefaults the whole mapping with `threads` threads (see [`populate`]); false when the
+    /// kernel does not support `MADV_POPULATE_WRITE`.
+    pub fn populate(&self, threads: usize) -> bool {
+        populate(self.addr(), self.map_len, threads)
+    }
+
     /// Outstanding leases (transfers in flight).
     pub fn leases(&self) -> usize {
         self.lock().leases
     }
 
     /// Registers the whole mapping in pieces (see [`registration_piece_bytes`]); `unit` is the
-    /// chunk size pieces must align to. On failure every piece registered so far is
+    /// chunk size pieces must align to. Each piece is prefaulted by several threads first
+    /// (the part of pinning that parallelises). On failure every piece registered so far is
     /// unregistered, the registrar's error state is cleared, and the region stays as it was.
     /// Returns the number of pieces.
     pub fn register(
@@ -235,39 +344,186 @@ impl HostRegion {
         unit: usize,
         max_piece: usize,
     ) -> HostResult<usize> {
+        let piece = {
+            let mut st = self.lock();
+            let piece = self.check_can_register(&mut st, unit, max_piece)?;
+            st.planned = Some((piece, self.map_len.div_ceil(piece)));
+            st.status = PinStatus::Pinning {
+                done: 0,
+                total: self.map_len.div_ceil(piece),
+            };
+            piece
+        };
+        let started = Instant::now();
+        let outcome = self.register_pieces(&mut *registrar, piece, None);
         let mut st = self.lock();
+        match outcome {
+            Ok(pieces) if st.closed => {
+                // Closed by another thread meanwhile: give the registration back.
+                drop(st);
+                Registration { registrar, pieces }.undo();
+                Err(HostError::Closed)
+            }
+            Ok(pieces) => {
+                let count = pieces.len();
+                st.registration = Some(Registration { registrar, pieces });
+                st.status = PinStatus::Pinned {
+                    pieces: count,
+                    seconds: started.elapsed().as_secs_f64(),
+                };
+                Ok(count)
+            }
+            Err(e) => {
+                st.planned = None;
+                st.status = PinStatus::Unpinned;
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts registering the mapping on a background thread, in pieces of at most
+    /// `min(max_piece, BACKGROUND_PIECE_BYTES)`, each prefaulted by several threads first.
+    /// Returns at once with the number of pieces planned; [`Self::pin_status`] reports the
+    /// progress and the outcome. Copies may run meanwhile (on pageable memory); a DMA
+    /// submission holding [`Self::copy_guard`] waits while a piece is being registered.
+    /// `close()` stops the thread after its current piece and rolls back.
+    pub fn register_background(
+        self: &Arc<Self>,
+        mut registrar: Box<dyn HostRegistrar>,
+        unit: usize,
+        max_piece: usize,
+    ) -> HostResult<usize> {
+        let mut st = self.lock();
+        let piece =
+            self.check_can_register(&mut st, unit, max_piece.min(BACKGROUND_PIECE_BYTES))?;
+        let total = self.map_len.div_ceil(piece);
+        let region = Arc::clone(self);
+        let handle = std::thread::Builder::new()
+            .name("kvcache-pin".into())
+            .spawn(move || {
+                let started = Instant::now();
+                let bound = registrar.bind_thread();
+                let outcome = match bound {
+                    Ok(()) => region.register_pieces(&mut *registrar, piece, Some(&region.cancel)),
+                    Err(code) => {
+                        registrar.clear_error();
+                        Err(HostError::Register {
+                            code,
+                            offset: 0,
+                            len: 0,
+                        })
+                    }
+                };
+                let mut st = region.lock();
+                match outcome {
+                    Ok(pieces) if !region.cancel.load(Ordering::Acquire) => {
+                        st.status = PinStatus::Pinned {
+                            pieces: pieces.len(),
+                            seconds: started.elapsed().as_secs_f64(),
+                        };
+                        st.registration = Some(Registration { registrar, pieces });
+                    }
+                    Ok(pieces) => {
+                        // Cancelled by close(): give back what was registered.
+                        drop(st);
+                        Registration { registrar, pieces }.undo();
+                        let mut st = region.lock();
+                        st.planned = None;
+                        st.status = PinStatus::Unpinned;
+                    }
+                    Err(HostError::Register { code, offset, len }) => {
+                        st.planned = None;
+                        st.status = PinStatus::Failed { code, offset, len };
+                    }
+                    Err(_) => {
+                        st.planned = None;
+                        st.status = PinStatus::Unpinned;
+                    }
+                }
+            })
+            .map_err(|e| HostError::InvalidArgument(format!("cannot start pinning thread: {e}")))?;
+        st.planned = Some((piece, total));
+        st.status = PinStatus::Pinning { done: 0, total };
+        st.pin_thread = Some(handle);
+        Ok(total)
+    }
+
+    /// The piece size of a registration that may start now.
+    fn check_can_register(
+        &self,
+        st: &mut State,
+        unit: usize,
+        max_piece: usize,
+    ) -> HostResult<usize> {
+        if st.pin_thread.as_ref().is_some_and(JoinHandle::is_finished) {
+            // A finished background attempt (it failed, or it succeeded and is registered).
+            if let Some(done) = st.pin_thread.take() {
+                let _ = done.join();
+            }
+        }
         if st.closed {
             return Err(HostError::Closed);
         }
-        if st.registration.is_some() {
+        if st.registration.is_some() || st.pin_thread.is_some() {
             return Err(HostError::InvalidArgument(
                 "the host region is already registered".into(),
             ));
         }
-        let piece = registration_piece_bytes(self.map_len, unit, page_size(), max_piece)?;
-        let mut pieces = Vec::with_capacity(self.map_len.div_ceil(piece));
+        registration_piece_bytes(self.map_len, unit, page_size(), max_piece)
+    }
+
+    /// Prefaults and registers every piece in address order; on failure (or when `cancel` is
+    /// set) undoes the pieces it registered. The state lock is not held meanwhile.
+    fn register_pieces(
+        &self,
+        registrar: &mut dyn HostRegistrar,
+        piece: usize,
+        cancel: Option<&AtomicBool>,
+    ) -> HostResult<Vec<(usize, usize)>> {
+        let total = self.map_len.div_ceil(piece);
+        let mut pieces = Vec::with_capacity(total);
         let base = self.addr();
+        let threads = prefault_threads();
         for offset in (0..self.map_len).step_by(piece) {
+            if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
+                break;
+            }
             let len = piece.min(self.map_len - offset);
-            if let Err(code) = registrar.register(base + offset, len) {
+            populate(base + offset, len, threads);
+            let rc = {
+                let _exclusive = self.pin_lock.write().unwrap_or_else(|e| e.into_inner());
+                registrar.register(base + offset, len)
+            };
+            if let Err(code) = rc {
                 registrar.clear_error();
-                Registration {
-                    registrar,
-                    pieces,
-                    piece_bytes: piece,
+                while let Some((addr, _)) = pieces.pop() {
+                    if registrar.unregister(addr).is_err() {
+                        registrar.clear_error();
+                    }
                 }
-                .undo();
                 return Err(HostError::Register { code, offset, len });
             }
             pieces.push((base + offset, len));
+            let mut st = self.lock();
+            st.status = PinStatus::Pinning {
+                done: pieces.len(),
+                total,
+            };
         }
-        let count = pieces.len();
-        st.registration = Some(Registration {
-            registrar,
-            pieces,
-            piece_bytes: piece,
-        });
-        Ok(count)
+        Ok(pieces)
+    }
+
+    /// Blocks until a background registration has finished (or `timeout` passed); returns
+    /// the status then.
+    pub fn wait_pinned(&self, timeout: Duration) -> PinStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let status = self.pin_status();
+            if !matches!(status, PinStatus::Pinning { .. }) || Instant::now() >= deadline {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 
     /// Takes a lease that keeps `close()` from running while a transfer uses the region.
@@ -293,7 +549,19 @@ impl HostRegion {
         if st.leases > 0 {
             return Err(HostError::Busy { leases: st.leases });
         }
+        if let Some(thread) = st.pin_thread.take() {
+            // Stop a background registration after its current piece; it rolls back. New
+            // leases cannot start meanwhile: the join happens with the state unlocked, but
+            // `closed` is set first.
+            st.closed = true;
+            self.cancel.store(true, Ordering::Release);
+            drop(st);
+            let _ = thread.join();
+            st = self.lock();
+        }
         let failures = st.registration.take().map_or(0, Registration::undo);
+        st.planned = None;
+        st.status = PinStatus::Unpinned;
         // SAFETY: the range is exactly our own private anonymous mapping. MADV_DONTNEED only
         // drops its pages: later accesses through stale views see fresh zero pages, so no
         // access can fault. No transfer is running (no leases).
@@ -380,6 +648,9 @@ mod tests {
         log: Arc<Log>,
         fail_at_call: Option<usize>,
         calls: usize,
+        /// Time each registration takes, and a flag raised while one is in progress.
+        delay: Duration,
+        inside: Arc<AtomicBool>,
     }
 
     impl HostRegistrar for Mock {
@@ -388,6 +659,9 @@ mod tests {
             if Some(self.calls) == self.fail_at_call {
                 return Err(2);
             }
+            self.inside.store(true, Ordering::SeqCst);
+            std::thread::sleep(self.delay);
+            self.inside.store(false, Ordering::SeqCst);
             self.log.registered.lock().unwrap().push((addr, len));
             Ok(())
         }
@@ -406,8 +680,86 @@ mod tests {
             log: Arc::clone(&log),
             fail_at_call,
             calls: 0,
+            delay: Duration::ZERO,
+            inside: Arc::new(AtomicBool::new(false)),
         });
         (m, log)
+    }
+
+    #[test]
+    fn background_pinning_reports_progress_and_excludes_copies_from_a_piece_in_progress() {
+        let page = page_size();
+        let r = Arc::new(HostRegion::new(6 * page).unwrap());
+        let (mut m, log) = mock(None);
+        m.delay = Duration::from_millis(15);
+        let inside = Arc::clone(&m.inside);
+        assert_eq!(r.register_background(m, page, 2 * page).unwrap(), 3);
+        // Boundaries are known at once, before any piece is registered.
+        assert_eq!(r.registration_piece_bytes(), Some(2 * page));
+        assert!(matches!(
+            r.pin_status(),
+            PinStatus::Pinning { total: 3, .. }
+        ));
+        assert!(!r.is_registered());
+        // A copy submitted meanwhile never overlaps a registration in progress.
+        let mut overlaps = 0;
+        while matches!(r.pin_status(), PinStatus::Pinning { .. }) {
+            let _guard = r.copy_guard();
+            if inside.load(Ordering::SeqCst) {
+                overlaps += 1;
+            }
+        }
+        assert_eq!(overlaps, 0);
+        assert!(matches!(
+            r.wait_pinned(Duration::from_secs(5)),
+            PinStatus::Pinned { pieces: 3, .. }
+        ));
+        assert!(r.is_registered());
+        assert_eq!(r.registered_pieces(), 3);
+        assert_eq!(log.registered.lock().unwrap().len(), 3);
+        assert!(
+            r.resident_bytes().unwrap() >= 6 * page,
+            "prefaulted before registering"
+        );
+        r.close().unwrap();
+        assert_eq!(log.unregistered.lock().unwrap().len(), 3);
+        assert_eq!(r.pin_status(), PinStatus::Unpinned);
+    }
+
+    #[test]
+    fn background_pinning_failure_rolls_back_and_close_cancels() {
+        let page = page_size();
+        let r = Arc::new(HostRegion::new(8 * page).unwrap());
+        let (m, log) = mock(Some(3));
+        r.register_background(m, page, 2 * page).unwrap();
+        let status = r.wait_pinned(Duration::from_secs(5));
+        assert_eq!(
+            status,
+            PinStatus::Failed {
+                code: 2,
+                offset: 4 * page,
+                len: 2 * page
+            }
+        );
+        assert!(!r.is_registered());
+        assert_eq!(r.registration_piece_bytes(), None);
+        assert_eq!(log.unregistered.lock().unwrap().len(), 2);
+        assert_eq!(log.cleared.load(Ordering::Relaxed), 1);
+        // A second attempt may follow a failure; close() stops it and rolls back.
+        let (mut m, log) = mock(None);
+        m.delay = Duration::from_millis(50); // 8 pieces: 400 ms unless close() stops it
+        r.register_background(m, page, page).unwrap();
+        assert!(r.register_background(mock(None).0, page, page).is_err());
+        std::thread::sleep(Duration::from_millis(30));
+        r.close().unwrap();
+        let registered = log.registered.lock().unwrap().len();
+        assert!(
+            registered < 8,
+            "cancelled before the end ({registered} pieces)"
+        );
+        assert_eq!(log.unregistered.lock().unwrap().len(), registered);
+        assert!(!r.is_registered());
+        assert!(r.register_background(mock(None).0, page, page).is_err());
     }
 
     #[test]

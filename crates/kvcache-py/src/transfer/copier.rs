@@ -1,4 +1,5 @@
-//! `_core.CpuCopier`: runs CPU plans on a worker thread, reported through `poll()`/`wait()`.
+//! `_core.CpuCopier`: builds and runs CPU plans on a worker thread, reported through
+//! `poll()`/`wait()`.
 //!
 //! The worker never drops the last reference to a plan: a plan may hold Python buffers, whose
 //! release needs the interpreter, and a worker attaching to it while the owner joins the
@@ -10,12 +11,16 @@ use std::panic::AssertUnwindSafe;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use kvcache_core::host::copy_runs;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::plan::{Plan, PlanData};
+use crate::errors::typed;
+
+/// One finished job: id, success, seconds spent copying, and the cause of a failure.
+type Done = (u64, bool, f64, Option<String>);
 
 struct Job {
     id: u64,
@@ -25,7 +30,7 @@ struct Job {
 #[derive(Default)]
 struct State {
     in_flight: HashSet<u64>,
-    done: Vec<(u64, bool, Arc<PlanData>)>,
+    done: Vec<(Done, Arc<PlanData>)>,
 }
 
 #[derive(Default)]
@@ -40,21 +45,32 @@ impl Shared {
     }
 }
 
-fn run_jobs(rx: std::sync::mpsc::Receiver<Job>, shared: Arc<Shared>) {
+fn run_jobs(rx: std::sync::mpsc::Receiver<Job>, shared: Arc<Shared>, execute: bool) {
     // Ends when the sender is dropped and every queued job has been run.
     while let Ok(Job { id, plan }) = rx.recv() {
-        let ok = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        let started = Instant::now();
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            // The runs are built here, off the submitting thread.
+            let runs = plan.runs();
+            if !execute {
+                return Ok(());
+            }
             // SAFETY: the plan was validated against the pool mapping and the layers'
             // exported buffers, all kept alive by `plan` (which this thread holds). The
             // engine's contract is that nobody touches a job's destination until it is
             // reported finished.
-            unsafe { copy_runs(plan.runs()) }
-        }))
-        .is_ok();
+            unsafe { copy_runs(runs) }
+        }));
+        let seconds = started.elapsed().as_secs_f64();
+        let error = match outcome {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some("the copy panicked".to_string()),
+        };
         drop(plan.take_lease());
         let mut st = shared.lock();
         st.in_flight.remove(&id);
-        st.done.push((id, ok, plan));
+        st.done.push(((id, error.is_none(), seconds, error), plan));
         drop(st);
         shared.cv.notify_all();
     }
@@ -69,15 +85,18 @@ pub struct CpuCopier {
 
 #[pymethods]
 impl CpuCopier {
+    /// `execute=False` builds each job's runs but copies nothing (for measuring the planning
+    /// cost alone); jobs are then reported as succeeded.
     #[new]
-    fn new() -> PyResult<Self> {
+    #[pyo3(signature = (*, execute=true))]
+    fn new(execute: bool) -> PyResult<Self> {
         let shared = Arc::new(Shared::default());
         let (tx, rx) = channel();
         let worker_shared = Arc::clone(&shared);
         let worker = std::thread::Builder::new()
             .name("kvcache-copy".into())
-            .spawn(move || run_jobs(rx, worker_shared))
-            .map_err(|e| PyRuntimeError::new_err(format!("cannot start copy thread: {e}")))?;
+            .spawn(move || run_jobs(rx, worker_shared, execute))
+            .map_err(|e| typed(|e| &e.transfer, format!("cannot start copy thread: {e}")))?;
         Ok(CpuCopier {
             shared,
             tx: Mutex::new(Some(tx)),
@@ -90,22 +109,27 @@ impl CpuCopier {
     fn submit(&self, job_id: u64, plan: &Bound<'_, Plan>) -> PyResult<()> {
         let data = plan.get().data();
         if !data.is_host() {
-            return Err(PyValueError::new_err(
+            return Err(typed(
+                |e| &e.invalid_argument,
                 "the CPU copier only runs plans over host-memory layers",
             ));
         }
         if !data.has_lease() {
-            return Err(PyValueError::new_err("this plan was already executed"));
+            return Err(typed(
+                |e| &e.invalid_state,
+                "this plan was already executed",
+            ));
         }
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let tx = tx
             .as_ref()
-            .ok_or_else(|| PyRuntimeError::new_err("the copier is shut down"))?;
+            .ok_or_else(|| typed(|e| &e.transfer, "the copier is shut down"))?;
         let mut st = self.shared.lock();
         if !st.in_flight.insert(job_id) {
-            return Err(PyValueError::new_err(format!(
-                "job {job_id} is already in flight"
-            )));
+            return Err(typed(
+                |e| &e.invalid_argument,
+                format!("job {job_id} is already in flight"),
+            ));
         }
         if tx
             .send(Job {
@@ -115,16 +139,17 @@ impl CpuCopier {
             .is_err()
         {
             st.in_flight.remove(&job_id);
-            return Err(PyRuntimeError::new_err("the copy thread has stopped"));
+            return Err(typed(|e| &e.transfer, "the copy thread has stopped"));
         }
         Ok(())
     }
 
-    /// Finished jobs since the last call, as `(job_id, success)`, in completion order.
-    fn poll(&self) -> Vec<(u64, bool)> {
+    /// Finished jobs since the last call, as `(job_id, success, seconds, error or None)`,
+    /// in completion order.
+    fn poll(&self) -> Vec<Done> {
         let done = std::mem::take(&mut self.shared.lock().done);
         // The plans are dropped here, with the GIL held.
-        done.into_iter().map(|(id, ok, _plan)| (id, ok)).collect()
+        done.into_iter().map(|(d, _plan)| d).collect()
     }
 
     /// Blocks (GIL released) until none of `job_ids` (all jobs if None) is still running.

@@ -1,114 +1,67 @@
-//! Calls into the CUDA runtime through function addresses supplied by the Python layer.
-//!
-//! Why addresses and not linking or `dlopen` here: the process already has exactly one CUDA
-//! runtime loaded (torch's), whose per-thread error state and contexts we must share; the
-//! Python side finds it (ctypes over the path in `/proc/self/maps`) and hands us its entry
-//! points. The same mechanism lets the tests pass ctypes callbacks that imitate failures.
-//! These functions are private API (`_`-prefixed in Python): a wrong address is undefined
-//! behaviour, exactly as with ctypes itself.
+//! DMA submission of a plan's runs through CUDA entry points supplied by the Python layer:
+//! one `cudaMemcpyAsync` per run, or one `cuMemcpyBatchAsync` for the whole plan (CUDA 12.8+
+//! drivers; resolved at run time, the per-run path is the fallback). Both run with the GIL
+//! released and hold the pool's copy guard, so no copy overlaps the registration of the
+//! range it touches (background pinning). Private API: a wrong address is undefined
+//! behaviour, as with ctypes.
 
 use std::ffi::{c_int, c_uint, c_void};
 
-use kvcache_core::host::HostRegistrar;
-use pyo3::exceptions::PyValueError;
+use kvcache_core::host::CopyRuns;
 use pyo3::prelude::*;
 
 use super::plan::Plan;
+use super::registrar::nonzero;
+use crate::errors::typed;
 
-type RegisterFn = unsafe extern "C" fn(*mut c_void, usize, c_uint) -> c_int;
-type UnregisterFn = unsafe extern "C" fn(*mut c_void) -> c_int;
-type GetLastErrorFn = unsafe extern "C" fn() -> c_int;
 type MemcpyAsyncFn =
     unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, *mut c_void) -> c_int;
 
-fn nonzero(addr: usize, what: &str) -> PyResult<usize> {
-    if addr == 0 {
-        Err(PyValueError::new_err(format!(
-            "{what}: NULL function address"
-        )))
-    } else {
-        Ok(addr)
-    }
+/// `CUmemLocation`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MemLocation {
+    kind: c_int,
+    id: c_int,
 }
 
-/// `cudaHostRegister`/`cudaHostUnregister`/`cudaGetLastError`, called through raw addresses.
-pub(crate) struct CudartRegistrar {
-    register: RegisterFn,
-    unregister: UnregisterFn,
-    get_last_error: GetLastErrorFn,
+/// `CUmemcpyAttributes` (CUDA 12.8+): source access order, location hints, flags.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MemcpyAttributes {
+    src_access_order: c_int,
+    src_loc_hint: MemLocation,
+    dst_loc_hint: MemLocation,
     flags: c_uint,
-    /// Keeps the library (or the test's callback objects) alive while the functions may run.
-    keepalive: Option<Py<PyAny>>,
 }
 
-impl CudartRegistrar {
-    pub(crate) fn new(
-        register: usize,
-        unregister: usize,
-        get_last_error: usize,
-        flags: u32,
-        keepalive: Py<PyAny>,
-    ) -> PyResult<Self> {
-        let (r, u, e) = (
-            nonzero(register, "register")?,
-            nonzero(unregister, "unregister")?,
-            nonzero(get_last_error, "get_last_error")?,
-        );
-        // SAFETY: non-null addresses that the (private) caller contract says are the named
-        // CUDA runtime functions, whose C signatures match these types. Converting an address
-        // to a function pointer is only possible through transmute.
-        unsafe {
-            Ok(CudartRegistrar {
-                register: std::mem::transmute::<usize, RegisterFn>(r),
-                unregister: std::mem::transmute::<usize, UnregisterFn>(u),
-                get_last_error: std::mem::transmute::<usize, GetLastErrorFn>(e),
-                flags,
-                keepalive: Some(keepalive),
-            })
-        }
-    }
-}
+/// `cuMemcpyBatchAsync` as exported by 12.8+ drivers (with `failIdx`).
+type BatchFn = unsafe extern "C" fn(
+    *const u64,
+    *const u64,
+    *const usize,
+    usize,
+    *const MemcpyAttributes,
+    *const usize,
+    usize,
+    *mut usize,
+    *mut c_void,
+) -> c_int;
 
-impl Drop for CudartRegistrar {
-    fn drop(&mut self) {
-        // A failed registration drops the registrar while the GIL is released; give the
-        // reference back with the interpreter attached rather than deferring it. (After
-        // interpreter shutdown there is nothing left to release it to: leak it.)
-        let mut slot = self.keepalive.take();
-        if Python::try_attach(|_| drop(slot.take())).is_none() {
-            std::mem::forget(slot.take());
-        }
-    }
-}
+/// `cuMemcpyBatchAsync_v2` (CUDA 13 drivers): the same without `failIdx`.
+type BatchV2Fn = unsafe extern "C" fn(
+    *const u64,
+    *const u64,
+    *const usize,
+    usize,
+    *const MemcpyAttributes,
+    *const usize,
+    usize,
+    *mut c_void,
+) -> c_int;
 
-impl HostRegistrar for CudartRegistrar {
-    fn register(&mut self, addr: usize, len: usize) -> Result<(), i32> {
-        // SAFETY: `register` is cudaHostRegister (see `new`); the range is a live mapping
-        // owned by the region that calls us.
-        let rc = unsafe { (self.register)(addr as *mut c_void, len, self.flags) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(rc)
-        }
-    }
-
-    fn unregister(&mut self, addr: usize) -> Result<(), i32> {
-        // SAFETY: `unregister` is cudaHostUnregister and `addr` a range registered above.
-        let rc = unsafe { (self.unregister)(addr as *mut c_void) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(rc)
-        }
-    }
-
-    fn clear_error(&mut self) {
-        // SAFETY: `get_last_error` is cudaGetLastError, which takes no arguments.
-        unsafe {
-            (self.get_last_error)();
-        }
-    }
+fn stream_ptr(stream: usize) -> *mut c_void {
+    std::ptr::with_exposed_provenance_mut(stream)
 }
 
 /// Enqueues one `cudaMemcpyAsync(dst, src, len, kind, stream)` per run of `plan`, with the GIL
@@ -129,6 +82,7 @@ pub(crate) fn cuda_memcpy_runs(
     let memcpy = unsafe { std::mem::transmute::<usize, MemcpyAsyncFn>(f) };
     let data = plan.get().data();
     Ok(py.detach(move || {
+        let _guard = data.region().copy_guard();
         let runs = data.runs();
         for (i, ((&src, &dst), &len)) in runs
             .src()
@@ -137,16 +91,24 @@ pub(crate) fn cuda_memcpy_runs(
             .zip(runs.lens())
             .enumerate()
         {
-            // SAFETY: the plan's runs lie inside the registered pool and the device layers it
-            // was validated against; the plan (held by `data`) keeps the pool mapped, and the
+            let (Ok(src), Ok(dst), Ok(len)) = (
+                usize::try_from(src),
+                usize::try_from(dst),
+                usize::try_from(len),
+            ) else {
+                // cudaErrorInvalidValue: an address this process cannot hold.
+                return (i, 1);
+            };
+            // SAFETY: the plan's runs lie inside the pool and the device layers it was
+            // validated against; the plan (held by `data`) keeps the pool mapped, and the
             // caller keeps the device tensors alive until the stream has executed the copies.
             let rc = unsafe {
                 memcpy(
-                    dst as usize as *mut c_void,
-                    src as usize as *const c_void,
-                    len as usize,
+                    std::ptr::with_exposed_provenance_mut(dst),
+                    std::ptr::with_exposed_provenance(src),
+                    len,
                     kind,
-                    stream as *mut c_void,
+                    stream_ptr(stream),
                 )
             };
             if rc != 0 {
@@ -155,4 +117,109 @@ pub(crate) fn cuda_memcpy_runs(
         }
         (runs.len(), 0)
     }))
+}
+
+/// Enqueues every run of `plan` with one batched call on `stream`. `batch_fn` is
+/// `cuMemcpyBatchAsync` (`v2=False`, with `failIdx`) or `cuMemcpyBatchAsync_v2` (`v2=True`).
+/// `src_access_order` is `CUmemcpySrcAccessOrder` (1: stream order, for sources the device
+/// may still be writing; 3: any, for host sources nobody writes meanwhile). Returns
+/// `(CUresult, index of the failing copy or -1)`.
+#[pyfunction]
+#[pyo3(name = "_cuda_memcpy_batch", signature = (plan, batch_fn, stream, src_access_order, *, v2=false))]
+pub(crate) fn cuda_memcpy_batch(
+    py: Python<'_>,
+    plan: &Bound<'_, Plan>,
+    batch_fn: usize,
+    stream: usize,
+    src_access_order: i32,
+    v2: bool,
+) -> PyResult<(i32, i64)> {
+    let f = nonzero(batch_fn, "memcpy_batch")?;
+    if !(1..=3).contains(&src_access_order) {
+        return Err(typed(
+            |e| &e.invalid_argument,
+            format!("src_access_order must be 1, 2 or 3, got {src_access_order}"),
+        ));
+    }
+    let data = plan.get().data();
+    Ok(py.detach(move || {
+        let _guard = data.region().copy_guard();
+        batch_copy(data.runs(), f, v2, stream, src_access_order)
+    }))
+}
+
+/// One batched call for every run of `runs` on `stream` (see [`cuda_memcpy_batch`]); the
+/// caller holds the pool's copy guard and keeps the runs' memory alive.
+pub(crate) fn batch_copy(
+    runs: &CopyRuns,
+    f: usize,
+    v2: bool,
+    stream: usize,
+    src_access_order: i32,
+) -> (i32, i64) {
+    let count = runs.len();
+    if count == 0 {
+        return (0, -1);
+    }
+    // `size_t` lengths: a u64 slice reinterpreted only where usize is 64 bits wide; other
+    // targets get a converted copy.
+    let converted: Vec<usize>;
+    let sizes: &[usize] = if usize::BITS == 64 {
+        // SAFETY: on this target usize and u64 have the same size, alignment and validity,
+        // and the slice is only read.
+        unsafe { std::slice::from_raw_parts(runs.lens().as_ptr().cast::<usize>(), count) }
+    } else {
+        converted = runs
+            .lens()
+            .iter()
+            .map(|&l| usize::try_from(l).unwrap_or(usize::MAX))
+            .collect();
+        &converted
+    };
+    let attrs = MemcpyAttributes {
+        src_access_order,
+        ..MemcpyAttributes::default()
+    };
+    let first: usize = 0;
+    let mut fail_idx = usize::MAX;
+    let rc = if v2 {
+        // SAFETY: per the private caller contract `f` is cuMemcpyBatchAsync_v2; the three
+        // arrays hold `count` entries and stay alive for the call, which reads them before
+        // returning; the copies themselves target memory the plan was validated against.
+        unsafe {
+            let call = std::mem::transmute::<usize, BatchV2Fn>(f);
+            call(
+                runs.dst().as_ptr(),
+                runs.src().as_ptr(),
+                sizes.as_ptr(),
+                count,
+                &attrs,
+                &first,
+                1,
+                stream_ptr(stream),
+            )
+        }
+    } else {
+        // SAFETY: as above, for cuMemcpyBatchAsync (which also writes `fail_idx`).
+        unsafe {
+            let call = std::mem::transmute::<usize, BatchFn>(f);
+            call(
+                runs.dst().as_ptr(),
+                runs.src().as_ptr(),
+                sizes.as_ptr(),
+                count,
+                &attrs,
+                &first,
+                1,
+                &mut fail_idx,
+                stream_ptr(stream),
+            )
+        }
+    };
+    let failed_at = if rc != 0 && fail_idx < count {
+        i64::try_from(fail_idx).unwrap_or(-1)
+    } else {
+        -1
+    };
+    (rc, failed_at)
 }

@@ -1,51 +1,41 @@
-//! `kvcache.transfer` bindings: the host chunk pool, copy plans, the CPU copy worker and the
-//! two CUDA entry points (registration, batched `cudaMemcpyAsync`).
+//! `kvcache.transfer` bindings: the host chunk pool, copy layouts and plans, the CPU copy
+//! worker, and the CUDA entry points (registration, per-run and batched DMA submission).
 //!
 //! The Python package (`python/kvcache/transfer`) is the public API; these classes are its
 //! building blocks and are not meant to be used directly. CUDA is never linked: the Python
-//! side looks up the runtime the process already loaded (torch's) and passes function
-//! addresses in, which also lets tests substitute fakes.
+//! side looks up the runtime and driver the process already loaded (torch's) and passes
+//! function addresses in, which also lets tests substitute fakes.
+//!
+//! Module dependencies run one way: `registrar` <- `pool` <- `plan` <- {`copier`, `cuda`} and
+//! `cuda` <- `queue`.
 
-// The transfer code is being rebuilt for the vLLM worker; its numeric casts are audited one by
-// one (as in the rest of the workspace) when that lands.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_possible_wrap,
-    clippy::cast_sign_loss,
-    clippy::cast_precision_loss,
-    clippy::cast_lossless
-)]
-
-use kvcache_core::host::HostError;
-use pyo3::exceptions::{PyIndexError, PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 mod copier;
 mod cuda;
+mod ids;
 mod plan;
 mod pool;
+mod queue;
+mod registrar;
 
 pub use copier::CpuCopier;
 pub use plan::{Plan, PyTransferLayout};
 pub use pool::PyHostChunkPool;
-
-/// Maps core errors onto the Python exceptions the API documents.
-pub(crate) fn host_err(e: HostError) -> PyErr {
-    let msg = e.to_string();
-    match e {
-        HostError::InvalidArgument(_) | HostError::Closed => PyValueError::new_err(msg),
-        HostError::OutOfRange(_) => PyIndexError::new_err(msg),
-        HostError::Busy { .. } | HostError::Register { .. } => PyRuntimeError::new_err(msg),
-        HostError::Map(_) => PyMemoryError::new_err(msg),
-    }
-}
+pub use queue::CudaQueue;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHostChunkPool>()?;
     m.add_class::<PyTransferLayout>()?;
     m.add_class::<Plan>()?;
     m.add_class::<CpuCopier>()?;
+    m.add_class::<CudaQueue>()?;
     m.add_function(wrap_pyfunction!(cuda::cuda_memcpy_runs, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_memcpy_batch, m)?)?;
     m.add("PAGE_SIZE", kvcache_core::host::page_size())?;
+    m.add(
+        "BACKGROUND_PIECE_BYTES",
+        kvcache_core::host::BACKGROUND_PIECE_BYTES,
+    )?;
     Ok(())
 }

@@ -1,20 +1,24 @@
 //! `_core.TransferLayout` (validated geometry) and `_core.Plan` (one job's copy runs).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use kvcache_core::host::{
-    CopyRuns, Direction, HostRegion, LayerGeometry, Lease, PlanScratch, TransferLayout,
+    CopyRuns, Direction, GroupRef, GroupSpan, HostError, HostGeometry, HostRegion, LayerGeometry,
+    Lease, PlanScratch, Request, TransferLayout,
 };
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use super::host_err;
+use super::ids::{id_vec, small_ints};
 use super::pool::PyHostChunkPool;
+use crate::errors::{typed, IntoPyResult};
 
-/// Requests with at least this many pages are planned with the GIL released.
-const DETACH_PAGES: usize = 4096;
+/// `(device base, block stride, segment offset, page slot bytes, bytes copied)`.
+type RefRow = (u64, u64, u64, u64, u64);
+
+/// Requests with at least this many ids are validated with the GIL released.
+const DETACH_IDS: usize = 4096;
 
 /// What a plan needs to stay valid: the geometry, the pool mapping, and (CPU layers) the
 /// buffers that keep the layer memory alive.
@@ -38,8 +42,17 @@ pub struct PyTransferLayout {
     scratch: Mutex<PlanScratch>,
 }
 
+fn to_u64(v: isize, what: &str, index: usize) -> PyResult<u64> {
+    u64::try_from(v).map_err(|_| {
+        typed(
+            |e| &e.invalid_argument,
+            format!("layer {index}: negative {what}"),
+        )
+    })
+}
+
 fn host_layer(buf: &PyBuffer<u8>, index: usize, segment: u64) -> PyResult<LayerGeometry> {
-    let bad = |why: &str| PyValueError::new_err(format!("layer {index}: {why}"));
+    let bad = |why: &str| typed(|e| &e.invalid_argument, format!("layer {index}: {why}"));
     if buf.dimensions() != 2 {
         return Err(bad("expected a 2-d (blocks, page bytes) byte buffer"));
     }
@@ -47,23 +60,22 @@ fn host_layer(buf: &PyBuffer<u8>, index: usize, segment: u64) -> PyResult<LayerG
         return Err(bad("the buffer is read-only"));
     }
     let (shape, strides) = (buf.shape(), buf.strides());
+    let blocks = u64::try_from(shape[0]).map_err(|_| bad("too many blocks"))?;
+    let page = u64::try_from(shape[1]).map_err(|_| bad("page too large"))?;
     if shape[1] > 1 && strides[1] != 1 {
         return Err(bad("pages must be contiguous"));
     }
-    let stride = u64::try_from(strides[0]).map_err(|_| bad("negative block stride"))?;
-    if shape[0] > 1 && stride < shape[1] as u64 {
+    let stride = to_u64(strides[0], "block stride", index)?;
+    if blocks > 1 && stride < page {
         return Err(bad("blocks overlap"));
     }
+    let base = u64::try_from(buf.buf_ptr().expose_provenance()).map_err(|_| bad("address"))?;
     Ok(LayerGeometry {
-        base: buf.buf_ptr() as usize as u64,
+        base,
         // With one block the stride is irrelevant; make it valid for the checks.
-        block_stride: if shape[0] > 1 {
-            stride
-        } else {
-            shape[1] as u64
-        },
-        page_bytes: shape[1] as u64,
-        num_blocks: shape[0] as u64,
+        block_stride: if blocks > 1 { stride } else { page },
+        page_bytes: page,
+        num_blocks: blocks,
         segment,
     })
 }
@@ -74,16 +86,25 @@ impl PyTransferLayout {
     /// buffer of shape `(blocks, page bytes)`; for device memory, the integers
     /// `(base, block_stride, page_bytes, num_blocks, segment)`. `segment` names the allocation
     /// the layer lives in. All layers must be of the same kind.
+    ///
+    /// Without `groups` and `offsets`: one group copying every layer's whole page, layers back
+    /// to back in a chunk of exactly `pool.chunk_bytes` bytes. `groups` lists, per KV-cache
+    /// group, `(layer index, bytes per block)` references (a padded page copies its payload
+    /// only); `offsets` gives each layer's segment offset inside a chunk (default: back to
+    /// back). Every segment must fit in `pool.chunk_bytes`.
     #[new]
+    #[pyo3(signature = (pool, layers, blocks_per_chunk, groups=None, offsets=None))]
     fn new(
         pool: &Bound<'_, PyHostChunkPool>,
         layers: Vec<Bound<'_, PyTuple>>,
         blocks_per_chunk: usize,
+        groups: Option<Vec<Vec<(usize, u64)>>>,
+        offsets: Option<Vec<u64>>,
     ) -> PyResult<Self> {
         let pool = pool.get();
         let region = Arc::clone(&pool.region);
         if region.is_closed() {
-            return Err(host_err(kvcache_core::host::HostError::Closed));
+            return Err(HostError::Closed).py_err();
         }
         let mut geoms = Vec::with_capacity(layers.len());
         let mut buffers = Vec::new();
@@ -91,7 +112,10 @@ impl PyTransferLayout {
             match t.len() {
                 2 => {
                     let buf = PyBuffer::<u8>::get(&t.get_item(0)?).map_err(|e| {
-                        PyTypeError::new_err(format!("layer {i}: not a byte buffer: {e}"))
+                        typed(
+                            |e| &e.invalid_type,
+                            format!("layer {i}: not a byte buffer: {e}"),
+                        )
                     })?;
                     geoms.push(host_layer(&buf, i, t.get_item(1)?.extract()?)?);
                     buffers.push(buf);
@@ -107,31 +131,77 @@ impl PyTransferLayout {
                     });
                 }
                 n => {
-                    return Err(PyTypeError::new_err(format!(
-                        "layer {i}: expected a 2- or 5-tuple, got {n} items"
-                    )))
+                    return Err(typed(
+                        |e| &e.invalid_type,
+                        format!("layer {i}: expected a 2- or 5-tuple, got {n} items"),
+                    ))
                 }
             }
         }
         if !buffers.is_empty() && buffers.len() != geoms.len() {
-            return Err(PyTypeError::new_err(
+            return Err(typed(
+                |e| &e.invalid_type,
                 "layers mix host buffers and device addresses",
             ));
         }
         // Registration pieces are boundaries only when there is more than one.
         let split = match region.registration_piece_bytes() {
-            Some(p) if region.registered_pieces() > 1 => p as u64,
+            Some(p) if region.registration_piece_count() > 1 => {
+                u64::try_from(p).unwrap_or(u64::MAX)
+            }
             _ => 0,
         };
-        let layout = TransferLayout::new(
-            geoms,
-            blocks_per_chunk,
-            region.addr() as u64,
-            pool.num_chunks_usize() as u64,
-            pool.chunk_bytes_usize() as u64,
-            split,
-        )
-        .map_err(host_err)?;
+        let num_chunks = u64::try_from(pool.num_chunks_usize()).unwrap_or(u64::MAX);
+        let chunk_bytes = u64::try_from(pool.chunk_bytes_usize()).unwrap_or(u64::MAX);
+        let base = u64::try_from(region.addr()).unwrap_or(u64::MAX);
+        let layout = if groups.is_none() && offsets.is_none() {
+            TransferLayout::new(
+                geoms,
+                blocks_per_chunk,
+                base,
+                num_chunks,
+                chunk_bytes,
+                split,
+            )
+        } else {
+            let offsets = match offsets {
+                Some(o) => o,
+                None => {
+                    let mut packed =
+                        TransferLayout::packed_offsets(&geoms, blocks_per_chunk).py_err()?;
+                    packed.pop();
+                    packed
+                }
+            };
+            let groups = groups.unwrap_or_else(|| {
+                vec![geoms
+                    .iter()
+                    .enumerate()
+                    .map(|(tensor, l)| (tensor, l.page_bytes))
+                    .collect()]
+            });
+            let groups = groups
+                .into_iter()
+                .map(|refs| {
+                    refs.into_iter()
+                        .map(|(tensor, bytes)| GroupRef { tensor, bytes })
+                        .collect()
+                })
+                .collect();
+            TransferLayout::with_groups(
+                geoms,
+                offsets,
+                groups,
+                blocks_per_chunk,
+                HostGeometry {
+                    base,
+                    num_chunks,
+                    chunk_stride: chunk_bytes,
+                    split_bytes: split,
+                },
+            )
+        }
+        .py_err()?;
         Ok(PyTransferLayout {
             shared: Arc::new(LayoutShared {
                 layout,
@@ -142,10 +212,20 @@ impl PyTransferLayout {
         })
     }
 
-    /// Largest valid device block id + 1 (over all layers).
+    /// Valid device block ids are `range(num_blocks)` (the smallest layer's count).
     #[getter]
     fn num_blocks(&self) -> u64 {
         self.shared.layout.num_blocks()
+    }
+
+    #[getter]
+    fn num_groups(&self) -> usize {
+        self.shared.layout.num_groups()
+    }
+
+    #[getter]
+    fn blocks_per_chunk(&self) -> usize {
+        self.shared.layout.blocks_per_chunk()
     }
 
     #[getter]
@@ -153,64 +233,148 @@ impl PyTransferLayout {
         self.shared.is_host()
     }
 
-    /// Validates ids and builds the runs of one job. `gpu_ids` and `chunk_ids` are 1-d
-    /// buffers of int64. Raises `ValueError`/`IndexError` (nothing planned) on bad input,
-    /// `ValueError` if the pool is closed.
+    /// Validates ids and builds the runs of one job. `gpu_ids` and `chunk_ids` are 1-d int64
+    /// or int32 buffers. Without spans, the layout's single group moves whole chunks
+    /// (`blocks_per_chunk` blocks per chunk id); with `group_sizes` and `block_indices` (one
+    /// entry per group, as vLLM's `GPULoadStoreSpec`), groups may enter their first chunk
+    /// part-way and end on a short chunk. Raises `InvalidArgumentError`/`OutOfRangeError`
+    /// (nothing planned) on bad input, `InvalidStateError` if the pool is closed.
+    #[pyo3(signature = (store, gpu_ids, chunk_ids, group_sizes=None, block_indices=None))]
     fn plan(
         &self,
         py: Python<'_>,
         store: bool,
-        gpu_ids: PyBuffer<i64>,
-        chunk_ids: PyBuffer<i64>,
+        gpu_ids: &Bound<'_, PyAny>,
+        chunk_ids: &Bound<'_, PyAny>,
+        group_sizes: Option<&Bound<'_, PyAny>>,
+        block_indices: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Plan> {
-        for (name, b) in [("gpu_ids", &gpu_ids), ("chunk_ids", &chunk_ids)] {
-            if b.dimensions() != 1 {
-                return Err(PyValueError::new_err(format!("{name} must be 1-d")));
-            }
-        }
-        let g = gpu_ids.to_vec(py)?;
-        let c = chunk_ids.to_vec(py)?;
+        let g = id_vec(py, "gpu_ids", gpu_ids)?;
+        let c = id_vec(py, "chunk_ids", chunk_ids)?;
         let dir = if store {
             Direction::Store
         } else {
             Direction::Load
         };
-        let shared = Arc::clone(&self.shared);
-        let build = || {
-            let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-            shared.layout.plan(dir, &g, &c, &mut scratch)
+        let groups = self.shared.layout.num_groups();
+        let spans = match (group_sizes, block_indices) {
+            (None, None) => None,
+            (Some(sizes), Some(indices)) => {
+                let sizes = small_ints("group_sizes", sizes, groups)?;
+                let indices = small_ints("block_indices", indices, groups)?;
+                if sizes.len() != indices.len() {
+                    return Err(typed(
+                        |e| &e.invalid_argument,
+                        format!(
+                            "{} group sizes but {} block indices",
+                            sizes.len(),
+                            indices.len()
+                        ),
+                    ));
+                }
+                let spans = sizes
+                    .into_iter()
+                    .zip(indices)
+                    .map(|(blocks, first_index)| {
+                        Ok(GroupSpan {
+                            blocks: usize::try_from(blocks).map_err(|_| {
+                                typed(|e| &e.invalid_argument, "group size too large")
+                            })?,
+                            first_index,
+                        })
+                    })
+                    .collect::<PyResult<Vec<_>>>()?;
+                Some(spans)
+            }
+            _ => {
+                return Err(typed(
+                    |e| &e.invalid_argument,
+                    "give both group_sizes and block_indices, or neither",
+                ))
+            }
         };
-        let pages = g.len().saturating_mul(shared.layout.layers().len());
-        let runs = if pages >= DETACH_PAGES {
-            py.detach(build)
-        } else {
-            build()
-        }
-        .map_err(host_err)?;
-        let lease = self.shared.region.lease().map_err(host_err)?;
+        let shared = Arc::clone(&self.shared);
+        let spans = match spans {
+            Some(s) => s,
+            None => {
+                let bpc = shared.layout.blocks_per_chunk();
+                if groups != 1 {
+                    return Err(typed(
+                        |e| &e.invalid_argument,
+                        format!("this layout has {groups} groups: give group_sizes"),
+                    ));
+                }
+                if c.len().checked_mul(bpc) != Some(g.len()) {
+                    return Err(typed(
+                        |e| &e.invalid_argument,
+                        format!(
+                            "{} block ids for {} chunk ids: expected blocks_per_chunk ({bpc}) \
+                             per chunk",
+                            g.len(),
+                            c.len()
+                        ),
+                    ));
+                }
+                vec![GroupSpan {
+                    blocks: g.len(),
+                    first_index: 0,
+                }]
+            }
+        };
+        let large = g.len() >= DETACH_IDS;
+        let check = move || {
+            let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            shared.layout.validate(dir, g, c, spans, &mut scratch)
+        };
+        let req = if large { py.detach(check) } else { check() }.py_err()?;
+        let lease = self.shared.region.lease().py_err()?;
         Ok(Plan {
             data: Arc::new(PlanData {
-                runs,
-                shared,
+                req,
+                runs: OnceLock::new(),
+                shared: Arc::clone(&self.shared),
+                store,
                 lease: Mutex::new(Some(lease)),
             }),
         })
     }
+
+    /// A group's distinct references as `(device base, block stride, segment offset, page
+    /// slot bytes, bytes copied)` tuples (the copy kernel's per-tensor table).
+    fn group_refs(&self, group: usize) -> PyResult<Vec<RefRow>> {
+        Ok(self
+            .shared
+            .layout
+            .group_refs(group)
+            .py_err()?
+            .into_iter()
+            .map(|[a, b, c, d, e]| (a, b, c, d, e))
+            .collect())
+    }
 }
 
 pub(crate) struct PlanData {
-    runs: CopyRuns,
+    /// The validated request; its runs are built on first use ([`PlanData::runs`]), usually
+    /// by the thread that executes the job.
+    req: Request,
+    runs: OnceLock<CopyRuns>,
     shared: Arc<LayoutShared>,
+    store: bool,
     /// Held until the copies are done; `close()` on the pool is refused meanwhile.
     lease: Mutex<Option<Lease>>,
 }
 
 impl PlanData {
+    /// The copy runs, built the first time they are asked for.
     pub(crate) fn runs(&self) -> &CopyRuns {
-        &self.runs
+        self.runs
+            .get_or_init(|| self.shared.layout.build(&self.req))
     }
     pub(crate) fn is_host(&self) -> bool {
         self.shared.is_host()
+    }
+    pub(crate) fn region(&self) -> &HostRegion {
+        &self.shared.region
     }
     /// Marks the plan executed; false if it already was.
     pub(crate) fn take_lease(&self) -> Option<Lease> {
@@ -238,31 +402,74 @@ impl Plan {
 
 #[pymethods]
 impl Plan {
-    /// Number of copy runs (descriptors) after coalescing.
-    fn __len__(&self) -> usize {
-        self.data.runs.len()
+    /// Number of copy runs (descriptors) after coalescing (builds them if needed).
+    fn __len__(&self, py: Python<'_>) -> usize {
+        let data = Arc::clone(&self.data);
+        py.detach(move || data.runs().len())
     }
 
-    /// Pages (layer x block pairs) the job moves, before coalescing.
+    /// Whether this plan moves device blocks to host chunks.
+    #[getter]
+    fn store(&self) -> bool {
+        self.data.store
+    }
+
+    /// Pages (block x tensor pairs) the job moves, before coalescing.
     #[getter]
     fn num_pages(&self) -> u64 {
-        self.data.runs.pages()
+        self.data.req.pages()
     }
 
+    /// Bytes the job moves.
     #[getter]
     fn nbytes(&self) -> u64 {
-        self.data.runs.bytes()
+        self.data.req.bytes()
+    }
+
+    /// Bytes as vLLM's worker reports them (`TransferResult.transfer_size`).
+    #[getter]
+    fn logical_nbytes(&self) -> u64 {
+        self.data.req.logical_bytes()
+    }
+
+    /// Device blocks of each group, in group order.
+    #[getter]
+    fn group_blocks(&self) -> Vec<usize> {
+        self.data.req.group_blocks().collect()
+    }
+
+    /// Writes group `group`'s block table (device ids, then chunk addresses, then slots; the
+    /// copy kernel's per-block input) into `out`, a writable int64 buffer of exactly
+    /// `3 * group_blocks[group]` entries.
+    fn write_block_table(&self, py: Python<'_>, group: usize, out: PyBuffer<i64>) -> PyResult<()> {
+        let mut table = Vec::new();
+        self.data
+            .shared
+            .layout
+            .block_table(&self.data.req, group, &mut table)
+            .py_err()?;
+        if out.item_count() != table.len() {
+            return Err(typed(
+                |e| &e.invalid_argument,
+                format!(
+                    "block table buffer holds {} entries, expected {}",
+                    out.item_count(),
+                    table.len()
+                ),
+            ));
+        }
+        out.copy_from_slice(py, &table)
     }
 
     #[getter]
     fn max_run_bytes(&self) -> u64 {
-        self.data.runs.max_run_bytes()
+        self.data.runs().max_run_bytes()
     }
 
     /// Largest power of two dividing every address and length (decides kernel word size).
     #[getter]
     fn alignment(&self) -> u64 {
-        self.data.runs.alignment()
+        self.data.runs().alignment()
     }
 
     /// Whether the plan has not been executed (its pool lease is still held).
@@ -279,7 +486,7 @@ impl Plan {
     /// Descriptors after cutting runs into pieces of at most `max_piece_bytes` (0: none).
     #[pyo3(signature = (max_piece_bytes=0))]
     fn num_pieces(&self, max_piece_bytes: u64) -> usize {
-        self.data.runs.count_pieces(max_piece_bytes)
+        self.data.runs().count_pieces(max_piece_bytes)
     }
 
     /// Writes every source, then every destination, then every length (int64, runs cut into
@@ -287,18 +494,22 @@ impl Plan {
     /// buffer of exactly `3 * num_pieces(max_piece_bytes)` entries.
     #[pyo3(signature = (out, max_piece_bytes=0))]
     fn write_runs(&self, py: Python<'_>, out: PyBuffer<i64>, max_piece_bytes: u64) -> PyResult<()> {
-        let n = self.data.runs.count_pieces(max_piece_bytes);
-        if out.item_count() != 3 * n {
-            return Err(PyValueError::new_err(format!(
-                "descriptor buffer holds {} entries, expected 3 * {n}",
-                out.item_count()
-            )));
+        let n = self.data.runs().count_pieces(max_piece_bytes);
+        if Some(out.item_count()) != n.checked_mul(3) {
+            return Err(typed(
+                |e| &e.invalid_argument,
+                format!(
+                    "descriptor buffer holds {} entries, expected 3 * {n}",
+                    out.item_count()
+                ),
+            ));
         }
-        let mut v = vec![0i64; 3 * n];
+        // Sized by the plan (built from validated ids), checked against `out` above.
+        let mut v = vec![0i64; out.item_count()];
         self.data
-            .runs
+            .runs()
             .write_soa(max_piece_bytes, &mut v)
-            .map_err(host_err)?;
+            .py_err()?;
         out.copy_from_slice(py, &v)
     }
 }

@@ -6,14 +6,16 @@
 
 use std::ffi::c_int;
 use std::sync::Arc;
+use std::time::Duration;
 
-use kvcache_core::host::HostRegion;
-use pyo3::exceptions::{PyBufferError, PyOSError, PyValueError};
+use kvcache_core::host::{HostRegion, PinStatus};
+use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
-use super::cuda::CudartRegistrar;
-use super::host_err;
+use super::registrar::{CudartRegistrar, RuntimeFns};
+use crate::errors::{typed, IntoPyResult};
 
 #[pyclass(module = "kvcache._core", name = "HostChunkPool", subclass, frozen)]
 pub struct PyHostChunkPool {
@@ -38,22 +40,31 @@ impl PyHostChunkPool {
 #[pymethods]
 impl PyHostChunkPool {
     #[new]
-    fn new(num_chunks: usize, chunk_bytes: usize) -> PyResult<Self> {
+    fn new(
+        #[pyo3(from_py_with = num_chunks_arg)] num_chunks: usize,
+        #[pyo3(from_py_with = chunk_bytes_arg)] chunk_bytes: usize,
+    ) -> PyResult<Self> {
         if num_chunks == 0 || chunk_bytes == 0 {
-            return Err(PyValueError::new_err(
+            return Err(typed(
+                |e| &e.invalid_argument,
                 "num_chunks and chunk_bytes must be positive",
             ));
         }
-        let len = num_chunks
+        let (len, exported) = num_chunks
             .checked_mul(chunk_bytes)
-            .filter(|&n| ffi::Py_ssize_t::try_from(n).is_ok())
-            .ok_or_else(|| PyValueError::new_err("num_chunks * chunk_bytes is too large"))?;
-        let region = HostRegion::new(len).map_err(host_err)?;
+            .and_then(|n| Some((n, ffi::Py_ssize_t::try_from(n).ok()?)))
+            .ok_or_else(|| {
+                typed(
+                    |e| &e.invalid_argument,
+                    "num_chunks * chunk_bytes is too large",
+                )
+            })?;
+        let region = HostRegion::new(len).py_err()?;
         Ok(PyHostChunkPool {
             region: Arc::new(region),
             num_chunks,
             chunk_bytes,
-            shape: [len as ffi::Py_ssize_t],
+            shape: [exported],
             strides: [1],
         })
     }
@@ -91,7 +102,7 @@ impl PyHostChunkPool {
         self.region.is_closed()
     }
 
-    /// Whether the memory is currently registered (pinned) with the CUDA runtime.
+    /// Whether the memory is registered (pinned) with the CUDA runtime, every piece of it.
     #[getter]
     fn pinned(&self) -> bool {
         self.region.is_registered()
@@ -102,28 +113,69 @@ impl PyHostChunkPool {
         self.region.registered_pieces()
     }
 
+    /// Bytes per registration piece of the registration in place or under way (None: none).
+    #[getter]
+    fn registration_piece_bytes(&self) -> Option<usize> {
+        self.region.registration_piece_bytes()
+    }
+
+    /// Where pinning stands: `{"state": "unpinned"}`, `{"state": "pinning", "done": n,
+    /// "total": m}`, `{"state": "pinned", "pieces": n, "seconds": s}` or `{"state":
+    /// "failed", "code": c, "offset": o, "len": n}`.
+    fn pin_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        status_dict(py, self.region.pin_status())
+    }
+
+    /// Blocks (GIL released) until a background registration has finished or `timeout_s`
+    /// passed; returns :meth:`pin_status` then.
+    fn wait_pinned<'py>(&self, py: Python<'py>, timeout_s: f64) -> PyResult<Bound<'py, PyDict>> {
+        let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0))
+            .map_err(|e| typed(|e| &e.invalid_argument, format!("timeout_s: {e}")))?;
+        let region = Arc::clone(&self.region);
+        let status = py.detach(move || region.wait_pinned(timeout));
+        status_dict(py, status)
+    }
+
+    /// Prefaults every page of the pool with `threads` threads (GIL released); False when
+    /// the kernel lacks `MADV_POPULATE_WRITE`.
+    fn populate(&self, py: Python<'_>, threads: usize) -> bool {
+        let region = Arc::clone(&self.region);
+        py.detach(move || region.populate(threads))
+    }
+
     /// Bytes of the pool resident in RAM right now (`mincore`).
     fn resident_bytes(&self) -> PyResult<usize> {
         self.region
             .resident_bytes()
-            .map_err(|e| PyOSError::new_err(e.to_string()))
+            .map_err(|e| typed(|e| &e.transfer, format!("mincore failed: {e}")))
     }
 
-    /// Unregisters the memory and returns its pages to the system; idempotent. Raises
-    /// `RuntimeError` while transfers are in flight. Returns how many unregister calls failed.
-    fn close(&self) -> PyResult<usize> {
-        self.region.close().map_err(host_err)
+    /// Unregisters the memory and returns its pages to the system; idempotent. Stops a
+    /// background registration first (GIL released meanwhile). Raises `TransferError` while
+    /// transfers are in flight. Returns how many unregister calls failed.
+    fn close(&self, py: Python<'_>) -> PyResult<usize> {
+        let region = Arc::clone(&self.region);
+        py.detach(move || region.close()).py_err()
     }
 
     /// Registers the mapping through the given CUDA runtime functions (addresses of
     /// `cudaHostRegister`, `cudaHostUnregister`, `cudaGetLastError`) in pieces of at most
-    /// `max_piece_bytes`. `keepalive` is held as long as the registration (the library or
-    /// the callback objects the addresses point into).
+    /// `max_piece_bytes`, each prefaulted by several threads first. `keepalive` is held as
+    /// long as the registration (the library or the callback objects the addresses point
+    /// into).
+    ///
+    /// With `background`, a thread of its own registers (pieces of at most
+    /// `BACKGROUND_PIECE_BYTES`) after `cudaSetDevice(device)` when `set_device_fn` is given,
+    /// and the call returns at once; see :meth:`pin_status`. Otherwise it blocks (GIL
+    /// released) and raises `TransferError` (all pieces rolled back, error cleared) on
+    /// failure. Returns the number of pieces.
     ///
     /// The addresses must point to functions with those exact C signatures; the Python layer
-    /// obtains them from the loaded runtime through ctypes. Returns the number of pieces;
-    /// raises `RuntimeError` (all pieces rolled back, error cleared) on failure.
-    #[pyo3(signature = (register_fn, unregister_fn, get_last_error_fn, flags, max_piece_bytes, keepalive))]
+    /// obtains them from the loaded runtime through ctypes.
+    #[pyo3(signature = (
+        register_fn, unregister_fn, get_last_error_fn, flags, max_piece_bytes, keepalive,
+        *, background=false, set_device_fn=0, device=0
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn _register(
         &self,
@@ -134,18 +186,27 @@ impl PyHostChunkPool {
         flags: u32,
         max_piece_bytes: usize,
         keepalive: Py<PyAny>,
+        background: bool,
+        set_device_fn: usize,
+        device: i32,
     ) -> PyResult<usize> {
-        let registrar = CudartRegistrar::new(
-            register_fn,
-            unregister_fn,
-            get_last_error_fn,
-            flags,
-            keepalive,
-        )?;
+        let fns = RuntimeFns {
+            register: register_fn,
+            unregister: unregister_fn,
+            get_last_error: get_last_error_fn,
+            set_device: set_device_fn,
+            device,
+        };
+        let registrar = Box::new(CudartRegistrar::new(&fns, flags, keepalive)?);
         let region = Arc::clone(&self.region);
         let unit = self.chunk_bytes;
-        py.detach(move || region.register(Box::new(registrar), unit, max_piece_bytes))
-            .map_err(host_err)
+        if background {
+            return region
+                .register_background(registrar, unit, max_piece_bytes)
+                .py_err();
+        }
+        py.detach(move || region.register(registrar, unit, max_piece_bytes))
+            .py_err()
     }
 
     /// Exports the whole pool as a flat writable buffer of unsigned bytes.
@@ -203,4 +264,36 @@ impl PyHostChunkPool {
     /// # Safety
     /// Called by CPython with a view this object filled.
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+fn status_dict(py: Python<'_>, status: PinStatus) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    match status {
+        PinStatus::Unpinned => d.set_item("state", "unpinned")?,
+        PinStatus::Pinning { done, total } => {
+            d.set_item("state", "pinning")?;
+            d.set_item("done", done)?;
+            d.set_item("total", total)?;
+        }
+        PinStatus::Pinned { pieces, seconds } => {
+            d.set_item("state", "pinned")?;
+            d.set_item("pieces", pieces)?;
+            d.set_item("seconds", seconds)?;
+        }
+        PinStatus::Failed { code, offset, len } => {
+            d.set_item("state", "failed")?;
+            d.set_item("code", code)?;
+            d.set_item("offset", offset)?;
+            d.set_item("len", len)?;
+        }
+    }
+    Ok(d)
+}
+
+fn num_chunks_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    crate::conversion::count(obj, "num_chunks")
+}
+
+fn chunk_bytes_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    crate::conversion::count(obj, "chunk_bytes")
 }

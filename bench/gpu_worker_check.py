@@ -1,0 +1,580 @@
+"""GPU A/B of kvcache's vLLM worker against vLLM 0.33.0's, on identical layouts, with byte
+checks. One script, sized for under 5 minutes on one H200.
+
+For each page size (4-64 KiB), both workers get identical KV tensors (16 layers, one group,
+16 blocks per chunk) through their specs' ``get_worker`` and run the same jobs: 1, 64, 1024
+and 6256 blocks (16 to 100,096 page descriptors), fresh (consecutive) and churned (random)
+ids, stores then loads (into other blocks). Every store's chunks are compared byte for byte
+between the two workers' host memory (vLLM's per-tensor host views vs kvcache's pool; the
+layouts are the same), every load's destination blocks on the GPU. Bandwidth is the job's
+bytes over submit-to-completion wall time (median of a few runs), also as a percentage of the
+same run's large single copy in each direction; submit time is the calling thread's CPU.
+Start-up is reported too: how long kvcache's worker takes to return (pinning runs in the
+background), how long pinning took, and the calibrated kernel/DMA cut-off for loads.
+
+Targets: kvcache >= vLLM bandwidth at every page size; kvcache >= 90 % of the large copy at
+>= 64 KiB pages. Prints a table and writes JSON (``--json``, else ``$OUT/gpu_worker_check.json``
+when ``OUT`` is set, else ``./gpu_worker_check.json``). A time budget (``--budget-s``) skips the
+remaining rows on a slower machine. Without vLLM installed the A/B columns are empty and the
+byte checks compare kvcache's result with torch indexing instead.
+
+``--device cpu --quick`` is the dry run CI executes (small sizes, vLLM's worker on CPU tensors
+through ``tests/vllm_worker_oracle.py``), so the script cannot rot.
+
+Run: ``python bench/gpu_worker_check.py`` (needs kvcache importable: an installed abi3 wheel is
+enough, see ``bench/gpu_transfer_check.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+KiB = 1024
+REPO = Path(__file__).resolve().parent.parent
+
+
+def out(line: str = "") -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+class Runner:
+    """One worker behind a small API: vLLM's or ours through their specs (vLLM installed), or
+    ours through kvcache.transfer directly (no vLLM: same engine, same layout)."""
+
+    def __init__(self, worker: Any, *, host_tensors: Any = None) -> None:
+        self.worker = worker
+        self.host_tensors = host_tensors  # vLLM's per-tensor host views, for byte checks
+
+    def submit(self, job_id: int, store: bool, blocks: list[int], chunks: list[int]) -> None:
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+        gpu = GPULoadStoreSpec(blocks, [len(blocks)], [0])
+        cpu = CPULoadStoreSpec(chunks)
+        if store:
+            assert self.worker.submit_store(job_id, gpu, cpu)
+        else:
+            assert self.worker.submit_load(job_id, cpu, gpu)
+
+    def finish(self, job_id: int) -> bool:
+        self.worker.wait({job_id})
+        results: list[Any] = []
+        while not results:
+            results = self.worker.get_finished()
+        assert [r.job_id for r in results] == [job_id], results
+        return bool(results[0].success)
+
+    def host_chunk(self, chunk: int) -> Any:
+        import torch
+
+        if self.host_tensors is not None:
+            return torch.cat([t[chunk] for t in self.host_tensors])
+        return self.worker.pool.tensor()[chunk].view(torch.int8)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class EngineRunner(Runner):
+    """kvcache's worker logic without vLLM: the engine the worker wraps, built the same way."""
+
+    def submit(self, job_id: int, store: bool, blocks: list[int], chunks: list[int]) -> None:
+        sizes, starts = [len(blocks)], [0]
+        gpu = np.asarray(blocks, dtype=np.int64)
+        cpu = np.asarray(chunks, dtype=np.int64)
+        engine = self.worker["engine"]
+        if store:
+            j = engine.store(gpu, cpu, group_sizes=sizes, block_indices=starts)
+        else:
+            j = engine.load(cpu, gpu, group_sizes=sizes, block_indices=starts)
+        self.worker["jobs"][job_id] = j
+
+    def finish(self, job_id: int) -> bool:
+        engine = self.worker["engine"]
+        j = self.worker["jobs"].pop(job_id)
+        engine.wait([j])
+        results: list[Any] = []
+        while not results:
+            results = engine.poll_results()
+        assert [r.job_id for r in results] == [j]
+        return bool(results[0].success)
+
+    def host_chunk(self, chunk: int) -> Any:
+        import torch
+
+        return self.worker["pool"].tensor()[chunk].view(torch.int8)
+
+    def shutdown(self) -> None:
+        self.worker["engine"].close()
+        self.worker["pool"].close()
+
+
+class Check:
+    """Settings, clock, results."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(args.device)
+        self.cuda = self.device.type == "cuda"
+        self.quick = args.quick
+        self.budget_s = args.budget_s
+        self.start = time.perf_counter()
+        self.rng = np.random.default_rng(7)
+        self.skipped = 0
+        if self.cuda:
+            self.layers = 16
+            self.pages = [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB]
+            self.job_blocks = [1, 64, 1024, 6256]
+            self.reps = 3
+        else:
+            self.layers = 4
+            self.pages = [4 * KiB, 16 * KiB]
+            self.job_blocks = [1, 8, 32]
+            self.reps = 1
+        if self.quick and self.cuda:
+            self.pages = [4 * KiB, 64 * KiB]
+            self.job_blocks = [1, 1024]
+        self.bpc = 16
+        self.num_blocks = 2 * max(self.job_blocks) + self.bpc
+        self.num_chunks = 2 * -(-max(self.job_blocks) // self.bpc) + 2
+        self.vllm = "--without-vllm given" if args.without_vllm else self._vllm_status()
+
+    def _vllm_status(self) -> str | None:
+        """None when vLLM 0.33.0's worker can run here, else why not."""
+        try:
+            import vllm
+        except Exception as exc:
+            return f"vLLM not importable ({type(exc).__name__})"
+        if getattr(vllm, "__version__", "") != "0.33.0":
+            return f"vLLM {getattr(vllm, '__version__', '?')} installed, not 0.33.0"
+        return None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def tensors(self, page: int, seed: int) -> list[Any]:
+        torch = self.torch
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        return [
+            torch.randint(
+                -128, 127, (self.num_blocks, page), dtype=torch.int8, device=self.device,
+                generator=gen,
+            )
+            for _ in range(self.layers)
+        ]  # fmt: skip
+
+    def config(self, page: int, **extra: Any) -> Any:
+        from vllm.v1.kv_offload.config import (
+            OffloadingCacheConfig,
+            OffloadingConfig,
+            OffloadingGroupConfig,
+            OffloadingModelConfig,
+            OffloadingParallelConfig,
+        )
+
+        chunk = self.layers * page * self.bpc
+        return OffloadingConfig(
+            groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("g",), group_id=0),),
+            worker_kv_bytes_per_block=self.layers * page,
+            enable_kv_cache_events=False,
+            extra_config={"cpu_bytes_to_use": self.num_chunks * -(-chunk // 4096) * 4096, **extra},
+            engine_id=f"kvcache-gpu-check-{uuid.uuid4().hex}",
+            model=OffloadingModelConfig(name="m", dtype="bfloat16", max_model_len=4096),
+            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=self.bpc),
+            parallel=OffloadingParallelConfig(
+                rank=0,
+                world_size=1,
+                tp_size=1,
+                pp_size=1,
+                pcp_size=1,
+                dcp_size=1,
+                data_parallel_index=0,
+                data_parallel_size=1,
+                data_parallel_rank_local=None,
+                is_parallelism_agnostic=True,
+            ),
+        )
+
+    def canonical(self, tensors: list[Any], page: int) -> Any:
+        from vllm.v1.kv_offload.base import (
+            CanonicalKVCacheRef,
+            CanonicalKVCaches,
+            CanonicalKVCacheTensor,
+        )
+
+        return CanonicalKVCaches(
+            tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=page) for t in tensors],
+            group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=page)
+                              for i in range(len(tensors))]],
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def vllm_context(self) -> Iterator[None]:
+        if self.cuda or self.vllm is not None:
+            yield
+            return
+        sys.path.insert(0, str(REPO))
+        from tests.vllm_worker_oracle import vllm_on_cpu
+
+        with vllm_on_cpu():
+            yield
+
+    def build(self, page: int) -> dict[str, Any]:
+        """Both workers over identical tensors (ours first, timed)."""
+        seed = int(self.rng.integers(1 << 30))
+        ours_t = self.tensors(page, seed)
+        t0 = time.perf_counter()
+        if self.vllm is None:  # vLLM 0.33.0 is here: ours as vLLM builds it, through the spec
+            import kvcache.vllm
+
+            spec = kvcache.vllm.CPUOffloadingSpec(self.config(page))
+            worker = spec.get_worker(self.canonical(ours_t, page))
+            ours: Runner = Runner(worker)
+            pool, describe = worker.pool, worker.describe
+        else:
+            from kvcache.transfer import HostChunkPool, TransferEngine
+
+            chunk = self.layers * page * self.bpc
+            pool = HostChunkPool(self.num_chunks, chunk, pin="background" if self.cuda else False)
+            engine = TransferEngine(
+                ours_t,
+                pool,
+                blocks_per_chunk=self.bpc,
+                groups=[[(i, page) for i in range(self.layers)]],
+                offsets=[i * self.bpc * page for i in range(self.layers)],
+                log_failures=False,
+            )
+            ours = EngineRunner({"engine": engine, "pool": pool, "jobs": {}})
+
+            def describe() -> dict[str, Any]:
+                return {"pool_bytes": pool.nbytes, **engine.describe()}
+
+        returned = time.perf_counter() - t0
+        pinned = pool.wait_pinned(600.0) if self.cuda else {"state": "cpu"}
+        pinned_s = time.perf_counter() - t0
+        pool.kernel_ready  # noqa: B018 - finishes the pinning bookkeeping (and logs)
+        built: dict[str, Any] = {
+            "ours": ours,
+            "ours_t": ours_t,
+            "startup": {
+                "page_kib": page // KiB,
+                "pool_gib": pool.nbytes / 2**30,
+                "returned_s": returned,
+                "pinned_s": pinned_s,
+                "pin_state": pinned.get("state"),
+                **describe(),
+            },
+        }
+        if self.vllm is None:
+            from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VllmSpec
+
+            vllm_t = self.tensors(page, seed)
+            t0 = time.perf_counter()
+            try:
+                worker = VllmSpec(self.config(page)).get_worker(self.canonical(vllm_t, page))
+            except Exception as exc:  # e.g. a /dev/shm too small for vLLM's shared region
+                built["startup"]["vllm_error"] = f"{type(exc).__name__}: {exc}"
+                out(f"vLLM's worker could not be built at {page // KiB} KiB: {exc}")
+                return built
+            built["startup"]["vllm_returned_s"] = time.perf_counter() - t0
+            built["vllm"] = Runner(worker, host_tensors=worker._store_handler.dst_tensors)
+            built["vllm_t"] = vllm_t
+        return built
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    def job(self, blocks: int, pattern: str, exclude: set[int]) -> tuple[list[int], list[int]]:
+        chunks = -(-blocks // self.bpc)
+        if pattern == "fresh":
+            if exclude:  # a range clear of the excluded ids (sources sit in the lower half)
+                starts = np.arange(self.num_blocks - blocks + 1)
+                lo, hi = min(exclude), max(exclude) + 1
+                starts = starts[(starts + blocks <= lo) | (starts >= hi)]
+            else:
+                starts = np.arange(self.num_blocks // 2 - blocks + 1)
+            b0 = int(self.rng.choice(starts))
+            c0 = int(self.rng.integers(0, self.num_chunks - chunks + 1))
+            return list(range(b0, b0 + blocks)), list(range(c0, c0 + chunks))
+        free = np.setdiff1d(np.arange(self.num_blocks), np.fromiter(exclude, dtype=np.int64))
+        ids = self.rng.choice(free, blocks, replace=False).tolist()
+        return ids, self.rng.choice(self.num_chunks, chunks, replace=False).tolist()
+
+    def run(
+        self, runner: Runner, store: bool, blocks: list[int], chunks: list[int]
+    ) -> tuple[float, float, bool]:
+        job_id = int(self.rng.integers(1 << 40))
+        self.sync()
+        t0 = time.perf_counter()
+        c0 = time.thread_time()
+        runner.submit(job_id, store, blocks, chunks)
+        submit_cpu = time.thread_time() - c0
+        ok = runner.finish(job_id)
+        return time.perf_counter() - t0, submit_cpu, ok
+
+    def expected_chunk(self, tensors: list[Any], blocks: list[int], k: int, page: int) -> Any:
+        """Chunk ``k`` of a store of ``blocks`` from ``tensors``, built with torch indexing."""
+        torch = self.torch
+        ids = blocks[k * self.bpc : (k + 1) * self.bpc]
+        parts = []
+        for t in tensors:
+            seg = torch.zeros(self.bpc * page, dtype=torch.int8)
+            seg[: len(ids) * page] = t[torch.as_tensor(ids, device=t.device)].reshape(-1).cpu()
+            parts.append(seg)
+        return torch.cat(parts)
+
+    def check_store(
+        self, built: dict[str, Any], blocks: list[int], chunks: list[int], page: int
+    ) -> str:
+        torch = self.torch
+        sample = (
+            range(len(chunks))
+            if len(chunks) <= 16
+            else self.rng.choice(len(chunks), 16, replace=False)
+        )
+        for k in sample:
+            ours = built["ours"].host_chunk(chunks[k])
+            if "vllm" in built:
+                want = built["vllm"].host_chunk(chunks[k])
+            else:
+                want = self.expected_chunk(built["ours_t"], blocks, int(k), page)
+            n = min(len(blocks) - int(k) * self.bpc, self.bpc)
+            for layer in range(self.layers):
+                a = ours[layer * self.bpc * page : layer * self.bpc * page + n * page]
+                b = want[layer * self.bpc * page : layer * self.bpc * page + n * page]
+                if not torch.equal(a, b):
+                    return f"chunk {chunks[k]} layer {layer} differs after store"
+        return ""
+
+    def check_load(self, built: dict[str, Any], blocks: list[int], src: list[int]) -> str:
+        torch = self.torch
+        idx = torch.as_tensor(blocks, device=self.device)
+        for layer in range(self.layers):
+            ours = built["ours_t"][layer][idx]
+            if "vllm" in built:
+                want = built["vllm_t"][layer][idx]
+            else:
+                want = built["ours_t"][layer][torch.as_tensor(src, device=self.device)]
+            if not torch.equal(ours, want):
+                return f"layer {layer} differs after load"
+        return ""
+
+    def baseline(self) -> dict[str, float]:
+        """One large copy each way between pinned host memory and the device."""
+        torch = self.torch
+        nbytes = (1 << 30) if self.cuda and not self.quick else (64 << 20)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        result = {}
+        for name, (dst, src) in (("store", (host, dev)), ("load", (dev, host))):
+            times = []
+            for _ in range(4):
+                self.sync()
+                t0 = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                self.sync()
+                times.append(time.perf_counter() - t0)
+            result[f"{name}_gbps"] = nbytes / min(times[1:]) / 1e9
+        return result
+
+    def grid(self, baseline: dict[str, float]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        rows, startups = [], []
+        with self.vllm_context():
+            for page in self.pages:
+                if self.over_budget():
+                    self.skipped += len(self.job_blocks) * 4
+                    continue
+                built = self.build(page)
+                startups.append(built["startup"])
+                try:
+                    rows += self.page_rows(built, page, baseline)
+                finally:
+                    built["ours"].shutdown()
+                    if "vllm" in built:
+                        built["vllm"].shutdown()
+                    built.clear()
+                    if self.cuda:
+                        self.torch.cuda.empty_cache()
+        return rows, startups
+
+    def page_rows(
+        self, built: dict[str, Any], page: int, baseline: dict[str, float]
+    ) -> list[dict[str, Any]]:
+        rows = []
+        workers = ["ours"] + (["vllm"] if "vllm" in built else [])
+        cutoff = built["startup"].get("kernel_max_run_bytes") or 0
+        for blocks in self.job_blocks:
+            for pattern in ("fresh", "churned"):
+                if self.over_budget():
+                    self.skipped += 1
+                    continue
+                src, chunks = self.job(blocks, pattern, set())
+                dst, _ = self.job(blocks, pattern, set(src))
+                nbytes = len(src) * self.layers * page
+                for store in (True, False):
+                    row: dict[str, Any] = {
+                        "page_kib": page // KiB,
+                        "blocks": blocks,
+                        "descriptors": blocks * self.layers,
+                        "ids": pattern,
+                        "direction": "store" if store else "load",
+                        "ours_method": "dma"
+                        if store or page > cutoff or blocks * self.layers < 16
+                        else "kernel",
+                        "bytes": nbytes,
+                    }
+                    for who in workers:
+                        walls, submits = [], []
+                        for _ in range(self.reps):
+                            ids = src if store else dst
+                            wall, submit, ok = self.run(built[who], store, ids, chunks)
+                            if not ok:
+                                row[f"{who}_error"] = "job reported failure"
+                            walls.append(wall)
+                            submits.append(submit)
+                        row[f"{who}_gbps"] = nbytes / statistics.median(walls) / 1e9
+                        row[f"{who}_submit_us"] = statistics.median(submits) * 1e6
+                    ref = baseline[f"{row['direction']}_gbps"]
+                    row["ours_pct_of_large_copy"] = 100 * row["ours_gbps"] / ref
+                    row["check"] = (
+                        self.check_store(built, src, chunks, page)
+                        if store
+                        else self.check_load(built, dst, src)
+                    ) or "ok"
+                    rows.append(row)
+                    self.print_row(row)
+        return rows
+
+    def print_row(self, r: dict[str, Any]) -> None:
+        vllm = (
+            f"{r['vllm_gbps']:>7.1f} {r['vllm_submit_us']:>9.0f}"
+            if "vllm_gbps" in r
+            else f"{'-':>7} {'-':>9}"
+        )
+        ratio = f"{r['ours_gbps'] / r['vllm_gbps']:>5.2f}" if "vllm_gbps" in r else f"{'-':>5}"
+        out(
+            f"{r['page_kib']:>4}Ki {r['descriptors']:>7} {r['ids']:<7} {r['direction']:<5} "
+            f"{r['ours_method']:<6} {r['ours_gbps']:>7.1f} {r['ours_submit_us']:>9.0f} {vllm} "
+            f"{ratio} {r['ours_pct_of_large_copy']:>6.0f}%  {r['check']}"
+        )
+
+
+def verdicts(rows: list[dict[str, Any]], cuda: bool) -> list[str]:
+    lines = []
+    if not cuda:
+        return ["CPU dry run: bandwidth targets apply to a GPU and are not judged"]
+    for page in sorted({r["page_kib"] for r in rows}):
+        mine = [r for r in rows if r["page_kib"] == page and "vllm_gbps" in r]
+        if mine:
+            worse = [r for r in mine if r["ours_gbps"] < r["vllm_gbps"]]
+            where = [(r["descriptors"], r["ids"], r["direction"]) for r in worse]
+            lines.append(
+                f"{page} KiB: kvcache >= vLLM in {len(mine) - len(worse)}/{len(mine)} rows"
+                + (f" (below in: {where})" if worse else "")
+            )
+        if page >= 64:
+            big = [r for r in rows if r["page_kib"] == page and r["descriptors"] >= 1024]
+            low = [r for r in big if r["ours_pct_of_large_copy"] < 90]
+            lines.append(
+                f"{page} KiB, >= 1024 descriptors: >= 90 % of the large copy in "
+                f"{len(big) - len(low)}/{len(big)} rows"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_worker_check")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=250.0)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--without-vllm",
+        action="store_true",
+        help="run kvcache's side alone, through the engine, as on a machine without vLLM",
+    )
+    args = parser.parse_args(argv)
+    import torch
+
+    import kvcache
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        out("CUDA is not available (use --device cpu for the dry run)")
+        return 2
+    check = Check(args)
+    name = torch.cuda.get_device_name(check.device) if check.cuda else "cpu"
+    out(f"kvcache {kvcache.__version__} worker check on {name}; torch {torch.__version__}")
+    if check.vllm is not None:
+        out(f"A/B against vLLM skipped: {check.vllm}; byte checks use torch indexing")
+    baseline = check.baseline()
+    out(
+        f"large single copy: store {baseline['store_gbps']:.1f} GB/s, "
+        f"load {baseline['load_gbps']:.1f} GB/s"
+    )
+    out(
+        f"{'page':>6} {'descr':>7} {'ids':<7} {'dir':<5} {'method':<6} {'GB/s':>7} "
+        f"{'submit us':>9} {'vLLM':>7} {'submit us':>9} {'ratio':>5} {'%large':>7}  bytes"
+    )
+    rows, startups = check.grid(baseline)
+    for s in startups:
+        out(
+            f"start-up at {s['page_kib']} KiB: worker returned in {s['returned_s']:.2f} s, pool "
+            f"{s['pool_gib']:.1f} GiB {s['pin_state']} after {s['pinned_s']:.2f} s; load cut-off "
+            f"{(s.get('kernel_max_run_bytes') or 0) // KiB} KiB"
+            + (
+                f"; vLLM's worker returned in {s['vllm_returned_s']:.2f} s"
+                if "vllm_returned_s" in s
+                else ""
+            )
+        )
+    for line in verdicts(rows, check.cuda):
+        out(line)
+    if check.skipped:
+        out(f"time budget reached: {check.skipped} row(s) skipped")
+    report = {
+        "schema": 1,
+        "device": name,
+        "torch": torch.__version__,
+        "vllm": check.vllm or "0.33.0",
+        "ab": check.vllm is None,
+        "baseline": baseline,
+        "startup": startups,
+        "rows": rows,
+        "skipped": check.skipped,
+        "elapsed_s": check.elapsed(),
+    }
+    path = args.json
+    if path is None:
+        out_dir = os.environ.get("OUT")
+        path = Path(out_dir) / "gpu_worker_check.json" if out_dir else Path("gpu_worker_check.json")
+    path.write_text(json.dumps(report, indent=1, default=str))
+    out(f"wrote {path} ({check.elapsed():.0f} s)")
+    failed = [r for r in rows if r["check"] != "ok" or any(k.endswith("_error") for k in r)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Submit-side CPU time per transfer job: vLLM 0.33.0's worker vs kvcache's, same jobs, one
+process.
+
+What is timed: the model runner thread's CPU time (``time.thread_time_ns``) inside
+``submit_store``/``submit_load`` of each worker, for the same job specs on the same KV layout
+(one tensor per layer, one group, 16 blocks per chunk). vLLM's worker runs as its spec builds
+it, on CPU tensors with its CUDA edges faked and its batch copy stubbed out
+(``tests/vllm_worker_oracle.py``): what remains is its Python/numpy descriptor building and job
+bookkeeping. Ours runs as ``kvcache.vllm.CPUOffloadingSpec.get_worker`` builds it, with the
+copy stubbed the same way (its queue threads build every job's runs and copy nothing): on the
+submitting thread remain spec decoding, validation of every id (O(blocks)) and the hand-off;
+the runs are built on the queue's thread, as on a GPU, where that thread also makes the
+driver calls. Neither worker touches KV or host memory, so tensors and pools are never made
+resident (the 80-layer, 64 KiB points address 10 GiB of "GPU" memory).
+
+Two figures per job: ``submit`` is the calling thread's CPU time inside submit_store/submit_load
+(what the model runner's step pays: the target is vLLM/ours >= 10); ``total`` is the whole
+process's CPU time for submit + wait + get_finished, every thread included (the work moved to
+the queue thread is counted there).
+
+Ids: ``fresh`` = consecutive blocks and chunks (a new request on an empty block pool: ours
+coalesces each layer's pages of a chunk into one run); ``churned`` = random distinct ids (a
+steady-state block pool: nothing coalesces, one run per page on both sides).
+
+Run: ``python bench/worker_submit_cost.py [--quick] [--json PATH]``. Prints a table (median
+microseconds of CPU per job, both directions, and vLLM/ours) and the timer floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.vllm_worker_oracle import (
+    Geometry,
+    canonical,
+    offloading_config,
+    vllm_on_cpu,
+)
+
+KiB = 1024
+BPC = 16
+NUM_BLOCKS = 2048
+LAYERS = (32, 80)
+PAGES = (8 * KiB, 16 * KiB, 64 * KiB)
+JOB_BLOCKS = (16, 1024)
+PATTERNS = ("fresh", "churned")
+
+
+@contextlib.contextmanager
+def no_prefault() -> Iterator[None]:
+    """vLLM's shared region prefaults its slot (it would make 5 GiB resident): skipped."""
+    from vllm.v1.kv_offload.cpu import shared_offload_region as region
+
+    saved = region._get_populate_write_fn
+    region._get_populate_write_fn = lambda mmap_obj: lambda *args: None
+    try:
+        yield
+    finally:
+        region._get_populate_write_fn = saved
+
+
+def build(layers: int, page: int, num_chunks: int) -> tuple[Any, Any, list[Any]]:
+    """vLLM's worker and ours over the same (never touched) tensors."""
+    import torch
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VllmSpec
+
+    import kvcache.vllm
+    from kvcache.transfer._engine import _CpuBackend
+
+    geometry = Geometry(
+        tensors=((page, page),) * layers,
+        groups=(tuple((layer, page) for layer in range(layers)),),
+        num_blocks=NUM_BLOCKS,
+        blocks_per_chunk=BPC,
+    )
+    tensors = [torch.empty((NUM_BLOCKS, page), dtype=torch.int8) for _ in range(layers)]
+    chunk = layers * page * BPC
+    config = offloading_config(
+        geometry,
+        rank=0,
+        cpu_bytes_to_use=num_chunks * chunk,
+        engine_id=f"bench-{layers}-{page}",
+        kvcache_pin="off",
+    )
+    vllm_worker = VllmSpec(config).get_worker(canonical(geometry, tensors))
+    ours = kvcache.vllm.CPUOffloadingSpec(config).get_worker(canonical(geometry, tensors))
+    ours.engine._backend.close()
+    ours.engine._backend = _CpuBackend(execute=False)
+    return vllm_worker, ours, tensors
+
+
+def make_jobs(
+    rng: np.random.Generator, pattern: str, blocks: int, num_chunks: int, count: int
+) -> list[tuple[list[int], list[int]]]:
+    chunks = blocks // BPC
+    jobs = []
+    for _ in range(count):
+        if pattern == "fresh":
+            b0 = int(rng.integers(0, NUM_BLOCKS - blocks + 1))
+            c0 = int(rng.integers(0, num_chunks - chunks + 1))
+            jobs.append((list(range(b0, b0 + blocks)), list(range(c0, c0 + chunks))))
+        else:
+            jobs.append(
+                (
+                    rng.choice(NUM_BLOCKS, blocks, replace=False).tolist(),
+                    rng.choice(num_chunks, chunks, replace=False).tolist(),
+                )
+            )
+    return jobs
+
+
+def time_point(vllm_worker: Any, ours: Any, jobs: list[Any], warmup: int) -> dict[str, float]:
+    """Median CPU microseconds per job, per worker and direction: ``submit`` on the calling
+    thread alone, and ``total`` for submit + completion + get_finished over every thread of the
+    process (ours builds the runs on its queue's thread). Jobs alternate between the workers so
+    both see the same conditions."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    samples: dict[str, list[float]] = {
+        f"{w}_{d}_{m}": []
+        for w in ("vllm", "ours")
+        for d in ("store", "load")
+        for m in ("submit", "total")
+    }
+    job_id = 0
+    for i, (blocks, chunks) in enumerate(jobs):
+        for name, worker in (("vllm", vllm_worker), ("ours", ours)):
+            for direction in ("store", "load"):
+                gpu = GPULoadStoreSpec(blocks, [len(blocks)], [0])
+                cpu = CPULoadStoreSpec(chunks)
+                job_id += 1
+                p0 = time.process_time_ns()
+                t0 = time.thread_time_ns()
+                if direction == "store":
+                    worker.submit_store(job_id, gpu, cpu)
+                else:
+                    worker.submit_load(job_id, cpu, gpu)
+                submit = time.thread_time_ns() - t0
+                worker.wait({job_id})
+                results = worker.get_finished()
+                total = time.process_time_ns() - p0
+                assert [r.job_id for r in results] == [job_id]
+                assert results[0].success
+                if i >= warmup:
+                    samples[f"{name}_{direction}_submit"].append(submit / 1e3)
+                    samples[f"{name}_{direction}_total"].append(total / 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def timer_floor() -> float:
+    """CPU microseconds the timing itself reads for an empty body (median)."""
+    reads = []
+    for _ in range(2000):
+        t0 = time.thread_time_ns()
+        reads.append(time.thread_time_ns() - t0)
+    return statistics.median(reads) / 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(2024)
+    rows = []
+    print(
+        f"{'layers':>6} {'page':>6} {'blocks':>6} {'ids':<8} | submit, us CPU/job: "
+        f"{'vLLM st':>8} {'ours':>6} {'x':>6} {'vLLM ld':>8} {'ours':>6} {'x':>6} | "
+        "total, us CPU/job: vLLM st/ours, vLLM ld/ours"
+    )
+    with vllm_on_cpu(copy=False), no_prefault():
+        for layers in LAYERS:
+            for page in PAGES:
+                num_chunks = 2 * max(JOB_BLOCKS) // BPC
+                vllm_worker, ours, tensors = build(layers, page, num_chunks)
+                for blocks in JOB_BLOCKS:
+                    for pattern in PATTERNS:
+                        count = (60 if blocks > 16 else 400) // (4 if args.quick else 1)
+                        warmup = max(2, count // 10)
+                        jobs = make_jobs(rng, pattern, blocks, num_chunks, count)
+                        t = time_point(vllm_worker, ours, jobs, warmup)
+                        row = {
+                            "layers": layers,
+                            "page_kib": page // KiB,
+                            "blocks": blocks,
+                            "ids": pattern,
+                            **{f"{k}_us": v for k, v in t.items()},
+                            "ratio_store": t["vllm_store_submit"] / t["ours_store_submit"],
+                            "ratio_load": t["vllm_load_submit"] / t["ours_load_submit"],
+                        }
+                        rows.append(row)
+                        print(
+                            f"{layers:>6} {page // KiB:>4}Ki {blocks:>6} {pattern:<8} |"
+                            f"{'':>20}{t['vllm_store_submit']:>8.1f} "
+                            f"{t['ours_store_submit']:>6.1f} "
+                            f"{row['ratio_store']:>5.0f}x {t['vllm_load_submit']:>8.1f} "
+                            f"{t['ours_load_submit']:>6.1f} {row['ratio_load']:>5.0f}x | "
+                            f"{t['vllm_store_total']:>7.0f}/{t['ours_store_total']:<6.0f} "
+                            f"{t['vllm_load_total']:>7.0f}/{t['ours_load_total']:<6.0f}",
+                            flush=True,
+                        )
+                vllm_worker.shutdown()
+                ours.shutdown()
+                del vllm_worker, ours, tensors
+                gc.collect()
+    floor = timer_floor()
+    worst = min(min(r["ratio_store"], r["ratio_load"]) for r in rows)
+    print(f"timer floor (empty body): {floor:.2f} us; smallest vLLM/ours ratio: {worst:.1f}x")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rows": rows, "timer_floor_us": floor}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+//! Id arrays from Python: 1-d int64 or int32 buffers (numpy arrays, as vLLM's specs hold
+//! them), converted once into `Vec<i64>`; and short integer sequences (group spans).
+
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::PyBool;
+
+use crate::errors::typed;
+
+/// Copies a 1-d buffer of int64 or int32 into a vector. Any other object raises
+/// `InvalidTypeError`, a buffer of another shape `InvalidArgumentError`.
+pub(crate) fn id_vec(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let one_d = |dims: usize| {
+        if dims == 1 {
+            Ok(())
+        } else {
+            Err(typed(
+                |e| &e.invalid_argument,
+                format!("{name} must be 1-d, got {dims} dimensions"),
+            ))
+        }
+    };
+    if let Ok(buf) = PyBuffer::<i64>::get(obj) {
+        one_d(buf.dimensions())?;
+        return buf.to_vec(py);
+    }
+    if let Ok(buf) = PyBuffer::<i32>::get(obj) {
+        one_d(buf.dimensions())?;
+        return Ok(buf.to_vec(py)?.into_iter().map(i64::from).collect());
+    }
+    Err(typed(
+        |e| &e.invalid_type,
+        format!(
+            "{name} must be a 1-d int64 or int32 buffer (e.g. a numpy array), got {}",
+            obj.get_type().name()?
+        ),
+    ))
+}
+
+/// Non-negative integers from any iterable of ints (a list, tuple or array) of at most `max`
+/// items, with typed errors; `what` names the argument in messages.
+pub(crate) fn small_ints(what: &str, obj: &Bound<'_, PyAny>, max: usize) -> PyResult<Vec<u64>> {
+    let iter = obj.try_iter().map_err(|_| {
+        typed(
+            |e| &e.invalid_type,
+            format!("{what} must be a sequence of ints"),
+        )
+    })?;
+    let mut out = Vec::new();
+    for (i, item) in iter.enumerate() {
+        let item = item?;
+        if i == max {
+            return Err(typed(
+                |e| &e.invalid_argument,
+                format!("{what} has more than {max} entries"),
+            ));
+        }
+        if item.is_instance_of::<PyBool>() {
+            return Err(typed(
+                |e| &e.invalid_type,
+                format!("{what}[{i}] is a bool, not an int"),
+            ));
+        }
+        let v: i64 = item
+            .extract()
+            .map_err(|_| typed(|e| &e.invalid_type, format!("{what}[{i}] is not an int")))?;
+        let v = u64::try_from(v).map_err(|_| {
+            typed(
+                |e| &e.invalid_argument,
+                format!("{what}[{i}] is negative ({v})"),
+            )
+        })?;
+        out.push(v);
+    }
+    Ok(out)
+}

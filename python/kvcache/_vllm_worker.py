@@ -1,0 +1,193 @@
+"""``CPUOffloadingWorker``: vLLM 0.33.0's ``OffloadingWorker`` contract on ``kvcache.transfer``.
+
+vLLM's worker builds one descriptor per (block, layer reference) in numpy on every job and
+copies them through ``cuMemcpyBatchAsync`` or a Triton kernel. This one plans the job in Rust
+(validation, partial chunks, padded pages, shared tensors, merging of pages contiguous on both
+sides) and submits it with one call; host memory is a pool of this rank's chunks, pinned in
+the background. Imports vLLM (through ``kvcache.vllm``); ``import kvcache`` does not.
+
+Host layout: chunk ``c`` of this rank holds, for every KV tensor in order, ``blocks_per_chunk``
+page slots of the tensor's (padded) page size, back to back: the layout of this rank's slot
+in vLLM's shared region, so the bytes of a chunk are identical to vLLM's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Literal
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvcache._core import InvalidArgumentError
+from kvcache.transfer import HostChunkPool, TransferEngine
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("kvcache.vllm")
+
+PinSetting = Literal["background", "blocking", "off"]
+_PIN_MODES: dict[str, Any] = {"background": "background", "blocking": "auto", "off": False}
+
+
+def worker_layout(
+    kv_caches: CanonicalKVCaches, blocks_per_chunk: int
+) -> tuple[list[torch.Tensor], list[list[tuple[int, int]]], list[int], int]:
+    """The engine's view of vLLM's canonical KV caches: one ``(num_blocks, page)`` int8 view
+    per tensor (as vLLM's worker takes them), each group's ``(tensor, payload bytes)``
+    references, the tensors' segment offsets in a chunk, and the chunk size."""
+    import torch
+
+    views = []
+    offsets = []
+    offset = 0
+    for t in kv_caches.tensors:
+        page = int(t.page_size_bytes)
+        views.append(t.tensor.view(torch.int8).view((-1, page)))
+        offsets.append(offset)
+        offset += page * blocks_per_chunk
+    groups = [
+        [(int(ref.tensor_idx), int(ref.page_size_bytes)) for ref in refs]
+        for refs in kv_caches.group_data_refs
+    ]
+    return views, groups, offsets, offset
+
+
+class CPUOffloadingWorker(OffloadingWorker):
+    """vLLM's ``OffloadingWorker`` on kvcache's transfer engine (see the module docs).
+
+    ``submit_store``/``submit_load`` validate the job completely before anything is queued
+    and raise a ``KvCacheError`` subclass on a bad one (vLLM's connector would otherwise hit
+    a bare ``assert``); they never wait for copies. ``get_finished`` reports each job once with
+    vLLM's ``transfer_size`` accounting and the copy time; a failed copy is reported as
+    ``success=False`` (never as success) and logged with the job id, direction and cause.
+    Regular loads, expedited loads and stores run on three queues.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        *,
+        blocks_per_chunk: int,
+        num_chunks: int,
+        pin: PinSetting = "background",
+        copy: Literal["auto", "kernel", "dma"] = "auto",
+        kernel_max_run_bytes: int | None = None,
+    ) -> None:
+        if pin not in _PIN_MODES:
+            raise InvalidArgumentError(
+                f"kvcache_pin must be 'background', 'blocking' or 'off', got {pin!r}"
+            )
+        views, groups, offsets, chunk_bytes = worker_layout(kv_caches, blocks_per_chunk)
+        self.chunk_bytes = chunk_bytes
+        self.pool = HostChunkPool(num_chunks, chunk_bytes, pin=_PIN_MODES[pin])
+        try:
+            self.engine = TransferEngine(
+                views,
+                self.pool,
+                blocks_per_chunk=blocks_per_chunk,
+                groups=groups,
+                offsets=offsets,
+                copy=copy,
+                kernel_max_run_bytes=kernel_max_run_bytes,
+                log_failures=False,
+            )
+        except BaseException:
+            self.pool.close()
+            raise
+        # engine job id -> (vLLM job id, direction); vLLM job id -> engine job id.
+        self._jobs: dict[int, tuple[int, str]] = {}
+        self._by_vllm: dict[int, int] = {}
+
+    def _track(self, job_id: int, engine_job: int, direction: str) -> None:
+        self._jobs[engine_job] = (job_id, direction)
+        self._by_vllm[job_id] = engine_job
+
+    def _check_new(self, job_id: int) -> None:
+        if job_id in self._by_vllm:
+            raise InvalidArgumentError(f"transfer job {job_id} is already in flight")
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        """GPU blocks -> host chunks, asynchronously."""
+        self._check_new(job_id)
+        engine_job = self.engine.store(
+            src_spec.block_ids,
+            dst_spec.block_ids,  # type: ignore[attr-defined]
+            group_sizes=src_spec.group_sizes,
+            block_indices=src_spec.block_indices,
+        )
+        self._track(job_id, engine_job, "store, GPU -> CPU")
+        return True
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """Host chunks -> GPU blocks, asynchronously; an expedited load has a queue of its
+        own."""
+        self._check_new(job_id)
+        engine_job = self.engine.load(
+            src_spec.block_ids,  # type: ignore[attr-defined]
+            dst_spec.block_ids,
+            group_sizes=dst_spec.group_sizes,
+            block_indices=dst_spec.block_indices,
+            expedited=expedited,
+        )
+        direction = "expedited load, CPU -> GPU" if expedited else "load, CPU -> GPU"
+        self._track(job_id, engine_job, direction)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        out = []
+        for r in self.engine.poll_results():
+            job_id, direction = self._jobs.pop(r.job_id)
+            del self._by_vllm[job_id]
+            if not r.success:
+                logger.error("kvcache transfer job %d (%s) failed: %s", job_id, direction, r.error)
+            out.append(
+                TransferResult(
+                    job_id=job_id,
+                    success=r.success,
+                    transfer_size=r.nbytes,
+                    transfer_time=r.seconds,
+                )
+            )
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Blocks until the given jobs have finished (ids this worker does not own are
+        ignored); :meth:`get_finished` still reports them."""
+        mine = [self._by_vllm[j] for j in job_ids if j in self._by_vllm]
+        if mine:
+            self.engine.wait(mine)
+
+    def shutdown(self) -> None:
+        """Waits for every job, then releases the host memory."""
+        try:
+            self.engine.close()
+        finally:
+            self.pool.close()
+
+    def describe(self) -> dict[str, Any]:
+        """What runs: pool size, pinning state, DMA method and the load cut-off."""
+        status = self.pool.pin_status()["state"]
+        if self.pool.pinned:
+            status = "pinned"
+        return {
+            "pool_bytes": self.pool.nbytes,
+            "num_chunks": self.pool.num_chunks,
+            "chunk_bytes": self.chunk_bytes,
+            "pinned": status,
+            **self.engine.describe(),
+        }

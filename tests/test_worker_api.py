@@ -1,0 +1,178 @@
+"""kvcache's vLLM worker beyond byte conformance: fallbacks with their reason, typed
+submission errors, failures reported (never as success) and logged, queues, shutdown."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from tests.conftest import require_oracle
+from tests.vllm_worker_oracle import (
+    Geometry,
+    build_pairs,
+    canonical,
+    make_tensors,
+    offloading_config,
+    vllm_on_cpu,
+)
+
+pytestmark = pytest.mark.oracle
+
+PLAIN = Geometry(((256, 256), (256, 256)), (((0, 256), (1, 256)),), 64, 2)
+
+
+def spec_for(geometry: Geometry, **extra: Any) -> Any:
+    import kvcache.vllm
+
+    config = offloading_config(geometry, rank=0, cpu_bytes_to_use=1 << 20, engine_id="t", **extra)
+    return kvcache.vllm.CPUOffloadingSpec(config)
+
+
+def gpu_spec(block_ids: list[int], sizes: list[int], starts: list[int]) -> Any:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    return GPULoadStoreSpec(block_ids, sizes, starts)
+
+
+def cpu_spec(chunk_ids: list[int]) -> Any:
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    return CPULoadStoreSpec(chunk_ids)
+
+
+def test_kvcache_worker_false_selects_vllms_worker_with_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    require_oracle()
+    from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker as VllmWorker
+
+    with vllm_on_cpu(), caplog.at_level("INFO", logger="kvcache.vllm"):
+        spec = spec_for(PLAIN, kvcache_worker=False)
+        worker = spec.get_worker(canonical(PLAIN, make_tensors(PLAIN, 0)))
+    try:
+        assert isinstance(worker, VllmWorker)
+        reasons = [
+            r.getMessage() for r in caplog.records if "vLLM's worker moves" in r.getMessage()
+        ]
+        assert reasons == [
+            "kvcache: vLLM's worker moves the KV bytes: kvcache_worker is false in "
+            "kv_connector_extra_config"
+        ]
+        (line,) = [r.getMessage() for r in caplog.records if "worker ready" in r.getMessage()]
+        assert "worker=vLLM's (kvcache_worker is false" in line
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ("canonical", "canonical_layout"),
+        ("replicated", "replicated (MLA) layout"),
+        ("meta", "device type 'meta'"),
+    ],
+)
+def test_unsupported_configurations_name_their_reason(change: str, reason: str) -> None:
+    require_oracle()
+    import dataclasses
+
+    import torch
+
+    import kvcache.vllm
+
+    config = offloading_config(PLAIN, rank=0, cpu_bytes_to_use=1 << 20, engine_id="t")
+    tensors = make_tensors(PLAIN, 0)
+    if change == "canonical":
+        config = dataclasses.replace(config, canonical_layout=True)
+    spec = kvcache.vllm.CPUOffloadingSpec(config)
+    if change == "replicated":
+        spec.replicated_layout = True
+    if change == "meta":
+        tensors = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors]
+    assert reason in (spec.worker_unsupported(canonical(PLAIN, tensors)) or "")
+    assert spec_for(PLAIN).worker_unsupported(canonical(PLAIN, make_tensors(PLAIN, 0))) is None
+
+
+def test_submission_errors_are_typed_and_change_nothing() -> None:
+    require_oracle()
+    import kvcache
+
+    with vllm_on_cpu():
+        (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=3)
+    worker = pair.our_worker
+    before = bytes(memoryview(worker.pool))
+    try:
+        with pytest.raises(kvcache.OutOfRangeError):  # block 64 of 64
+            worker.submit_store(1, gpu_spec([0, 64], [2], [0]), cpu_spec([0]))
+        with pytest.raises(kvcache.OutOfRangeError):  # chunk beyond the pool
+            worker.submit_store(1, gpu_spec([0, 1], [2], [0]), cpu_spec([10_000]))
+        with pytest.raises(kvcache.InvalidArgumentError):  # 3 blocks from slot 0 need 2 chunks
+            worker.submit_store(1, gpu_spec([0, 1, 2], [3], [0]), cpu_spec([0]))
+        with pytest.raises(kvcache.InvalidArgumentError):  # a load writes each block once
+            worker.submit_load(1, cpu_spec([0, 1]), gpu_spec([5, 6, 5, 7], [4], [0]))
+        assert worker.get_finished() == []
+        assert bytes(memoryview(worker.pool)) == before
+        assert worker.submit_store(1, gpu_spec([0, 1], [2], [0]), cpu_spec([0]))
+        with pytest.raises(kvcache.InvalidArgumentError, match="already in flight"):
+            worker.submit_store(1, gpu_spec([2, 3], [2], [0]), cpu_spec([1]))
+        worker.wait({1})
+        (result,) = worker.get_finished()
+        assert (result.job_id, result.success, result.transfer_size) == (1, True, 2 * 2 * 256)
+        assert result.transfer_time is not None
+        assert result.transfer_time >= 0
+    finally:
+        pair.shutdown()
+
+
+def test_a_failed_copy_is_reported_and_logged_never_as_success(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A job whose copy fails (here: its queue's copy thread refuses it) comes back with
+    success=False, and one error line names the job, its direction and the cause."""
+    require_oracle()
+    from kvcache.transfer._engine import JobResult
+
+    with vllm_on_cpu():
+        (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=4)
+    worker = pair.our_worker
+    backend = worker.engine._backend
+    real_collect = backend.collect
+
+    def failing_collect() -> list[JobResult]:
+        return [
+            r._replace(success=False, error="copy engine fault (injected)") for r in real_collect()
+        ]
+
+    backend.collect = failing_collect
+    try:
+        worker.submit_load(9, cpu_spec([0]), gpu_spec([4, 5], [2], [0]), expedited=True)
+        with caplog.at_level(logging.ERROR, logger="kvcache.vllm"):
+            worker.wait({9})
+            (result,) = worker.get_finished()
+        assert (result.job_id, result.success) == (9, False)
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert "job 9" in line
+        assert "expedited load, CPU -> GPU" in line
+        assert "copy engine fault (injected)" in line
+    finally:
+        backend.collect = real_collect
+        pair.shutdown()
+
+
+def test_queues_and_shutdown() -> None:
+    require_oracle()
+    with vllm_on_cpu():
+        (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=5)
+    worker = pair.our_worker
+    copiers = worker.engine._backend._copiers
+    assert len({id(c) for c in copiers.values()}) == 3  # store, load, expedited: own threads
+    worker.submit_store(1, gpu_spec(list(range(8)), [8], [0]), cpu_spec([0, 1, 2, 3]))
+    worker.submit_load(2, cpu_spec([5]), gpu_spec([40, 41], [2], [0]))
+    worker.submit_load(3, cpu_spec([6]), gpu_spec([50, 51], [2], [0]), expedited=True)
+    worker.wait({999})  # not ours: ignored
+    worker.shutdown()  # waits for every job, then releases the pool
+    assert sorted(r.job_id for r in worker.get_finished()) == [1, 2, 3]
+    assert worker.pool.closed
+    pair.vllm_worker.shutdown()

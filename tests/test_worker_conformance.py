@@ -1,0 +1,227 @@
+"""kvcache's vLLM worker against vLLM 0.33.0's own worker, on identical CPU tensors.
+
+vLLM's ``CPUOffloadingWorker`` runs as built by its ``CPUOffloadingSpec.get_worker`` (shared
+/dev/shm region, per-rank slots, its descriptor logic), with only its CUDA edges faked and its
+batch copy replaced by a byte copy (see ``tests/vllm_worker_oracle.py``). Ours runs through
+``kvcache.vllm.CPUOffloadingSpec.get_worker`` on the same tensors (the Rust CPU copier).
+Random geometries (1-3 KV groups sharing tensors, padded pages, strided blocks, 1-16 blocks
+per chunk, 1-4 ranks) and random job sequences (partial first and last chunks, stores that
+skip leading null blocks, several jobs in flight, expedited loads); after every batch of
+stores, every host byte of each rank's slot is identical, after every batch of loads every
+device byte, and every job's result (success, transfer_size) is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import require_oracle
+from tests.vllm_worker_oracle import (
+    Geometry,
+    RankPair,
+    build_pairs,
+    device_bytes,
+    vllm_on_cpu,
+)
+
+pytestmark = pytest.mark.oracle
+
+
+@dataclass(frozen=True)
+class Job:
+    store: bool
+    block_ids: list[int]
+    group_sizes: list[int]
+    block_indices: list[int]
+    chunk_ids: list[int]
+    expedited: bool = False
+
+
+def random_job(
+    rng: np.random.Generator,
+    geometry: Geometry,
+    *,
+    store: bool,
+    blocks: list[int],
+    chunks: list[int],
+) -> Job | None:
+    """One job using (and consuming) ids from ``blocks`` and ``chunks``: per group a random
+    block count and logical start (its remainder modulo blocks_per_chunk is the skip)."""
+    bpc = geometry.blocks_per_chunk
+    sizes, starts, gpu, cpu = [], [], [], []
+    for _ in geometry.groups:
+        n = int(rng.integers(0, 2 * bpc + 3))
+        start = int(rng.integers(0, 4 * bpc))
+        need = 0 if n == 0 else -(-(start % bpc + n) // bpc)
+        if n > len(blocks) or need > len(chunks):
+            n, need = 0, 0
+        sizes.append(n)
+        starts.append(start if n else int(rng.integers(0, 4)))
+        gpu += [blocks.pop() for _ in range(n)]
+        cpu += [chunks.pop() for _ in range(need)]
+    if not gpu:
+        return None
+    return Job(
+        store, gpu, sizes, starts, cpu, expedited=not store and bool(rng.integers(0, 3) == 0)
+    )
+
+
+def submit(pair: RankPair, job_id: int, job: Job) -> None:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    for worker in (pair.vllm_worker, pair.our_worker):
+        # Fresh spec objects for each worker, as the connector would pass them.
+        gpu = GPULoadStoreSpec(job.block_ids, job.group_sizes, job.block_indices)
+        cpu = CPULoadStoreSpec(job.chunk_ids)
+        if job.store:
+            assert worker.submit_store(job_id, gpu, cpu)
+        else:
+            assert worker.submit_load(job_id, cpu, gpu, expedited=job.expedited)
+
+
+def finish(pairs: list[RankPair], job_ids: list[int]) -> None:
+    """Waits for the jobs on both sides and checks that both report the same results."""
+    for pair in pairs:
+        for worker in (pair.vllm_worker, pair.our_worker):
+            worker.wait({*job_ids, -12345})  # an id it does not own is ignored
+        theirs = {r.job_id: (r.success, r.transfer_size) for r in pair.vllm_worker.get_finished()}
+        ours = {r.job_id: (r.success, r.transfer_size) for r in pair.our_worker.get_finished()}
+        assert set(theirs) == set(job_ids)
+        assert ours == theirs
+        assert all(ok for ok, _ in ours.values())
+        assert pair.our_worker.get_finished() == []
+
+
+def run_sequence(geometry: Geometry, seed: int, rounds: int = 3) -> int:
+    """Store/load rounds through every rank; returns the number of jobs checked per rank."""
+    rng = np.random.default_rng(seed)
+    cpu_bytes = (
+        24
+        * -(
+            -geometry.world_size
+            * geometry.worker_kv_bytes_per_block
+            * geometry.blocks_per_chunk
+            // 4096
+        )
+        * 4096
+    )
+    with vllm_on_cpu():
+        pairs = build_pairs(geometry, cpu_bytes_to_use=cpu_bytes, seed=seed)
+        try:
+            num_chunks = pairs[0].vllm_spec.num_chunks
+            assert num_chunks == pairs[0].our_spec.num_chunks == 24
+            next_id = 0
+            for _ in range(rounds):
+                for store in (True, False):
+                    # Jobs in flight together never share a destination (or, for loads, a
+                    # block): ids are drawn without replacement within a batch.
+                    blocks = [int(b) for b in rng.permutation(geometry.num_blocks)]
+                    chunks = [int(c) for c in rng.permutation(num_chunks)]
+                    batch = []
+                    for _ in range(int(rng.integers(1, 4))):
+                        job = random_job(rng, geometry, store=store, blocks=blocks, chunks=chunks)
+                        if job is not None:
+                            batch.append((next_id, job))
+                            next_id += 1
+                    for pair in pairs:
+                        for job_id, job in batch:
+                            submit(pair, job_id, job)
+                    finish(pairs, [job_id for job_id, _ in batch])
+                    for pair in pairs:
+                        if store:
+                            assert pair.our_host().numpy().tobytes() == (
+                                pair.vllm_host_slot().contiguous().numpy().tobytes()
+                            )
+                        else:
+                            assert device_bytes(pair.our_tensors) == device_bytes(pair.vllm_tensors)
+            return next_id
+        finally:
+            for pair in pairs:
+                pair.shutdown()
+
+
+@st.composite
+def geometries(draw: st.DrawFn) -> Geometry:
+    num_tensors = draw(st.integers(1, 5))
+    tensors = []
+    for _ in range(num_tensors):
+        page = 8 * draw(st.integers(1, 48))
+        stride = page + 8 * draw(st.sampled_from([0, 0, 1, 5]))  # strided (packed) blocks
+        tensors.append((page, stride))
+    num_groups = draw(st.integers(1, 3))
+    groups = []
+    for _ in range(num_groups):
+        chosen = draw(st.lists(st.integers(0, num_tensors - 1), min_size=1, max_size=4))
+        refs = []
+        for t in chosen:
+            page = tensors[t][0]
+            payload = draw(
+                st.sampled_from([page, page, max(1, page - 8 * draw(st.integers(0, 3)))])
+            )
+            refs.append((t, max(1, payload)))
+        groups.append(tuple(refs))
+    return Geometry(
+        tensors=tuple(tensors),
+        groups=tuple(groups),
+        num_blocks=96,
+        blocks_per_chunk=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
+        world_size=draw(st.integers(1, 4)),
+        slack=draw(st.sampled_from([0, 0, 64])),
+    )
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(geometry=geometries(), seed=st.integers(0, 2**31 - 1))
+def test_random_jobs_match_vllms_worker_byte_for_byte(geometry: Geometry, seed: int) -> None:
+    require_oracle()
+    run_sequence(geometry, seed)
+
+
+# Hand-picked corners, always run: one rank of a plain model, 16 blocks per chunk with shared
+# tensors across three groups, four ranks, padded pages with strided blocks.
+CORNERS = [
+    Geometry(((256, 256),) * 4, (((0, 256), (1, 256), (2, 256), (3, 256)),), 96, 1),
+    Geometry(
+        ((128, 128), (64, 64), (32, 48)),
+        (((0, 128), (1, 64)), ((0, 128), (2, 24)), ((2, 32), (2, 16))),
+        96,
+        16,
+    ),
+    Geometry(((64, 64), (64, 64)), (((0, 64),), ((1, 64),)), 96, 4, world_size=4),
+    Geometry(((96, 160),), (((0, 80), (0, 88)),), 96, 3, world_size=2, slack=64),
+]
+
+
+@pytest.mark.parametrize("geometry", CORNERS, ids=["plain", "groups-bpc16", "tp4", "padded"])
+def test_corner_geometries_match_vllms_worker(geometry: Geometry) -> None:
+    require_oracle()
+    assert run_sequence(geometry, seed=7, rounds=4) > 0
+
+
+def test_our_spec_builds_our_worker_and_vllm_spec_builds_vllms() -> None:
+    require_oracle()
+    from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker as VllmWorker
+
+    import kvcache.vllm
+
+    with vllm_on_cpu():
+        (pair,) = build_pairs(CORNERS[0], cpu_bytes_to_use=1 << 20, seed=1)
+    try:
+        assert isinstance(pair.our_worker, kvcache.vllm.CPUOffloadingWorker)
+        assert isinstance(pair.vllm_worker, VllmWorker)
+        assert pair.our_spec.get_worker(None) is pair.our_worker  # built once
+        # Same chunk count, and never more host memory than vLLM's slot for this rank.
+        assert pair.our_worker.pool.num_chunks == pair.vllm_spec.num_chunks
+        assert pair.our_worker.chunk_bytes <= pair.vllm_spec.cpu_page_size_per_worker
+    finally:
+        pair.shutdown()

@@ -1,0 +1,335 @@
+"""vLLM 0.33.0's own CPU offloading worker, run on CPU tensors as the oracle.
+
+vLLM's worker needs CUDA only at its edges. Inside :func:`vllm_on_cpu` (a context manager):
+
+- ``current_platform`` (in vLLM's spec and worker modules) claims to be CUDA, with streams that
+  do nothing and a ``stream()`` context that does nothing;
+- ``torch.Event`` (as vLLM's worker module sees torch) is an event that is always complete;
+- ``PIN_MEMORY`` is off (no ``cudaHostRegister``, no pinned descriptor buffers);
+- the batch copy ``ops.swap_blocks_batch`` is a byte copy of every descriptor, or a no-op
+  when timing submission only (``copy=False``);
+- the one ``assert gpu_tensor.is_cuda or gpu_tensor.is_xpu`` of its handler is removed from the
+  handler's ``__init__`` (the source is recompiled without that statement);
+- the cross-rank barrier of its shared region is a no-op (one process plays every rank).
+
+Everything else is vLLM's code as installed: the spec's chunk sizing, the shared /dev/shm
+region and its per-rank slot views, descriptor building (``compute_sub_block_ptrs``, partial
+chunks, groups), job ordering and result accounting. So the descriptors vLLM's worker would hand
+to the GPU are exactly the ones copied here.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import ctypes
+import inspect
+import textwrap
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class _FakeStream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: object) -> float:
+        return 0.0
+
+
+class _FakePlatform:
+    device_name = "cuda"
+    device_type = "cuda"
+
+    def is_cuda_alike(self) -> bool:
+        return True
+
+    def is_cuda(self) -> bool:
+        return True
+
+    def is_rocm(self) -> bool:
+        return False
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def Stream(self) -> _FakeStream:
+        return _FakeStream()
+
+    def current_stream(self) -> _FakeStream:
+        return _FakeStream()
+
+    def stream(self, stream: object) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+
+class _TorchWithFakeEvent:
+    """``torch`` as vLLM's worker module sees it: everything real except ``Event``."""
+
+    Event = _FakeEvent
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def byte_copy(
+    src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, is_src_access_order_any: bool = False
+) -> None:
+    """The batch copy as a plain memmove of each descriptor (addresses are host memory)."""
+    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True):
+        ctypes.memmove(d, s, n)
+
+
+def no_copy(
+    src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, is_src_access_order_any: bool = False
+) -> None:
+    """The batch copy stubbed out (submission cost only)."""
+
+
+def _handler_init_without_device_assert(handler_cls: type) -> Any:
+    """``handler_cls.__init__`` recompiled without its ``is_cuda or is_xpu`` assertion."""
+    source = textwrap.dedent(inspect.getsource(handler_cls.__init__))
+    tree = ast.parse(source)
+    removed = 0
+
+    class Drop(ast.NodeTransformer):
+        def visit_Assert(self, node: ast.Assert) -> ast.AST | None:
+            nonlocal removed
+            text = ast.unparse(node.test)
+            if "is_cuda" in text and "is_xpu" in text:
+                removed += 1
+                return None
+            return node
+
+    tree = Drop().visit(tree)
+    ast.fix_missing_locations(tree)
+    if removed != 1:
+        raise RuntimeError(
+            f"expected one device assertion in {handler_cls.__name__}.__init__, found {removed}: "
+            "vLLM's worker changed; update tests/vllm_worker_oracle.py"
+        )
+    module = inspect.getmodule(handler_cls)
+    namespace: dict[str, Any] = {}
+    code = compile(tree, inspect.getsourcefile(handler_cls) or "<vllm>", "exec")
+    exec(code, vars(module), namespace)
+    return namespace["__init__"]
+
+
+@contextlib.contextmanager
+def vllm_on_cpu(*, copy: bool = True) -> Iterator[None]:
+    """Patches vLLM's worker-side modules so that its CPU offloading worker runs on CPU
+    tensors (see the module docs); undone on exit."""
+    from vllm.v1.kv_offload.cpu import gpu_worker, spec
+
+    handler = gpu_worker.SingleDirectionOffloadingHandler
+    patches: list[tuple[Any, str, Any]] = [
+        (spec, "current_platform", _FakePlatform()),
+        (spec, "_all_workers_barrier", lambda: None),
+        (gpu_worker, "current_platform", _FakePlatform()),
+        (gpu_worker, "torch", _TorchWithFakeEvent()),
+        (gpu_worker, "PIN_MEMORY", False),
+        (gpu_worker, "ops", SimpleNamespace(swap_blocks_batch=byte_copy if copy else no_copy)),
+        (handler, "__init__", _handler_init_without_device_assert(handler)),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+# --- KV geometry --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A rank's KV caches as vLLM's connector canonicalises them."""
+
+    #: Per tensor: (padded page bytes, block stride bytes).
+    tensors: tuple[tuple[int, int], ...]
+    #: Per group: (tensor index, unpadded page bytes) references.
+    groups: tuple[tuple[tuple[int, int], ...], ...]
+    num_blocks: int
+    blocks_per_chunk: int
+    world_size: int = 1
+    #: Extra bytes per block in vLLM's per-worker accounting (row slack).
+    slack: int = 0
+
+    @property
+    def worker_kv_bytes_per_block(self) -> int:
+        return sum(page for page, _ in self.tensors) + self.slack
+
+
+def make_tensors(geometry: Geometry, seed: int) -> list[torch.Tensor]:
+    """One int8 ``(num_blocks, page)`` tensor per entry, rows ``stride`` bytes apart, filled
+    with random bytes (the padding between pages too)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for page, stride in geometry.tensors:
+        raw = rng.integers(-128, 128, size=geometry.num_blocks * stride, dtype=np.int8)
+        base = torch.from_numpy(raw)
+        out.append(base.as_strided((geometry.num_blocks, page), (stride, 1)))
+    return out
+
+
+def canonical(geometry: Geometry, tensors: list[torch.Tensor]) -> Any:
+    """vLLM's ``CanonicalKVCaches`` over ``tensors``."""
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+
+    return CanonicalKVCaches(
+        tensors=[
+            CanonicalKVCacheTensor(tensor=t, page_size_bytes=page)
+            for t, (page, _) in zip(tensors, geometry.tensors, strict=True)
+        ],
+        group_data_refs=[
+            [CanonicalKVCacheRef(tensor_idx=t, page_size_bytes=n) for t, n in refs]
+            for refs in geometry.groups
+        ],
+    )
+
+
+def offloading_config(
+    geometry: Geometry, *, rank: int, cpu_bytes_to_use: int, engine_id: str, **extra: Any
+) -> Any:
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=tuple(
+            OffloadingGroupConfig(tokens_per_block=16, layer_names=(f"g{g}",), group_id=g)
+            for g in range(len(geometry.groups))
+        ),
+        worker_kv_bytes_per_block=geometry.worker_kv_bytes_per_block,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": cpu_bytes_to_use, **extra},
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name="m", dtype="float16", max_model_len=4096),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=geometry.blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=rank,
+            world_size=geometry.world_size,
+            tp_size=geometry.world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+@dataclass
+class RankPair:
+    """One rank's two workers over identical tensors: vLLM's (the oracle) and ours."""
+
+    rank: int
+    vllm_tensors: list[torch.Tensor]
+    our_tensors: list[torch.Tensor]
+    vllm_spec: Any
+    our_spec: Any
+    vllm_worker: Any
+    our_worker: Any
+
+    def vllm_host_slot(self) -> torch.Tensor:
+        """This rank's bytes of vLLM's shared region, as ``(num_chunks, bytes used)``."""
+        region = self.vllm_worker._mmap_region
+        rows = region.base_tensor.view(region.num_chunks, region._row_stride)
+        start = self.rank * region.cpu_page_size
+        used = self.our_worker.chunk_bytes
+        return rows[:, start : start + used]
+
+    def our_host(self) -> torch.Tensor:
+        return self.our_worker.pool.tensor().view(torch.int8)
+
+    def shutdown(self) -> None:
+        self.vllm_worker.shutdown()
+        self.our_worker.shutdown()
+
+
+def build_pairs(
+    geometry: Geometry, *, cpu_bytes_to_use: int, seed: int, **extra: Any
+) -> list[RankPair]:
+    """Every rank of ``geometry``: vLLM's spec and worker (under :func:`vllm_on_cpu`, which
+    the caller holds) and kvcache's, each through its spec's ``get_worker``."""
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VllmSpec
+
+    import kvcache.vllm
+
+    engine_id = f"kvcache-test-{uuid.uuid4().hex}"
+    pairs = []
+    for rank in range(geometry.world_size):
+        config = offloading_config(
+            geometry, rank=rank, cpu_bytes_to_use=cpu_bytes_to_use, engine_id=engine_id, **extra
+        )
+        base = make_tensors(geometry, seed * 100 + rank)
+        vllm_tensors = _fresh_copies(base)
+        our_tensors = _fresh_copies(base)
+        vllm_spec = VllmSpec(config)
+        our_spec = kvcache.vllm.CPUOffloadingSpec(config)
+        pairs.append(
+            RankPair(
+                rank=rank,
+                vllm_tensors=vllm_tensors,
+                our_tensors=our_tensors,
+                vllm_spec=vllm_spec,
+                our_spec=our_spec,
+                vllm_worker=vllm_spec.get_worker(canonical(geometry, vllm_tensors)),
+                our_worker=our_spec.get_worker(canonical(geometry, our_tensors)),
+            )
+        )
+    return pairs
+
+
+def _fresh_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies with the same strides over storages of their own (padding bytes included)."""
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        flat = torch.empty(0, dtype=torch.int8).set_(storage).clone()
+        out.append(flat.as_strided(t.shape, t.stride(), t.storage_offset()))
+    return out
+
+
+def device_bytes(tensors: list[torch.Tensor]) -> list[bytes]:
+    """Every byte of every tensor's storage (pages and the padding between them)."""
+    return [bytes(t.untyped_storage()) for t in tensors]
