@@ -227,21 +227,48 @@ pub fn count(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     int_in_range(obj, what, ">= 0 and < 2**64")
 }
 
-/// A `bytes` key argument (vLLM's `OffloadKey`).
-pub struct PyKey<'py>(pub Bound<'py, PyBytes>);
+/// A `bytes` key argument (vLLM's `OffloadKey`), borrowed from the call's arguments: the
+/// one-key calls (`lookup`, `get`) are the scheduler's most frequent, and a borrowed key costs
+/// no reference count round trip (a function call each under the stable ABI).
+pub struct PyKey<'a, 'py>(pub Borrowed<'a, 'py, PyBytes>);
 
-impl<'py> FromPyObject<'_, 'py> for PyKey<'py> {
+impl<'a, 'py> FromPyObject<'a, 'py> for PyKey<'a, 'py> {
     type Error = PyErr;
 
-    fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
-        as_key(obj.to_owned()).map(PyKey)
+    #[inline]
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        // SAFETY: `obj` is a live object, so its type pointer is readable; `PyBytes_Type` is
+        // a static, and `PyBytes_Check` only reads the type's flags.
+        let is_bytes = unsafe {
+            ffi::Py_TYPE(obj.as_ptr()) == &raw mut ffi::PyBytes_Type
+                || ffi::PyBytes_Check(obj.as_ptr()) != 0
+        };
+        if is_bytes {
+            // SAFETY: just checked that `obj` is a `bytes` (or a subclass).
+            return Ok(PyKey(unsafe { obj.cast_unchecked::<PyBytes>() }));
+        }
+        Err(as_key(obj.to_owned()).expect_err("not bytes"))
     }
 }
 
-impl PyKey<'_> {
+impl<'py> PyKey<'_, 'py> {
     #[inline]
     pub fn bytes(&self) -> &[u8] {
-        key_bytes(&self.0)
+        let mut data: *mut std::ffi::c_char = std::ptr::null_mut();
+        let mut len: ffi::Py_ssize_t = 0;
+        // SAFETY: `self.0` is a live `bytes` object, for which this call cannot fail; its buffer
+        // lives as long as the object, which the call's arguments keep alive for `self`'s
+        // lifetime.
+        unsafe {
+            let rc = ffi::PyBytes_AsStringAndSize(self.0.as_ptr(), &mut data, &mut len);
+            debug_assert_eq!(rc, 0);
+            std::slice::from_raw_parts(data.cast::<u8>(), len.unsigned_abs())
+        }
+    }
+
+    /// An owned reference to the key object.
+    pub fn bound(&self) -> Bound<'py, PyBytes> {
+        self.0.to_owned()
     }
 }
 

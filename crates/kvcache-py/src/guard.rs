@@ -10,28 +10,38 @@
 //! - the holding thread itself calling in again (from a callback) gets `ReentrantCallError`
 //!   before anything is read or changed.
 //!
-//! The uncontended path is one compare-and-swap to take the lock and one store to release it.
+//! The lock's own state is only touched while the GIL is held (this extension is built for the
+//! stable ABI of GIL builds only), so taking and releasing it are plain loads and stores: the
+//! scheduler's one-key calls (`lookup`, `get`) pay no atomic instruction for it.
 
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
+use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Condvar, Mutex};
+use std::time::Duration;
 
 use pyo3::prelude::*;
 
 use crate::exceptions::{exceptions, new_err};
 
-/// A small per-thread id (0 means "nobody").
-fn thread_id() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    thread_local!(static ID: u64 = NEXT.fetch_add(1, SeqCst));
-    ID.with(|id| *id)
+/// A per-thread id, never 0 (0 means "nobody"): the address of a thread-local.
+fn thread_id() -> usize {
+    thread_local!(static ANCHOR: u8 = const { 0 });
+    ANCHOR.with(|a| std::ptr::from_ref(a) as usize)
 }
 
+/// The holder value `__traverse__` uses while it reads the protected value.
+const COLLECTOR: usize = usize::MAX;
+
+/// How long a waiter sleeps before looking again if a wake-up was missed (the releaser reads
+/// the waiter count without a fence, so it may miss a waiter that just arrived).
+const RECHECK: Duration = Duration::from_millis(1);
+
 pub struct Guarded<T> {
-    /// The thread holding the lock, or 0.
-    holder: AtomicU64,
-    waiters: AtomicUsize,
+    /// The thread holding the lock, or 0. Read and written only with the GIL held.
+    holder: Cell<usize>,
+    /// Threads waiting for the lock. Read and written only with the GIL held.
+    waiters: Cell<usize>,
     wait_lock: Mutex<()>,
     released: Condvar,
     /// What the lock protects: only reached through a [`Guard`].
@@ -40,16 +50,19 @@ pub struct Guarded<T> {
     what: &'static str,
 }
 
-// SAFETY: `value` is only reached through a `Guard`, and `holder` admits one guard at a time
-// (taken by a successful compare-and-swap from 0, given back on drop), so sharing a `Guarded`
-// between threads shares a `T` the way a mutex does.
+// SAFETY: `holder` and `waiters` are only read and written by threads attached to the
+// interpreter (every method takes a `Python` token, `try_peek` runs in the garbage collector,
+// and a `Guard` cannot leave its thread's attachment: it carries the token's lifetime and is
+// not `Send`). On the GIL builds this abi3 extension supports, attached threads run one at a
+// time, so those accesses never race. `value` is reached only through the one `Guard` that
+// `holder` admits at a time, so sharing a `Guarded` shares a `T` the way a mutex does.
 unsafe impl<T: Send> Sync for Guarded<T> {}
 
 impl<T: Send> Guarded<T> {
     pub fn new(value: T, what: &'static str) -> Self {
         Guarded {
-            holder: AtomicU64::new(0),
-            waiters: AtomicUsize::new(0),
+            holder: Cell::new(0),
+            waiters: Cell::new(0),
             wait_lock: Mutex::new(()),
             released: Condvar::new(),
             value: UnsafeCell::new(value),
@@ -59,50 +72,73 @@ impl<T: Send> Guarded<T> {
 
     /// Takes the lock: at once if free, after waiting (GIL released) if another thread holds
     /// it, and `ReentrantCallError` if this thread holds it already.
-    pub fn lock(&self, py: Python<'_>) -> PyResult<Guard<'_, T>> {
+    #[inline(always)]
+    pub fn lock<'py>(&'py self, py: Python<'py>) -> PyResult<Guard<'py, T>> {
         let me = thread_id();
-        match self.holder.compare_exchange(0, me, SeqCst, SeqCst) {
-            Ok(_) => return Ok(Guard { lock: self }),
-            Err(holder) if holder == me => {
-                return Err(new_err(
-                    py,
-                    &exceptions(py).reentrant_call,
-                    format!(
-                        "a callback called back into the {} it was called from (a request \
-                         context method, a key iterator or a set's __contains__ running inside \
-                         one of its calls); nothing was changed",
-                        self.what
-                    ),
-                ));
-            }
-            Err(_) => {}
+        if self.holder.get() == 0 {
+            self.holder.set(me);
+            return Ok(Guard {
+                lock: self,
+                _attached: PhantomData,
+            });
         }
-        self.waiters.fetch_add(1, SeqCst);
-        py.detach(|| {
-            let mut waiting = self.wait_lock.lock().unwrap_or_else(|p| p.into_inner());
-            while self.holder.compare_exchange(0, me, SeqCst, SeqCst).is_err() {
-                waiting = self
-                    .released
-                    .wait(waiting)
-                    .unwrap_or_else(|p| p.into_inner());
+        self.lock_busy(py, me)
+    }
+
+    /// [`lock`](Self::lock) when the object is busy: a reentrant call, or another thread's.
+    #[cold]
+    #[inline(never)]
+    fn lock_busy<'py>(&'py self, py: Python<'py>, me: usize) -> PyResult<Guard<'py, T>> {
+        loop {
+            match self.holder.get() {
+                0 => {
+                    self.holder.set(me);
+                    return Ok(Guard {
+                        lock: self,
+                        _attached: PhantomData,
+                    });
+                }
+                holder if holder == me => {
+                    return Err(new_err(
+                        py,
+                        &exceptions(py).reentrant_call,
+                        format!(
+                            "a callback called back into the {} it was called from (a request \
+                             context method, a key iterator or a set's __contains__ running \
+                             inside one of its calls); nothing was changed",
+                            self.what
+                        ),
+                    ));
+                }
+                _ => {
+                    self.waiters.set(self.waiters.get() + 1);
+                    py.detach(|| {
+                        let waiting = self.wait_lock.lock().unwrap_or_else(|p| p.into_inner());
+                        let _ = self.released.wait_timeout(waiting, RECHECK);
+                    });
+                    self.waiters.set(self.waiters.get() - 1);
+                }
             }
-        });
-        self.waiters.fetch_sub(1, SeqCst);
-        Ok(Guard { lock: self })
+        }
     }
 
     /// The value, if no call holds the lock (for the garbage collector, which must never
     /// wait; it runs with the GIL held, so no thread can take the lock meanwhile).
     pub fn try_peek(&self) -> Option<Guard<'_, T>> {
-        self.holder
-            .compare_exchange(0, u64::MAX, SeqCst, SeqCst)
-            .ok()
-            .map(|_| Guard { lock: self })
+        (self.holder.get() == 0).then(|| {
+            self.holder.set(COLLECTOR);
+            Guard {
+                lock: self,
+                _attached: PhantomData,
+            }
+        })
     }
 }
 
 pub struct Guard<'a, T> {
     lock: &'a Guarded<T>,
+    /// Not `Send`: a guard is released by the attached thread that took it.
+    _attached: PhantomData<*const ()>,
 }
 
 impl<T> Deref for Guard<'_, T> {
@@ -122,16 +158,21 @@ impl<T> DerefMut for Guard<'_, T> {
 }
 
 impl<T> Drop for Guard<'_, T> {
+    #[inline(always)]
     fn drop(&mut self) {
-        self.lock.holder.store(0, SeqCst);
-        if self.lock.waiters.load(SeqCst) > 0 {
-            // Taking the wait lock orders this wake-up after a waiter's failed attempt.
-            let _waiting = self
-                .lock
-                .wait_lock
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            self.lock.released.notify_all();
+        self.lock.holder.set(0);
+        if self.lock.waiters.get() > 0 {
+            self.lock.wake();
         }
+    }
+}
+
+impl<T> Guarded<T> {
+    #[cold]
+    #[inline(never)]
+    fn wake(&self) {
+        // Taking the wait lock orders the wake-up after a waiter that is about to sleep.
+        let _waiting = self.wait_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.released.notify_all();
     }
 }

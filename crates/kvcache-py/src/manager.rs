@@ -35,10 +35,6 @@ use crate::policy::inspection_dict;
 use crate::request_state::Owner;
 use crate::results::ResultTypes;
 
-/// Gives the token position of a finishing request's `i`-th observed key (see
-/// [`Manager::finish_request`]).
-pub type PositionOf<'a> = dyn FnMut(usize, &[u8]) -> PyResult<Option<i64>> + 'a;
-
 /// The Rust manager over any policy: its API with the policy type erased.
 pub trait ManagerOps: Send {
     fn config(&self) -> &ManagerConfig;
@@ -69,11 +65,10 @@ pub trait ManagerOps: Send {
         observed: &mut Vec<usize>,
     ) -> CoreResult<Option<StoreOutput>>;
     fn complete_store(&mut self, keys: &[Key<'_>], success: bool);
-    fn finish_request(
-        &mut self,
-        token: RequestToken,
-        position: &mut PositionOf<'_>,
-    ) -> PyResult<()>;
+    fn unfinished_request_len(&self, token: RequestToken) -> Option<usize>;
+    fn unfinished_request_keys(&self, token: RequestToken) -> Option<Vec<&[u8]>>;
+    /// Finishes the request; `positions[i]` is the token position of its `i`-th observed key.
+    fn finish_request(&mut self, token: RequestToken, positions: &[Option<i64>]);
     fn take_events(&mut self) -> Vec<Event>;
     fn reset(&mut self);
     fn take_stats(&mut self) -> Stats;
@@ -150,12 +145,15 @@ where
     fn complete_store(&mut self, keys: &[Key<'_>], success: bool) {
         Manager::complete_store(self, keys, success);
     }
-    fn finish_request(
-        &mut self,
-        token: RequestToken,
-        position: &mut PositionOf<'_>,
-    ) -> PyResult<()> {
-        Manager::finish_request(self, token, position)
+    fn unfinished_request_len(&self, token: RequestToken) -> Option<usize> {
+        Manager::unfinished_request_len(self, token)
+    }
+    fn unfinished_request_keys(&self, token: RequestToken) -> Option<Vec<&[u8]>> {
+        Manager::unfinished_request_keys(self, token)
+    }
+    fn finish_request(&mut self, token: RequestToken, positions: &[Option<i64>]) {
+        let position = |i: usize, _: &[u8]| Ok::<_, ()>(positions.get(i).copied().flatten());
+        let _ = Manager::finish_request(self, token, position);
     }
     fn take_events(&mut self) -> Vec<Event> {
         Manager::take_events(self)
@@ -487,8 +485,8 @@ impl PyManager {
     fn lookup<'py>(
         &self,
         py: Python<'py>,
-        key: PyKey<'py>,
-        req_context: Option<Bound<'py, PyAny>>,
+        key: PyKey<'_, 'py>,
+        req_context: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = req_context;
         let state = self.inner.lock(py)?;
@@ -610,19 +608,32 @@ impl PyManager {
         let Some(token) = state.owner.existing_token(ctx)? else {
             return Ok(());
         };
-        let positions = Positions::new(Some(ctx), &mut state.contexts)?;
-        let mut walk = PositionWalk::new(positions, 0);
+        let Some(n) = state.ops.unfinished_request_len(token) else {
+            return Ok(());
+        };
+        // Every position is read before anything changes (a failing read changes nothing).
+        let mut walk = PositionWalk::new(Positions::new(Some(ctx), &mut state.contexts)?, 0);
         let seen = state
             .observed
             .get(&token.id)
             .map(|o| o.keys.as_slice())
             .unwrap_or_default();
-        state
-            .ops
-            .finish_request(token, &mut |i, key| match seen.get(i) {
-                Some(object) => walk.get(object.bind(py)),
-                None => walk.get(&PyBytes::new(py, key)),
-            })?;
+        let mut positions = Vec::with_capacity(n);
+        if let Some(seen) = seen.get(..n) {
+            for object in seen {
+                positions.push(walk.get(object.bind(py))?);
+            }
+        } else {
+            // Key objects not kept (a context the bindings lost track of): make them.
+            let keys = state.ops.unfinished_request_keys(token).unwrap_or_default();
+            for (i, key) in keys.iter().enumerate() {
+                positions.push(match seen.get(i) {
+                    Some(object) => walk.get(object.bind(py))?,
+                    None => walk.get(&PyBytes::new(py, key))?,
+                });
+            }
+        }
+        state.ops.finish_request(token, &positions);
         // A finished request observes no new key: its key objects are no longer needed.
         state.observed.remove(&token.id);
         Ok(())

@@ -24,14 +24,14 @@ use crate::request_state::{Owner, Token};
 pub trait PolicyOps: Send {
     fn capacity(&self) -> usize;
     fn len(&self) -> usize;
-    fn get<'py>(&self, py: Python<'py>, key: &PyKey<'py>) -> Option<Bound<'py, PyAny>>;
+    fn get<'py>(&self, py: Python<'py>, key: &PyKey<'_, 'py>) -> Option<Bound<'py, PyAny>>;
     fn insert(
         &mut self,
-        key: &PyKey<'_>,
+        key: &PyKey<'_, '_>,
         chunk: PyChunk,
         ctx: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()>;
-    fn remove(&mut self, key: &PyKey<'_>) -> PyResult<()>;
+    fn remove(&mut self, key: &PyKey<'_, '_>) -> PyResult<()>;
     fn touch(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<()>;
     fn on_store_miss(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<()>;
     fn on_request_access(
@@ -53,8 +53,8 @@ pub trait PolicyOps: Send {
         protected: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyList>>>;
     fn clear(&mut self);
-    fn mark_evictable(&mut self, key: &PyKey<'_>) -> PyResult<()>;
-    fn mark_non_evictable(&mut self, key: &PyKey<'_>) -> PyResult<()>;
+    fn mark_evictable(&mut self, key: &PyKey<'_, '_>) -> PyResult<()>;
+    fn mark_non_evictable(&mut self, key: &PyKey<'_, '_>) -> PyResult<()>;
     fn stat(&self, name: &str) -> Option<Stat>;
     fn debug_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>>;
     fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError>;
@@ -131,14 +131,14 @@ where
         self.policy.len()
     }
 
-    fn get<'py>(&self, py: Python<'py>, key: &PyKey<'py>) -> Option<Bound<'py, PyAny>> {
+    fn get<'py>(&self, py: Python<'py>, key: &PyKey<'_, 'py>) -> Option<Bound<'py, PyAny>> {
         let k = self.policy.key(key.bytes());
         self.policy.get(k).map(|c| c.object(py))
     }
 
     fn insert(
         &mut self,
-        key: &PyKey<'_>,
+        key: &PyKey<'_, '_>,
         chunk: PyChunk,
         ctx: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
@@ -151,7 +151,7 @@ where
             .py_err();
         }
         let position = if P::READS_POSITIONS {
-            Positions::new(ctx, &mut self.contexts)?.get(&key.0)?
+            Positions::new(ctx, &mut self.contexts)?.get(&key.bound())?
         } else {
             None
         };
@@ -170,7 +170,7 @@ where
         Ok(())
     }
 
-    fn remove(&mut self, key: &PyKey<'_>) -> PyResult<()> {
+    fn remove(&mut self, key: &PyKey<'_, '_>) -> PyResult<()> {
         let k = self.policy.key(key.bytes());
         self.policy.remove_key(k).py_err().map(drop)
     }
@@ -287,12 +287,12 @@ where
         self.owner.graveyard.take();
     }
 
-    fn mark_evictable(&mut self, key: &PyKey<'_>) -> PyResult<()> {
+    fn mark_evictable(&mut self, key: &PyKey<'_, '_>) -> PyResult<()> {
         let k = self.policy.key(key.bytes());
         self.policy.mark_evictable(k).py_err()
     }
 
-    fn mark_non_evictable(&mut self, key: &PyKey<'_>) -> PyResult<()> {
+    fn mark_non_evictable(&mut self, key: &PyKey<'_, '_>) -> PyResult<()> {
         let k = self.policy.key(key.bytes());
         self.policy.mark_non_evictable(k).py_err()
     }
@@ -393,11 +393,15 @@ impl BaseCachePolicy {
     }
 
     /// The chunk stored under `key` (the very object inserted), or None.
-    fn get<'py>(&self, py: Python<'py>, key: PyKey<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        key: PyKey<'_, 'py>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         Ok(self.inner.lock(py)?.get(py, &key))
     }
 
-    fn __contains__(&self, py: Python<'_>, key: PyKey<'_>) -> PyResult<bool> {
+    fn __contains__(&self, py: Python<'_>, key: PyKey<'_, '_>) -> PyResult<bool> {
         Ok(self.inner.lock(py)?.get(py, &key).is_some())
     }
 
@@ -417,7 +421,7 @@ impl BaseCachePolicy {
     fn insert(
         &self,
         py: Python<'_>,
-        key: PyKey<'_>,
+        key: PyKey<'_, '_>,
         chunk: PyChunk,
         req_context: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
@@ -426,7 +430,7 @@ impl BaseCachePolicy {
     }
 
     /// Drops a chunk whose store failed.
-    fn remove(&self, py: Python<'_>, key: PyKey<'_>) -> PyResult<()> {
+    fn remove(&self, py: Python<'_>, key: PyKey<'_, '_>) -> PyResult<()> {
         self.inner.lock(py)?.remove(&key)
     }
 
@@ -498,12 +502,12 @@ impl BaseCachePolicy {
     }
 
     /// The chunk's `ref_cnt` went to 0. ARC reads `ref_cnt` itself and only checks the key.
-    fn mark_evictable(&self, py: Python<'_>, key: PyKey<'_>) -> PyResult<()> {
+    fn mark_evictable(&self, py: Python<'_>, key: PyKey<'_, '_>) -> PyResult<()> {
         self.inner.lock(py)?.mark_evictable(&key)
     }
 
     /// The chunk's `ref_cnt` left 0. LRU requires the key to be evictable now.
-    fn mark_non_evictable(&self, py: Python<'_>, key: PyKey<'_>) -> PyResult<()> {
+    fn mark_non_evictable(&self, py: Python<'_>, key: PyKey<'_, '_>) -> PyResult<()> {
         self.inner.lock(py)?.mark_non_evictable(&key)
     }
 

@@ -580,6 +580,21 @@ impl<P: Policy<ChunkId>> Manager<P> {
         }
     }
 
+    /// The keys a request observed, in the order [`finish_request`](Self::finish_request) asks
+    /// for their positions; `None` if the request is unknown or already finished (then
+    /// finishing it changes nothing).
+    pub fn unfinished_request_keys(&self, token: RequestToken) -> Option<Vec<&[u8]>> {
+        let req = self.requests.get(token).filter(|r| !r.finished)?;
+        Some(req.keys_in_order().map(|k| k.key.as_slice()).collect())
+    }
+
+    /// How many keys an unfinished request observed (see
+    /// [`unfinished_request_keys`](Self::unfinished_request_keys)).
+    pub fn unfinished_request_len(&self, token: RequestToken) -> Option<usize> {
+        let req = self.requests.get(token).filter(|r| !r.finished)?;
+        Some(req.num_keys())
+    }
+
     /// Applies the finished request's accesses to the policy, once. `position(i, key)` gives the
     /// token position of the request's `i`-th observed key; it is called for every key before
     /// anything changes.
