@@ -18,9 +18,9 @@ use crate::chunk::RefCounts;
 use crate::entries::Entries;
 use crate::eviction::Evicted;
 use crate::index::Keyed;
-use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::key::{Key, KeyBuf};
 use crate::policy::{Access, EntryId, Inspection, Policy, Stat};
-use crate::slab::{Idx, Linked, Links, List};
+use crate::slab::{Idx, Links, List};
 
 /// Which ARC list an entry is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -61,27 +61,7 @@ struct ArcEntry<C> {
     chunk: Option<C>,
 }
 
-impl<C> Linked for ArcEntry<C> {
-    #[inline]
-    fn links(&self) -> &Links {
-        &self.links
-    }
-    #[inline]
-    fn links_mut(&mut self) -> &mut Links {
-        &mut self.links
-    }
-}
-
-impl<C> Keyed for ArcEntry<C> {
-    #[inline]
-    fn key_buf(&self) -> &KeyBuf {
-        &self.key
-    }
-    #[inline]
-    fn key_buf_mut(&mut self) -> &mut KeyBuf {
-        &mut self.key
-    }
-}
+crate::entries::keyed_entry!(ArcEntry<C>);
 
 pub struct ArcPolicy<C> {
     capacity: usize,
@@ -242,24 +222,7 @@ impl<C> Policy<C> for ArcPolicy<C> {
         self.list_len(ListId::T1) + self.list_len(ListId::T2)
     }
 
-    fn hasher(&self) -> &KeyHasher {
-        self.entries.hasher()
-    }
-
-    #[inline]
-    fn find(&self, key: Key<'_>) -> Option<EntryId> {
-        self.entries.find(key).map(EntryId)
-    }
-
-    fn find_many(&self, keys: &[Key<'_>]) -> Vec<Option<EntryId>> {
-        let found = self.entries.find_many(keys);
-        found.into_iter().map(|i| i.map(EntryId)).collect()
-    }
-
-    #[inline]
-    fn chunk(&self, id: EntryId) -> Option<&C> {
-        self.entries.get(id.0).chunk.as_ref()
-    }
+    crate::entries::entry_lookups!();
 
     #[inline]
     fn is_entry_of(&self, id: EntryId, key: &[u8]) -> bool {

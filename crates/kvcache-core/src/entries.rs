@@ -6,6 +6,65 @@ use crate::index::{KeyIndex, Keyed};
 use crate::key::{key_eq, Key, KeyHasher};
 use crate::slab::{Idx, Slab};
 
+/// [`Linked`](crate::slab::Linked) and [`Keyed`] for an entry type with `links` and `key`
+/// fields (`keyed_entry!(ArcEntry<C>)`).
+macro_rules! keyed_entry {
+    ($ty:ident < $($param:ident),* >) => {
+        impl<$($param),*> crate::slab::Linked for $ty<$($param),*> {
+            #[inline]
+            fn links(&self) -> &crate::slab::Links {
+                &self.links
+            }
+            #[inline]
+            fn links_mut(&mut self) -> &mut crate::slab::Links {
+                &mut self.links
+            }
+        }
+
+        impl<$($param),*> crate::index::Keyed for $ty<$($param),*> {
+            #[inline]
+            fn key_buf(&self) -> &crate::key::KeyBuf {
+                &self.key
+            }
+            #[inline]
+            fn key_buf_mut(&mut self) -> &mut crate::key::KeyBuf {
+                &mut self.key
+            }
+        }
+    };
+}
+pub(crate) use keyed_entry;
+
+/// The [`Policy`](crate::Policy) methods that only look entries up, for a policy whose entries
+/// (with a `chunk: Option<C>` field) live in `self.entries`: written once here, expanded into
+/// each policy's `impl Policy`.
+macro_rules! entry_lookups {
+    () => {
+        fn hasher(&self) -> &crate::key::KeyHasher {
+            self.entries.hasher()
+        }
+
+        #[inline]
+        fn find(&self, key: crate::key::Key<'_>) -> Option<crate::policy::EntryId> {
+            self.entries.find(key).map(crate::policy::EntryId)
+        }
+
+        fn find_many(&self, keys: &[crate::key::Key<'_>]) -> Vec<Option<crate::policy::EntryId>> {
+            let found = self.entries.find_many(keys);
+            found
+                .into_iter()
+                .map(|i| i.map(crate::policy::EntryId))
+                .collect()
+        }
+
+        #[inline]
+        fn chunk(&self, id: crate::policy::EntryId) -> Option<&C> {
+            self.entries.get(id.0).chunk.as_ref()
+        }
+    };
+}
+pub(crate) use entry_lookups;
+
 pub(crate) struct Entries<E> {
     pub(crate) slab: Slab<E>,
     index: KeyIndex,

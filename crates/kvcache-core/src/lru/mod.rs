@@ -29,9 +29,9 @@ use crate::chunk::RefCounts;
 use crate::entries::Entries;
 use crate::eviction::Evicted;
 use crate::index::Keyed;
-use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::key::{Key, KeyBuf};
 use crate::policy::{Access, EntryId, Inspection, Policy, RankedEntry, Stat};
-use crate::slab::{Idx, Linked, Links, List, Slab};
+use crate::slab::{Idx, Links, List, Slab};
 use group::Group;
 
 /// A request's shared rank and its group, valid for one cache generation (until `clear`) and
@@ -66,27 +66,7 @@ impl<C> LruEntry<C> {
     }
 }
 
-impl<C> Linked for LruEntry<C> {
-    #[inline]
-    fn links(&self) -> &Links {
-        &self.links
-    }
-    #[inline]
-    fn links_mut(&mut self) -> &mut Links {
-        &mut self.links
-    }
-}
-
-impl<C> Keyed for LruEntry<C> {
-    #[inline]
-    fn key_buf(&self) -> &KeyBuf {
-        &self.key
-    }
-    #[inline]
-    fn key_buf_mut(&mut self) -> &mut KeyBuf {
-        &mut self.key
-    }
-}
+crate::entries::keyed_entry!(LruEntry<C>);
 
 /// Insertions land at either end of a group in prefix-order traffic (O(1)); one that lands
 /// farther than this from both ends builds the group's position index (O(log k) from then on).
@@ -223,24 +203,7 @@ impl<C> Policy<C> for LruPolicy<C> {
         self.entries.len()
     }
 
-    fn hasher(&self) -> &KeyHasher {
-        self.entries.hasher()
-    }
-
-    #[inline]
-    fn find(&self, key: Key<'_>) -> Option<EntryId> {
-        self.entries.find(key).map(EntryId)
-    }
-
-    fn find_many(&self, keys: &[Key<'_>]) -> Vec<Option<EntryId>> {
-        let found = self.entries.find_many(keys);
-        found.into_iter().map(|i| i.map(EntryId)).collect()
-    }
-
-    #[inline]
-    fn chunk(&self, id: EntryId) -> Option<&C> {
-        self.entries.get(id.0).chunk.as_ref()
-    }
+    crate::entries::entry_lookups!();
 
     /// Anchors have no key of their own: a stale handle now naming one matches nothing.
     #[inline]

@@ -9,7 +9,7 @@
 
 use crate::index::{KeyIndex, Keyed};
 use crate::key::{Key, KeyBuf, KeyHasher};
-use crate::slab::{Linked, Links, List, Slab};
+use crate::slab::{Links, List, Slab};
 
 struct Tracked {
     key: KeyBuf,
@@ -17,23 +17,7 @@ struct Tracked {
     count: u32,
 }
 
-impl Linked for Tracked {
-    fn links(&self) -> &Links {
-        &self.links
-    }
-    fn links_mut(&mut self) -> &mut Links {
-        &mut self.links
-    }
-}
-
-impl Keyed for Tracked {
-    fn key_buf(&self) -> &KeyBuf {
-        &self.key
-    }
-    fn key_buf_mut(&mut self) -> &mut KeyBuf {
-        &mut self.key
-    }
-}
+crate::entries::keyed_entry!(Tracked<>);
 
 pub struct AccessTracker {
     max_size: usize,
