@@ -125,9 +125,17 @@ impl ChunkTable {
     /// Makes sure [`allocate`](Self::allocate)`(n)` will not need memory it cannot get.
     /// `n <= num_free()`.
     pub fn reserve(&mut self, n: usize) -> CoreResult<()> {
-        let fresh = n.min(self.num_chunks - self.records.len());
+        let len = self.records.len();
+        let fresh = n.min(self.num_chunks - len);
+        if fresh <= self.records.capacity() - len {
+            return Ok(());
+        }
+        // Doubling keeps growth amortised; the cap keeps a full table exactly `num_chunks`
+        // records long, so a full cache pays 16 bytes per chunk, as a table allocated up
+        // front would.
+        let target = (len + fresh).max(len.saturating_mul(2)).min(self.num_chunks);
         self.records
-            .try_reserve(fresh)
+            .try_reserve_exact(target - len)
             .map_err(|_| CoreError::OutOfMemory {
                 what: "the chunk table",
             })
@@ -200,6 +208,17 @@ mod tests {
         assert_eq!(t.record(3).ref_cnt(), PENDING);
         t.reset();
         assert_eq!(t.allocate(1), [0]);
+    }
+
+    #[test]
+    fn a_full_table_holds_exactly_num_chunks_records() {
+        let mut t = ChunkTable::new(1000).unwrap();
+        for _ in 0..100 {
+            t.reserve(10).unwrap();
+            t.allocate(10);
+        }
+        assert_eq!(t.records.capacity(), 1000);
+        assert_eq!(t.num_free(), 0);
     }
 
     #[test]
