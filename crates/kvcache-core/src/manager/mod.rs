@@ -27,7 +27,6 @@ use crate::eviction::Protected;
 use crate::key::{Key, KeyBuf, KeyHasher};
 use crate::policy::{Access, EntryId, Policy};
 use crate::registry::RequestToken;
-pub use request::group_index;
 use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
 pub use table::{ChunkId, ChunkRecord, ChunkTable, FREE, MAX_CHUNKS, PENDING};
 use tracker::AccessTracker;

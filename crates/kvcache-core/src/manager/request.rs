@@ -137,7 +137,7 @@ const POOL_SIZE: usize = 32;
 const POOL_MAX_KEYS: usize = 1024;
 
 /// vLLM's `get_offload_group_idx`: the key's last 4 bytes, big-endian (fewer if shorter).
-pub fn group_index(key: &[u8]) -> u32 {
+pub(crate) fn group_index(key: &[u8]) -> u32 {
     let tail = &key[key.len().saturating_sub(4)..];
     tail.iter().fold(0u32, |acc, &b| (acc << 8) | u32::from(b))
 }
