@@ -7,8 +7,11 @@ use crate::key::{key_eq, Key, KeyHasher};
 use crate::slab::{Idx, Slab};
 
 /// [`Linked`](crate::slab::Linked) and [`Keyed`] for an entry type with `links` and `key`
-/// fields (`keyed_entry!(ArcEntry<C>)`).
+/// fields (`keyed_entry!(ArcEntry<C>)`, `keyed_entry!(Plain)`).
 macro_rules! keyed_entry {
+    ($ty:ident) => {
+        crate::entries::keyed_entry!($ty<>);
+    };
     ($ty:ident < $($param:ident),* >) => {
         impl<$($param),*> crate::slab::Linked for $ty<$($param),*> {
             #[inline]

@@ -133,7 +133,9 @@ impl ChunkTable {
         // Doubling keeps growth amortised; the cap keeps a full table exactly `num_chunks`
         // records long, so a full cache pays 16 bytes per chunk, as a table allocated up
         // front would.
-        let target = (len + fresh).max(len.saturating_mul(2)).min(self.num_chunks);
+        let target = (len + fresh)
+            .max(len.saturating_mul(2))
+            .min(self.num_chunks);
         self.records
             .try_reserve_exact(target - len)
             .map_err(|_| CoreError::OutOfMemory {

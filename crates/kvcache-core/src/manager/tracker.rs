@@ -17,7 +17,7 @@ struct Tracked {
     count: u32,
 }
 
-crate::entries::keyed_entry!(Tracked<>);
+crate::entries::keyed_entry!(Tracked);
 
 pub struct AccessTracker {
     max_size: usize,
