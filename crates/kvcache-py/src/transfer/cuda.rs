@@ -14,8 +14,60 @@ use super::plan::Plan;
 use super::registrar::nonzero;
 use crate::errors::typed;
 
-type MemcpyAsyncFn =
+/// `cudaMemcpyAsync(dst, src, count, kind, stream)`.
+pub(super) type MemcpyAsyncFn =
     unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, *mut c_void) -> c_int;
+
+/// Why [`memcpy_each_run`] stopped at run `index`.
+pub(super) enum RunFailure {
+    /// An address or length this process cannot hold.
+    Unaddressable { index: usize },
+    /// `cudaMemcpyAsync` returned `code`.
+    Cuda { index: usize, code: c_int },
+}
+
+/// One `cudaMemcpyAsync(dst, src, len, kind, stream)` per run, in order, stopping at the first
+/// failure.
+///
+/// # Safety
+/// `memcpy` must be `cudaMemcpyAsync`, and every run must lie in memory that stays valid until
+/// the stream has executed the copies.
+pub(super) unsafe fn memcpy_each_run(
+    runs: &CopyRuns,
+    memcpy: MemcpyAsyncFn,
+    kind: c_int,
+    stream: *mut c_void,
+) -> Result<(), RunFailure> {
+    for (index, ((&src, &dst), &len)) in runs
+        .src()
+        .iter()
+        .zip(runs.dst())
+        .zip(runs.lens())
+        .enumerate()
+    {
+        let (Ok(src), Ok(dst), Ok(len)) = (
+            usize::try_from(src),
+            usize::try_from(dst),
+            usize::try_from(len),
+        ) else {
+            return Err(RunFailure::Unaddressable { index });
+        };
+        // SAFETY: the caller passes cudaMemcpyAsync and runs inside live memory (see above).
+        let code = unsafe {
+            memcpy(
+                std::ptr::with_exposed_provenance_mut(dst),
+                std::ptr::with_exposed_provenance(src),
+                len,
+                kind,
+                stream,
+            )
+        };
+        if code != 0 {
+            return Err(RunFailure::Cuda { index, code });
+        }
+    }
+    Ok(())
+}
 
 /// `CUmemLocation`.
 #[repr(C)]
@@ -84,38 +136,16 @@ pub(crate) fn cuda_memcpy_runs(
     Ok(py.detach(move || {
         let _guard = data.region().copy_guard();
         let runs = data.runs();
-        for (i, ((&src, &dst), &len)) in runs
-            .src()
-            .iter()
-            .zip(runs.dst())
-            .zip(runs.lens())
-            .enumerate()
-        {
-            let (Ok(src), Ok(dst), Ok(len)) = (
-                usize::try_from(src),
-                usize::try_from(dst),
-                usize::try_from(len),
-            ) else {
-                // cudaErrorInvalidValue: an address this process cannot hold.
-                return (i, 1);
-            };
-            // SAFETY: the plan's runs lie inside the pool and the device layers it was
-            // validated against; the plan (held by `data`) keeps the pool mapped, and the
-            // caller keeps the device tensors alive until the stream has executed the copies.
-            let rc = unsafe {
-                memcpy(
-                    std::ptr::with_exposed_provenance_mut(dst),
-                    std::ptr::with_exposed_provenance(src),
-                    len,
-                    kind,
-                    stream_ptr(stream),
-                )
-            };
-            if rc != 0 {
-                return (i, rc);
-            }
+        // SAFETY: `memcpy` is cudaMemcpyAsync (above); the plan's runs lie inside the pool and
+        // the device layers it was validated against; the plan (held by `data`) keeps the pool
+        // mapped, and the caller keeps the device tensors alive until the stream has executed
+        // the copies.
+        match unsafe { memcpy_each_run(runs, memcpy, kind, stream_ptr(stream)) } {
+            Ok(()) => (runs.len(), 0),
+            // cudaErrorInvalidValue: an address this process cannot hold.
+            Err(RunFailure::Unaddressable { index }) => (index, 1),
+            Err(RunFailure::Cuda { index, code }) => (index, code),
         }
-        (runs.len(), 0)
     }))
 }
 

@@ -26,6 +26,7 @@ use std::thread::JoinHandle;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::cuda::{memcpy_each_run, MemcpyAsyncFn, RunFailure};
 use super::plan::{Plan, PlanData};
 use super::registrar::nonzero;
 use crate::errors::typed;
@@ -44,8 +45,6 @@ type EventRecordFn = unsafe extern "C" fn(Event, Stream) -> c_int;
 type ElapsedFn = unsafe extern "C" fn(*mut c_float, Event, Event) -> c_int;
 type StreamWaitFn = unsafe extern "C" fn(Stream, Event, c_uint) -> c_int;
 type StreamFn = unsafe extern "C" fn(Stream) -> c_int;
-type MemcpyAsyncFn =
-    unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, Stream) -> c_int;
 type SetDeviceFn = unsafe extern "C" fn(c_int) -> c_int;
 type LastErrorFn = unsafe extern "C" fn() -> c_int;
 type ErrorStringFn = unsafe extern "C" fn(c_int) -> *const c_char;
@@ -243,38 +242,20 @@ fn enqueue_copies(shared: &Shared, plan: &PlanData, order: i32) -> Option<String
             }
         }
     }
-    for (i, ((&src, &dst), &len)) in runs
-        .src()
-        .iter()
-        .zip(runs.dst())
-        .zip(runs.lens())
-        .enumerate()
-    {
-        let (Ok(src), Ok(dst), Ok(len)) = (
-            usize::try_from(src),
-            usize::try_from(dst),
-            usize::try_from(len),
-        ) else {
-            return Some(format!("run {i} does not fit in this address space"));
-        };
-        // SAFETY: the plan's runs lie inside the pool and the device tensors it was validated
-        // against; the plan (held by this job until it is reported) keeps the pool mapped, and
-        // the engine keeps the device tensors alive. cudaMemcpyDefault (4) infers the direction.
-        let rc = unsafe {
-            (shared.fns.memcpy_async)(
-                std::ptr::with_exposed_provenance_mut(dst),
-                std::ptr::with_exposed_provenance(src),
-                len,
-                4,
-                shared.stream(),
-            )
-        };
-        if rc != 0 {
-            let cause = shared.fns.describe("cudaMemcpyAsync", rc);
-            return Some(format!("{cause} after {i} of {} runs", runs.len()));
+    // SAFETY: `memcpy_async` is cudaMemcpyAsync (resolved by name); the plan's runs lie inside
+    // the pool and the device tensors it was validated against; the plan (held by this job
+    // until it is reported) keeps the pool mapped, and the engine keeps the device tensors
+    // alive. cudaMemcpyDefault (4) infers the direction.
+    match unsafe { memcpy_each_run(runs, shared.fns.memcpy_async, 4, shared.stream()) } {
+        Ok(()) => None,
+        Err(RunFailure::Unaddressable { index }) => {
+            Some(format!("run {index} does not fit in this address space"))
+        }
+        Err(RunFailure::Cuda { index, code }) => {
+            let cause = shared.fns.describe("cudaMemcpyAsync", code);
+            Some(format!("{cause} after {index} of {} runs", runs.len()))
         }
     }
-    None
 }
 
 fn run_queue(rx: Receiver<QueuedJob>, shared: Arc<Shared>, device: i32) {
