@@ -322,29 +322,39 @@ impl State {
         let keys = collect_keys(keys)?;
         let (positions, cursor) = self.positions(ctx, &keys)?;
         self.bury_dead();
-        let live = match self.owner.cached(ctx) {
-            Some(token) => self.ops.is_live_request(token),
-            None => self
-                .owner
-                .existing_token(ctx)?
-                .is_some_and(|t| self.ops.is_live_request(t)),
-        };
+        if let Some(token) = self.cached_live(ctx) {
+            return Ok((keys, positions, cursor, token));
+        }
+        let live = self
+            .owner
+            .existing_token(ctx)?
+            .is_some_and(|t| self.ops.is_live_request(t));
         if !live {
             let ks = self.keys(&keys);
             self.ops.check_request_call(&ks, load).py_err()?;
         }
-        let token = self.request(ctx)?;
+        let token = self.token_on(ctx)?;
         Ok((keys, positions, cursor, token))
     }
 
     /// The manager's request state for `ctx` (created on first sight, as vLLM does).
     fn request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<RequestToken> {
         self.bury_dead();
-        if let Some(token) = self.owner.cached(ctx) {
-            if self.ops.is_live_request(token) {
-                return Ok(token);
-            }
+        match self.cached_live(ctx) {
+            Some(token) => Ok(token),
+            None => self.token_on(ctx),
         }
+    }
+
+    /// The token of a recently seen context, if its request state is still live.
+    fn cached_live(&self, ctx: &Bound<'_, PyAny>) -> Option<RequestToken> {
+        self.owner
+            .cached(ctx)
+            .filter(|&token| self.ops.is_live_request(token))
+    }
+
+    /// The token stored on `ctx`, made valid (a new request state if it has none).
+    fn token_on(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<RequestToken> {
         let ops = &mut self.ops;
         self.owner.token(ctx, |current| ops.request(current))
     }
