@@ -388,6 +388,10 @@ impl<C> Policy<C> for ArcPolicy<C> {
         self.entries.heap_bytes()
     }
 
+    fn stats(&self) -> Vec<(&'static str, Stat)> {
+        vec![("target_t1_size", Stat::Value(self.target_t1_size))]
+    }
+
     fn inspect(&self) -> Inspection<'_> {
         Inspection {
             lists: ListId::ALL
@@ -395,7 +399,7 @@ impl<C> Policy<C> for ArcPolicy<C> {
                 .map(|&l| (l.name(), self.list_keys(l).collect()))
                 .collect(),
             ranks: None,
-            stats: vec![("target_t1_size", Stat::Value(self.target_t1_size))],
+            stats: self.stats(),
         }
     }
 

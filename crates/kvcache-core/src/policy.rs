@@ -160,6 +160,8 @@ pub trait Policy<C>: Sized {
     fn heap_bytes(&self) -> usize;
     /// The policy's internal state, for tests and debugging.
     fn inspect(&self) -> Inspection<'_>;
+    /// The named figures of [`inspect`](Self::inspect), without its key lists (cheap).
+    fn stats(&self) -> Vec<(&'static str, Stat)>;
     /// Checks every structural invariant; `Err` names the first one broken.
     #[cfg(any(test, feature = "validate"))]
     fn validate(&self, counts: &impl RefCounts<C>) -> Result<(), String>;

@@ -298,9 +298,8 @@ where
     }
 
     fn stat(&self, name: &str) -> Option<Stat> {
-        let inspection = self.policy.inspect();
-        inspection
-            .stats
+        self.policy
+            .stats()
             .into_iter()
             .find_map(|(n, v)| (n == name).then_some(v))
     }

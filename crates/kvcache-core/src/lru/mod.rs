@@ -350,11 +350,15 @@ impl<C> Policy<C> for LruPolicy<C> {
         self.entries.heap_bytes() + self.groups.allocation_size() + position_indexes
     }
 
+    fn stats(&self) -> Vec<(&'static str, Stat)> {
+        vec![("request_groups", Stat::Count(self.num_request_groups()))]
+    }
+
     fn inspect(&self) -> Inspection<'_> {
         Inspection {
             lists: Vec::new(),
             ranks: Some(self.entries().collect()),
-            stats: vec![("request_groups", Stat::Count(self.num_request_groups()))],
+            stats: self.stats(),
         }
     }
 
