@@ -242,15 +242,27 @@ impl<P: Policy<ChunkId>> Manager<P> {
             return unique_in(keys, &mut hashbrown::HashTable::new());
         }
         for (&key, found) in keys.iter().zip(self.policy.find_many(keys)) {
-            match found.and_then(|id| self.policy.chunk(id)) {
-                None => return Err(CoreError::KeyNotFound(KeyBuf::new(key.bytes))),
-                Some(&c) if self.table.record(c).ref_cnt() < 0 => {
-                    return Err(CoreError::ChunkPending(KeyBuf::new(key.bytes)));
-                }
-                Some(_) => {}
-            }
+            self.loadable(key, found)?;
         }
         Ok(())
+    }
+
+    /// The resident entry a handle names, with its chunk (`None` for an absent key or a ghost).
+    #[inline]
+    fn resident(&self, found: Option<EntryId>) -> Option<(EntryId, ChunkId)> {
+        found.and_then(|id| self.policy.chunk(id).map(|&c| (id, c)))
+    }
+
+    /// The entry and chunk a load of `key` reads: resident, and ready (not pending).
+    #[inline]
+    fn loadable(&self, key: Key<'_>, found: Option<EntryId>) -> CoreResult<(EntryId, ChunkId)> {
+        let Some((handle, chunk)) = self.resident(found) else {
+            return Err(CoreError::KeyNotFound(KeyBuf::new(key.bytes)));
+        };
+        if self.table.record(chunk).ref_cnt() < 0 {
+            return Err(CoreError::ChunkPending(KeyBuf::new(key.bytes)));
+        }
+        Ok((handle, chunk))
     }
 
     fn check_unique(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
@@ -317,14 +329,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
         for (i, ((&key, &position), &found)) in
             keys.iter().zip(positions).zip(&resolved).enumerate()
         {
-            let Some((handle, &chunk)) =
-                found.and_then(|id| self.policy.chunk(id).map(|c| (id, c)))
-            else {
-                return Err(CoreError::KeyNotFound(KeyBuf::new(key.bytes)));
-            };
-            if self.table.record(chunk).ref_cnt() < 0 {
-                return Err(CoreError::ChunkPending(KeyBuf::new(key.bytes)));
-            }
+            let (handle, chunk) = self.loadable(key, found)?;
             recorded.push(Recorded {
                 offer_index: i,
                 key,
@@ -373,9 +378,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
         };
         let resolved = self.policy.find_many(keys);
         for (&key, &found) in keys.iter().zip(&resolved) {
-            let Some((handle, &chunk)) =
-                found.and_then(|id| self.policy.chunk(id).map(|c| (id, c)))
-            else {
+            let Some((handle, chunk)) = self.resident(found) else {
                 undo(&self.table, &done);
                 return Err(CoreError::KeyNotFound(KeyBuf::new(key.bytes)));
             };
@@ -419,8 +422,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
         for (i, ((&key, &position), &entry)) in
             keys.iter().zip(positions).zip(&resolved).enumerate()
         {
-            if let Some((id, &chunk)) = entry.and_then(|id| self.policy.chunk(id).map(|c| (id, c)))
-            {
+            if let Some((id, chunk)) = self.resident(entry) {
                 if self.table.record(chunk).ref_cnt() >= 0 {
                     // A chunk this offer names must stay cached.
                     protected.push(id);
