@@ -3,6 +3,14 @@ OffloadingSpecFactory, and the manager as an instance of vLLM's OffloadingManage
 
 from __future__ import annotations
 
+import io
+import itertools
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -241,3 +249,138 @@ def test_vllm_version_is_checked() -> None:
     assert isinstance(info.value, kvcache.KvCacheError)
     assert isinstance(info.value, RuntimeError)
     check_vllm_version("0.34.0", allow_untested=True)  # warns, does not raise
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A vLLM process as vLLM sets one up: its logging configured by vllm.logger (the vllm logger
+# alone, propagate False, root untouched), then the connector loads our spec by name.
+VLLM_PROCESS = """
+import logging, sys
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging
+configure_logging(LoggingConfig())
+assert not logging.getLogger().handlers
+from tests.test_vllm_adapter import our_spec
+our_spec(eviction_policy="arc", cache_policy_module_path="kvcache.vllm").get_manager()
+"""
+
+VLLM_LINE = r"^\(MainProcess pid=\d+\) {level} \d\d-\d\d \d\d:\d\d:\d\d \[vllm\.py:\d+\] "
+
+
+def run_vllm_process(**env: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", VLLM_PROCESS],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO / "python"), str(REPO)]),
+            "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+            "VLLM_LOGGING_COLOR": "0",
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def test_log_lines_come_out_through_vllms_logging() -> None:
+    """INFO reaches vLLM's handler in vLLM's format (not dropped), warnings too (not bare
+    through Python's last-resort handler), each once."""
+    require_oracle()
+    err = run_vllm_process()
+    ready = re.findall(VLLM_LINE.format(level="INFO") + "kvcache manager ready: .*$", err, re.M)
+    assert len(ready) == 1, err
+    assert "manager=kvcache (Rust) policy=arc" in ready[0]
+    warned = re.findall(VLLM_LINE.format(level="WARNING") + r"eviction_policy 'arc'.*$", err, re.M)
+    assert len(warned) == 1, err
+    assert not re.search(r"^eviction_policy 'arc'", err, re.M)  # no bare last-resort copy
+
+
+def test_log_routing_stays_off_when_vllm_does_not_configure_logging() -> None:
+    require_oracle()
+    err = run_vllm_process(VLLM_CONFIGURE_LOGGING="0")
+    assert "kvcache manager ready" not in err  # INFO: no handler anywhere, as before
+    assert "(MainProcess pid=" not in err
+
+
+_LOGGER_IDS = itertools.count()
+
+
+@pytest.fixture
+def log_names(monkeypatch: pytest.MonkeyPatch) -> tuple[logging.Logger, logging.Logger]:
+    """Routing between two private loggers standing for ``kvcache`` and ``vllm``."""
+    from kvcache import _vllm_logging
+
+    n = next(_LOGGER_IDS)
+    ours = logging.getLogger(f"kvcache-test-{n}")
+    vllm = logging.getLogger(f"vllm-test-{n}")
+    monkeypatch.setattr(_vllm_logging, "KVCACHE_LOGGER", ours.name)
+    monkeypatch.setattr(_vllm_logging, "VLLM_LOGGER", vllm.name)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    # (Both propagate when the test starts: pytest attaches its capture handlers to every
+    # logger that does not.)
+    vllm.setLevel(logging.INFO)
+    return ours, vllm
+
+
+def test_log_routing_follows_vllms_handlers_and_level(
+    log_names: tuple[logging.Logger, logging.Logger],
+) -> None:
+    from kvcache._vllm_logging import route_to_vllm
+
+    ours, vllm = log_names
+    assert not route_to_vllm()  # vLLM has no handler yet: nothing to route to
+    assert not ours.handlers
+    first = io.StringIO()
+    vllm.addHandler(logging.StreamHandler(first))
+    assert route_to_vllm()
+    assert route_to_vllm()  # idempotent: one forwarding handler
+    assert len(ours.handlers) == 1
+    assert not ours.propagate
+    assert ours.level == logging.INFO
+    logging.getLogger(ours.name + ".manager").info("hello")
+    logging.getLogger(ours.name + ".manager").debug("too fine for vLLM's level")
+    assert first.getvalue() == "hello\n"
+    # vLLM reconfigures its logging: new handler objects, a stricter level.
+    second = io.StringIO()
+    vllm.handlers = [logging.StreamHandler(second)]
+    vllm.setLevel(logging.WARNING)
+    ours.info("dropped")
+    ours.warning("kept")
+    assert second.getvalue() == "kept\n"
+    assert first.getvalue() == "hello\n"
+
+
+def test_log_routing_leaves_a_user_configured_kvcache_logger_alone(
+    log_names: tuple[logging.Logger, logging.Logger],
+) -> None:
+    from kvcache._vllm_logging import route_to_vllm
+
+    ours, vllm = log_names
+    vllm_out, user_out = io.StringIO(), io.StringIO()
+    vllm.addHandler(logging.StreamHandler(vllm_out))
+    user = logging.StreamHandler(user_out)
+    ours.addHandler(user)
+    ours.setLevel(logging.INFO)
+    assert not route_to_vllm()
+    assert ours.handlers == [user]
+    assert ours.propagate
+    ours.info("once")
+    assert user_out.getvalue() == "once\n"
+    assert vllm_out.getvalue() == ""
+
+
+def test_log_routing_off_when_vllm_logging_is_disabled(
+    log_names: tuple[logging.Logger, logging.Logger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcache._vllm_logging import route_to_vllm
+
+    ours, vllm = log_names
+    vllm.addHandler(logging.StreamHandler(io.StringIO()))
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    assert not route_to_vllm()
+    assert not ours.handlers

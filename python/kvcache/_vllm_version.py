@@ -44,6 +44,9 @@ def check_vllm_version(version: str, *, allow_untested: bool) -> None:
 def check_installed_vllm() -> None:
     import vllm
 
+    from kvcache._vllm_logging import route_to_vllm
+
+    route_to_vllm()  # first, so that even the warning below comes out in vLLM's format
     check_vllm_version(
         getattr(vllm, "__version__", "unknown"),
         allow_untested=os.environ.get(ALLOW_UNTESTED_ENV, "") == "1",

@@ -75,6 +75,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcache._core import ARCCachePolicy, InvalidArgumentError, InvalidTypeError, LRUCachePolicy
 from kvcache._core import OffloadingManager as _RustManager
+from kvcache._vllm_logging import route_to_vllm
 from kvcache._vllm_worker import CPUOffloadingWorker
 
 __all__ = [
@@ -210,6 +211,7 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
+        route_to_vllm()  # vLLM may have configured its logging after this module was imported
         super().__init__(config)
         extra = self.extra_config
         self.use_kvcache_worker = _flag(extra, "kvcache_worker", True)
