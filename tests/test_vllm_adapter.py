@@ -251,6 +251,25 @@ def test_vllm_version_is_checked() -> None:
     check_vllm_version("0.34.0", allow_untested=True)  # warns, does not raise
 
 
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.0+cu129", "0.33.0+rocm7.1", "0.33.0.post1"])
+def test_vllm_builds_of_the_tested_release_are_accepted(version: str) -> None:
+    require_oracle()
+    from kvcache._vllm_version import check_vllm_version
+
+    check_vllm_version(version, allow_untested=False)
+
+
+@pytest.mark.parametrize(
+    "version", ["0.33.1", "1!0.33.0", "0.33.0rc1", "0.33.0.dev3+g1234", "0.32.9+cu129", "unknown"]
+)
+def test_other_vllm_releases_are_refused(version: str) -> None:
+    require_oracle()
+    from kvcache._vllm_version import UnsupportedVersionError, check_vllm_version
+
+    with pytest.raises(UnsupportedVersionError, match=re.escape(f"vLLM {version} is installed")):
+        check_vllm_version(version, allow_untested=False)
+
+
 REPO = Path(__file__).resolve().parent.parent
 
 # A vLLM process as vLLM sets one up: its logging configured by vllm.logger (the vllm logger

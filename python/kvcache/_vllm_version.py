@@ -25,10 +25,24 @@ class UnsupportedVersionError(KvCacheError, RuntimeError):
     """The installed vLLM is not the release kvcache's adapter was tested against."""
 
 
+def is_tested_release(version: str) -> bool:
+    """``version`` is the tested release, whatever its local label (a CUDA build such as
+    ``0.33.0+cu129``) or post-release number; a pre- or dev-release of it is not."""
+    # vLLM itself imports packaging (its config module), so it is there wherever vLLM is.
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return False
+    same_release = Version(parsed.base_version) == Version(TESTED_VLLM_VERSION)
+    return same_release and not parsed.is_prerelease and not parsed.is_devrelease
+
+
 def check_vllm_version(version: str, *, allow_untested: bool) -> None:
-    """Raises :class:`UnsupportedVersionError` unless ``version`` is the tested release or
-    ``allow_untested`` is set (then logs a warning)."""
-    if version == TESTED_VLLM_VERSION:
+    """Raises :class:`UnsupportedVersionError` unless ``version`` is the tested release (any
+    local label or post-release of it) or ``allow_untested`` is set (then logs a warning)."""
+    if is_tested_release(version):
         return
     message = (
         f"kvcache.vllm was tested against vLLM {TESTED_VLLM_VERSION}, but vLLM {version} is "
