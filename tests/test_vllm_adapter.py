@@ -191,6 +191,10 @@ def test_the_arc_name_trap_is_warned_about(caplog: pytest.LogCaptureFixture) -> 
     ("extra", "exc"),
     [
         ({"max_tracker_size": -5}, ValueError),
+        ({"max_tracker_size": float("inf")}, ValueError),
+        ({"store_threshold": float("inf")}, ValueError),
+        ({"store_threshold": float("nan")}, ValueError),
+        ({"store_threshold": "many"}, ValueError),
         ({"cpu_bytes_to_use": (2**32 + 1) * 4096}, ValueError),  # more chunks than ids
     ],
 )
@@ -226,6 +230,10 @@ def test_startup_line_names_manager_policy_and_worker(caplog: pytest.LogCaptureF
         ({"kvcache_copy": "fast"}, ValueError),
         ({"kvcache_kernel_max_run_bytes": -1}, ValueError),
         ({"kvcache_kernel_max_run_bytes": 1.5}, TypeError),
+        ({"eviction_policy": "arc", "cache_policy_module_path": 5}, TypeError),
+        ({"eviction_policy": "ARCCachePolicy", "cache_policy_module_path": ["kvcache"]}, TypeError),
+        ({"eviction_policy": 5}, TypeError),
+        ({"eviction_policy": ["arc"]}, TypeError),
     ],
 )
 def test_bad_kvcache_settings_raise_typed_errors(extra: dict[str, Any], exc: type) -> None:

@@ -223,6 +223,20 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
         if cutoff is not None and cutoff < 0:
             raise InvalidArgumentError("kvcache_kernel_max_run_bytes must be >= 0")
         self.kernel_max_run_bytes: int | None = cutoff
+        # vLLM takes both as given; anything but a string would only surface later, as an
+        # "out-of-tree policy" silently run by vLLM's manager.
+        if not isinstance(self.eviction_policy, str):
+            raise InvalidTypeError(
+                "eviction_policy in kv_connector_extra_config must be a string, got "
+                f"{self.eviction_policy!r}"
+            )
+        if self.cache_policy_module_path is not None and not isinstance(
+            self.cache_policy_module_path, str
+        ):
+            raise InvalidTypeError(
+                "cache_policy_module_path in kv_connector_extra_config must be a module path "
+                f"(a string) or null, got {self.cache_policy_module_path!r}"
+            )
         self.policy_kind = rust_policy(self.eviction_policy, self.cache_policy_module_path)
         if (
             self.cache_policy_module_path in OUR_MODULES[1:]
@@ -254,7 +268,7 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
         value = self.extra_config.get(name, default)
         try:
             return int(value)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: inf
             raise InvalidArgumentError(
                 f"kv_connector_extra_config[{name!r}] must be an integer, got {value!r}"
             ) from exc
