@@ -11,6 +11,7 @@ import io
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -457,18 +458,101 @@ def test_bad_block_size_options(
 
 def test_huge_capacity_is_clamped_with_a_note(capsys: pytest.CaptureFixture[str]) -> None:
     document, err = replay_json(
-        ["--requests", "50", "--policy", "lru", "--capacity", "999999999,100%"], capsys
+        ["--requests", "50", "--policy", "lru", "--capacity", "999999999,50%"], capsys
     )
     unique = document["meta"]["workload"]["unique_blocks"]
-    clamped, full = document["rows"]
+    clamped, half = document["rows"]
     assert (clamped["capacity"], clamped["capacity_requested"]) == (unique, 999999999)
-    assert full["capacity"] == full["capacity_requested"] == unique
-    # The same decisions as the cache that just fits.
-    for name in ("hits", "stored", "evicted", "failed_prepares"):
-        assert clamped[name] == full[name]
+    assert half["capacity"] < unique
+    assert clamped["evicted"] == 0  # the cache that just fits never evicts
     assert err.count("\n") == 1
     assert "note: capacity 999999999 is 999,999,999 chunks" in err
     assert f"replaying with {unique:,}" in err
+
+
+def test_capacities_of_the_same_chunks_run_once_with_a_note(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    document, err = replay_json(
+        ["--requests", "50", "--policy", "lru", "--capacity", "100%,150%,100%,999999999"], capsys
+    )
+    unique = document["meta"]["workload"]["unique_blocks"]
+    (row,) = document["rows"]
+    assert row["capacity"] == row["capacity_requested"] == unique
+    lines = err.splitlines()
+    assert lines == [
+        f"kvcache replay: note: capacity 150% clamps to the same {unique:,} chunks as 100%; "
+        "replayed once",
+        "kvcache replay: note: capacity 100% is given twice; replayed once",
+        f"kvcache replay: note: capacity 999999999 clamps to the same {unique:,} chunks as "
+        "100%; replayed once",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--requests", "99999999999"], "at most 100,000 requests"),
+        (["--requests", str(cli.MAX_SYNTHETIC_REQUESTS + 1)], "generated in memory"),
+        (["--block-tokens", "99999999999999999999"], "at most 1,048,576 tokens"),
+    ],
+)
+def test_sizes_that_would_exhaust_memory_are_refused(
+    argv: list[str],
+    fragment: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cli, "synthetic_chat", _no_workload)
+    assert_one_line_error(*run(["replay", *argv], capsys), fragment)
+
+
+def _no_workload(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("the workload was generated before the options were checked")
+
+
+def test_trace_options_are_bounded_and_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "one.jsonl"
+    trace.write_text(json.dumps({"hash_ids": [1, 2]}) + "\n")
+    huge_block = ["replay", "--trace", str(trace), "--block-tokens", "99999999999999999999"]
+    assert_one_line_error(*run(huge_block, capsys), "--block-tokens", "at most")
+    seeded = ["replay", "--trace", str(trace), "--seed", "3"]
+    assert_one_line_error(*run(seeded, capsys), "--seed", "trace")
+    # --requests only caps how much of a trace is read: any count is fine.
+    rc, out, err = run(
+        [
+            "replay",
+            "--quiet",
+            "--trace",
+            str(trace),
+            "--requests",
+            "99999999999",
+            "--capacity",
+            "1",
+        ],
+        capsys,
+    )
+    assert rc == 0, err
+    assert "1 request, 2 key visits, 2 unique blocks (512 tokens each)" in out
+
+
+def test_a_line_per_finished_run_when_stderr_is_not_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc, _, err = run(["replay", "--requests", "30", "--capacity", "1,50%"], capsys)
+    assert rc == 0
+    lines = err.splitlines()
+    assert len(lines) == 4, err
+    for k, line in enumerate(lines, start=1):
+        assert re.fullmatch(
+            rf"kvcache replay: run {k}/4 done in \d+\.\d s: kvcache (lru|arc) [\d,]+ chunks?", line
+        ), line
+    assert lines[0].endswith("lru 1 chunk")
+    rc, _, err = run(["replay", "--quiet", "--requests", "30", "--capacity", "1,50%"], capsys)
+    assert rc == 0
+    assert err == ""
 
 
 def test_plot_path_is_checked_before_the_run(
@@ -552,17 +636,11 @@ def test_progress_shows_run_k_of_n_on_a_terminal(
     assert "<" in drawn  # elapsed<remaining
 
 
-def test_no_progress_when_quiet_or_not_a_terminal(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_no_progress_when_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     assert cli.main(["replay", "--quiet", "--requests", "30", "--capacity", "10%"]) == 0
     assert terminal.getvalue() == ""
-    monkeypatch.undo()
-    rc, _, err = run(["replay", "--requests", "30", "--capacity", "10%"], capsys)
-    assert rc == 0
-    assert err == ""
 
 
 # --- missing optional dependencies: one line, exit 2 ------------------------------------------

@@ -36,6 +36,7 @@ from kvcache.replay.capacity import (
 )
 from kvcache.replay.driver import ReplayOptions
 from kvcache.replay.errors import ConfigError, ReplayError
+from kvcache.replay.progress import GridProgress, RunLines
 from kvcache.replay.report import (
     check_plot_path,
     format_table,
@@ -54,6 +55,10 @@ DEFAULT_CAPACITIES = "10%,25%,50%,100%"
 DEFAULT_KV_DTYPE = "bfloat16"
 #: The name pip knows kvcache by (for install hints; the import package is ``kvcache``).
 DISTRIBUTION = "kvcache-offload"
+#: The built-in workload is generated in memory: 100,000 requests are ~22 M key visits, ~1 GB.
+MAX_SYNTHETIC_REQUESTS = 100_000
+#: Tokens per key: far above any KV block size, and keeps every token position within int64.
+MAX_BLOCK_TOKENS = 1 << 20
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,6 +75,15 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return value
+
+
+def _block_tokens(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_BLOCK_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"expected at most {MAX_BLOCK_TOKENS:,} tokens, not {text}"
+        )
     return value
 
 
@@ -113,13 +127,15 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
         "--requests",
         type=_positive_int,
         metavar="N",
-        help=f"synthetic: number of requests (default {SyntheticChat().requests}); "
-        "trace: replay only the first N",
+        help=f"synthetic: number of requests (default {SyntheticChat().requests}, at most "
+        f"{MAX_SYNTHETIC_REQUESTS:,}); trace: replay only the first N",
     )
-    wl.add_argument("--seed", type=int, default=0, help="synthetic workload seed (default 0)")
+    wl.add_argument(
+        "--seed", type=int, metavar="N", help="synthetic workload seed (default 0; not for traces)"
+    )
     wl.add_argument(
         "--block-tokens",
-        type=_positive_int,
+        type=_block_tokens,
         metavar="N",
         help=f"tokens per key (default {SyntheticChat().block_tokens} synthetic, "
         f"{DEFAULT_TRACE_BLOCK_TOKENS} for traces)",
@@ -220,7 +236,11 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
         metavar="FILE.png",
         help="draw hit ratio vs capacity per policy (GiB when the block size is known)",
     )
-    out.add_argument("--quiet", action="store_true", help="no progress bar")
+    out.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress (a bar on a terminal, else a line per finished run)",
+    )
 
 
 def _add_transfer_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
@@ -252,6 +272,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_workload_flags(args: argparse.Namespace) -> None:
+    if args.trace is not None:
+        if args.seed is not None:
+            raise ConfigError("--seed sets the built-in workload; a trace replays as recorded")
+    elif args.requests is not None and args.requests > MAX_SYNTHETIC_REQUESTS:
+        raise ConfigError(
+            f"--requests {args.requests:,}: the built-in workload is generated in memory; "
+            f"at most {MAX_SYNTHETIC_REQUESTS:,} requests"
+        )
+
+
 def _load_workload(args: argparse.Namespace) -> Workload:
     if args.trace is not None:
         return load_mooncake_trace(
@@ -262,7 +293,7 @@ def _load_workload(args: argparse.Namespace) -> Workload:
     defaults = SyntheticChat()
     spec = SyntheticChat(
         requests=args.requests or defaults.requests,
-        seed=args.seed,
+        seed=0 if args.seed is None else args.seed,
         block_tokens=args.block_tokens or defaults.block_tokens,
     )
     return synthetic_chat(spec)
@@ -304,12 +335,36 @@ def _block_size(args: argparse.Namespace, block_tokens: int) -> BlockSize | None
     )
 
 
+def _chunks(n: int) -> str:
+    return f"{n:,} chunk" + ("" if n == 1 else "s")
+
+
 def _clamp_note(capacity: Capacity, workload: Workload) -> str:
     return (
-        f"kvcache replay: note: capacity {capacity.spec} is {capacity.requested:,} chunks, more "
+        f"kvcache replay: note: capacity {capacity.spec} is {_chunks(capacity.requested)}, more "
         f"than the workload's {workload.unique_blocks:,} unique blocks; replaying with "
         f"{capacity.chunks:,} (a larger cache would decide the same: it never evicts)"
     )
+
+
+def _dedupe(capacities: list[Capacity], workload: Workload, stderr: TextIO) -> list[Capacity]:
+    """One run per chunk count, with a note for each capacity clamped or left out: capacities
+    that resolve (or clamp) to the same number of chunks would replay the same decisions."""
+    first: dict[int, Capacity] = {}
+    for capacity in capacities:
+        kept = first.setdefault(capacity.chunks, capacity)
+        if kept is capacity:
+            if capacity.clamped:
+                print(_clamp_note(capacity, workload), file=stderr)
+            continue
+        if capacity.spec == kept.spec:
+            note = f"capacity {capacity.spec} is given twice"
+        else:
+            verb = "clamps to" if capacity.clamped else "is"
+            same = _chunks(capacity.chunks)
+            note = f"capacity {capacity.spec} {verb} the same {same} as {kept.spec}"
+        print(f"kvcache replay: note: {note}; replayed once", file=stderr)
+    return list(first.values())
 
 
 def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stderr: TextIO) -> int:
@@ -317,6 +372,7 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
     policies = parse_policies(args.policy)
     specs = parse_capacities(args.capacity)
     _check_block_flags(args)
+    _check_workload_flags(args)
     if args.plot:
         check_plot_path(args.plot)
     options = ReplayOptions(
@@ -325,26 +381,23 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
     workload = _load_workload(args)
     block = _block_size(args, workload.block_tokens)
     capacities = resolve_capacities(specs, unique_blocks=workload.unique_blocks, block=block)
-    for capacity in capacities:
-        if capacity.clamped:
-            print(_clamp_note(capacity, workload), file=stderr)
+    capacities = _dedupe(capacities, workload, stderr)
     backend: Backend = get_backend(args.backend)
     reference = vllm_backend() if args.compare_vllm else None
 
-    progress = None
-    progress_for: ProgressFactory | None = None
-    if not args.quiet and stderr.isatty():
-        from kvcache.replay.progress import GridProgress
-
+    progress: GridProgress | RunLines | None = None
+    if not args.quiet:
         runs = grid_runs(
             policies=len(policies),
             capacities=len(capacities),
             repeat=args.repeat,
             reference=reference is not None,
         )
-        progress = progress_for = GridProgress(
-            runs=runs, requests=len(workload.requests), stream=stderr
-        )
+        if stderr.isatty():
+            progress = GridProgress(runs=runs, requests=len(workload.requests), stream=stderr)
+        else:  # a log or a pipe: a line per finished run instead of a bar
+            progress = RunLines(runs=runs, stream=stderr)
+    progress_for: ProgressFactory | None = progress
     try:
         rows: list[Row] = run_grid(
             workload,

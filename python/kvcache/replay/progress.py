@@ -11,10 +11,11 @@ measures both); tqdm's monitor thread is switched off for the same reason.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["MININTERVAL", "GridProgress"]
+__all__ = ["MININTERVAL", "GridProgress", "RunLines"]
 
 #: Seconds between redraws of the bar.
 MININTERVAL = 0.5
@@ -66,3 +67,36 @@ class GridProgress:
 
     def close(self) -> None:
         self._bar.close()
+
+
+class RunLines:
+    """``progress_for`` for a stream that is not a terminal (a log, a CI job): one short line
+    per finished run, so a long grid is not silent. Between lines it costs one comparison per
+    progress call."""
+
+    def __init__(self, *, runs: int, stream: TextIO, prog: str = "kvcache replay") -> None:
+        self._runs = runs
+        self._stream = stream
+        self._prog = prog
+        self._started = 0
+
+    @property
+    def started(self) -> int:
+        """How many runs have started so far."""
+        return self._started
+
+    def __call__(self, label: str) -> Callable[[int, int], None]:
+        self._started += 1
+        position = f"run {self._started}/{self._runs}"
+        start = time.perf_counter()
+
+        def update(done: int, total: int) -> None:
+            if done == total:
+                elapsed = time.perf_counter() - start
+                self._stream.write(f"{self._prog}: {position} done in {elapsed:.1f} s: {label}\n")
+                self._stream.flush()
+
+        return update
+
+    def close(self) -> None:
+        pass

@@ -30,6 +30,10 @@ __all__ = [
 JSON_SCHEMA = 1
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def _fmt_ns(value: float) -> str:
     return f"{value:,.0f}"
 
@@ -45,9 +49,10 @@ def format_table(
     compared = any(row.reference is not None for row in rows)
     sized = any(row.capacity.bytes is not None for row in rows)
     header = [
-        f"workload: {workload.name}: {len(workload.requests):,} requests, "
-        f"{workload.key_visits:,} key visits, {workload.unique_blocks:,} unique blocks "
-        f"({workload.block_tokens} tokens each)",
+        f"workload: {workload.name}: {_count(len(workload.requests), 'request')}, "
+        f"{_count(workload.key_visits, 'key visit')}, "
+        f"{_count(workload.unique_blocks, 'unique block')} "
+        f"({_count(workload.block_tokens, 'token')} each)",
     ]
     if block_source is not None:
         header.append(f"block: {block_source}")

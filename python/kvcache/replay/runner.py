@@ -58,6 +58,10 @@ WARM_UP_REQUESTS = 200
 ProgressFactory = Callable[[str], Callable[[int, int], None] | None]
 
 
+def _chunks(n: int) -> str:
+    return f"{n:,} chunk" + ("" if n == 1 else "s")
+
+
 @contextmanager
 def _steady_gc() -> Iterator[None]:
     gc.collect()
@@ -136,7 +140,7 @@ def time_backends(
     null_times: list[list[int]] = [[] for _ in backends]
     for _ in range(repeat):
         for i, backend in enumerate(backends):
-            label = f"{backend.name} {policy} {num_chunks:,} chunks"
+            label = f"{backend.name} {policy} {_chunks(num_chunks)}"
             progress = progress_for(label) if progress_for else None
             with _steady_gc():
                 run = replay(
@@ -343,7 +347,7 @@ def compare_backends(
     logs = []
     for backend in (expected, actual):
         progress = (
-            progress_for(f"{backend.name} {policy} {num_chunks:,} chunks, recording")
+            progress_for(f"{backend.name} {policy} {_chunks(num_chunks)}, recording")
             if progress_for
             else None
         )
