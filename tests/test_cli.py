@@ -694,10 +694,9 @@ def test_transfer_bench_torch_missing_inside_the_bench(
 def test_transfer_bench_forwards_its_arguments(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    pytest.importorskip("torch")
     from kvcache.transfer import _bench
 
-    seen: list[list[str] | None] = []
+    seen: list[Any] = []
 
     def fake_main(argv: list[str] | None = None) -> int:
         seen.append(argv)
@@ -706,15 +705,147 @@ def test_transfer_bench_forwards_its_arguments(
     monkeypatch.setattr(_bench, "main", fake_main)
     rc, _, _ = run(["transfer", "bench", "--device", "cpu", "--quick", "--json", "x.json"], capsys)
     assert rc == 7
-    assert seen == [["bench", "--device", "cpu", "--quick", "--json", "x.json"]]
+    assert seen == [["--device", "cpu", "--quick", "--json", "x.json"]]
 
 
-def test_transfer_bench_help_is_the_bench_s_own(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("torch")
-    rc, out, _ = run(["transfer", "bench", "--help"], capsys)
+@pytest.fixture
+def no_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch unimportable, and the bench failing the test if it ever starts."""
+    from kvcache.transfer import _bench
+
+    def must_not_run(args: Any) -> int:
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setattr(_bench, "run", must_not_run)
+
+
+@pytest.mark.usefixtures("no_torch")
+def test_transfer_bench_help_needs_no_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(["transfer", "bench", "--help"], capsys)
     assert rc == 0
-    assert "--device" in out
-    assert "--quick" in out
+    assert err == ""
+    assert out.startswith("usage: kvcache transfer bench ")
+    for option in ("--device", "--quick", "--json FILE", "--budget-s SECONDS"):
+        assert option in out
+    # Every option has its help text.
+    words = " ".join(out.split())
+    assert "cpu: the CPU path" in words
+    assert "skip the remaining measurements" in words
+
+
+@pytest.mark.usefixtures("no_torch")
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--budget-s", "-1"], "--budget-s: expected a number of seconds > 0"),
+        (["--budget-s", "0"], "> 0"),
+        (["--budget-s", "nan"], "> 0"),
+        (["--budget-s", "soon"], "expected seconds"),
+        (["--device", "tpu"], "invalid choice"),
+        (["--json", "/nonexistent/x.json"], "directory /nonexistent does not exist"),
+        (["--json", "."], "is a directory"),
+    ],
+)
+def test_transfer_bench_bad_options_before_torch_or_the_run(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = run(["transfer", "bench", "--device", "cpu", *argv], capsys)
+    assert_one_line_error(*result, "kvcache transfer bench: error", fragment)
+
+
+def test_transfer_bench_json_path_checked_before_the_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from kvcache.transfer import _bench
+
+    def must_not_run(args: Any) -> int:
+        raise AssertionError("the bench ran before its --json path was checked")
+
+    monkeypatch.setattr(_bench, "run", must_not_run)
+    missing = tmp_path / "no-such-dir" / "x.json"
+    result = run(["transfer", "bench", "--device", "cpu", "--json", str(missing)], capsys)
+    assert_one_line_error(*result, f"directory {missing.parent} does not exist")
+
+
+def test_python_m_transfer_bench_without_torch_is_one_line() -> None:
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['torch'] = None\n"
+        "sys.argv = ['kvcache.transfer', 'bench', '--device', 'cpu']\n"
+        "runpy.run_module('kvcache.transfer', run_name='__main__', alter_sys=True)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert_one_line_error(
+        proc.returncode, proc.stdout, proc.stderr, "needs torch", "kvcache-offload[transfer]"
+    )
+
+
+def test_transfer_bench_on_cpu_writes_nothing_unasked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    rc, out, _ = run(["transfer", "bench", "--device", "cpu", "--quick"], capsys)
+    assert rc == 0, out
+    assert list(tmp_path.iterdir()) == []
+    assert "wrote" not in out
+    assert "None" not in out
+    assert "CPU run: the bandwidth goals apply to a GPU" in out
+
+
+@pytest.mark.parametrize(
+    ("compared", "wins", "expected"),
+    [
+        ([], None, None),
+        ([4, 16, 256], None, "the kernel beats DMA at every page size tried (4-256 KiB)"),
+        ([4, 16, 256], 4, "DMA is at least as fast as the kernel at every page size tried"),
+        ([16], 16, "DMA is at least as fast as the kernel at every page size tried (16 KiB)"),
+        ([4, 16, 256], 16, "DMA is at least as fast as the kernel from 16 KiB pages"),
+    ],
+)
+def test_transfer_bench_crossover_in_words(
+    compared: list[int], wins: int | None, expected: str | None
+) -> None:
+    from kvcache.transfer._bench import crossover_line
+
+    line = crossover_line({"compared_kib": compared, "dma_wins_from_kib": wins})
+    if expected is None:
+        assert line is None
+    else:
+        assert line is not None
+        assert line.startswith(expected)
+        assert "None" not in line
+
+
+def test_transfer_bench_summary_when_dma_never_wins() -> None:
+    from kvcache.transfer._bench import crossover_line, summarize
+
+    def row(kib: int, method: str, gbps: float) -> dict[str, Any]:
+        return {
+            "page_kib": kib,
+            "pattern": "scattered",
+            "direction": "load",
+            "pool": "pinned",
+            "method": method,
+            "gbps": gbps,
+            "pct_of_large_copy": gbps,
+        }
+
+    rows = [row(4, "kernel", 20), row(4, "dma", 5), row(64, "kernel", 30), row(64, "dma", 29)]
+    crossover = summarize(rows)["crossover"]
+    assert crossover["load"] == {"compared_kib": [4, 64], "dma_wins_from_kib": None}
+    assert crossover_line(crossover["load"]) == (
+        "the kernel beats DMA at every page size tried (4-64 KiB)"
+    )
+    assert crossover_line(crossover["store"]) is None
 
 
 def test_transfer_without_a_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import sys
 from collections.abc import Sequence
@@ -441,23 +440,17 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
     return 1 if diverged else 0
 
 
-def _is_torch(exc: ModuleNotFoundError) -> bool:
-    return (exc.name or "").partition(".")[0] == "torch"
-
-
 def _transfer_bench(argv: list[str], stderr: TextIO) -> int:
-    missing = f"kvcache transfer bench: error: needs torch (pip install '{DISTRIBUTION}[transfer]')"
-    if importlib.util.find_spec("torch") is None:
-        print(missing, file=stderr)
-        return 2
-    try:
-        from kvcache.transfer import _bench
+    # The bench parses its own options, answers --help and checks its paths without torch,
+    # and reports a missing torch itself; this also catches torch failing to import later on.
+    from kvcache.transfer import _bench
 
-        return _bench.main(["bench", *argv])
+    try:
+        return _bench.main(argv)
     except ModuleNotFoundError as exc:
-        if not _is_torch(exc):
+        if (exc.name or "").partition(".")[0] != "torch":
             raise
-        print(missing, file=stderr)
+        print(_bench.MISSING_TORCH, file=stderr)
         return 2
 
 

@@ -1,7 +1,7 @@
-"""``python -m kvcache.transfer bench``: see ``kvcache.transfer._bench``."""
+"""``python -m kvcache.transfer bench``: the same as ``kvcache transfer bench``."""
 
 import sys
 
-from kvcache.transfer._bench import main
+from kvcache.cli import main
 
-sys.exit(main())
+sys.exit(main(["transfer", *sys.argv[1:]]))

@@ -1,29 +1,33 @@
-"""``python -m kvcache.transfer bench``: correctness round trips, then a bandwidth sweep.
+"""``kvcache transfer bench``: correctness round trips, then a bandwidth sweep.
 
 On a CUDA machine (the default ``--device cuda``): byte-exact store/load round trips for
 several dtypes, layer counts and ``blocks_per_chunk`` through every copy method and both pool
 kinds; the CPU cost of building descriptors; the bandwidth of one large copy in each direction
 (the reference); and a sweep over page sizes (4-256 KiB), scattered and contiguous ids, both
-directions, pinned and pageable pools, kernel and DMA. Prints a table and writes JSON
-(``--json``, else ``$OUT/transfer_bench.json`` when ``OUT`` is set, else
-``./transfer_bench.json``). Sized to finish well under 3 minutes on an H200; a time budget
-skips the remaining rows if a machine is slower.
+directions, pinned and pageable pools, kernel and DMA. Prints a table, and writes the report as
+JSON with ``--json FILE``. Sized to finish well under 3 minutes on an H200; a time budget
+(``--budget-s``) skips the remaining rows if a machine is slower.
 
 ``--device cpu`` runs the same steps on the CPU path (Rust worker copies), as a smoke test of
 the script itself on machines without a GPU.
+
+Everything up to the run (``--help``, bad options, an unwritable ``--json`` path) works without
+torch; a missing torch is then one line on stderr and exit status 2, like every other error.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -423,7 +427,7 @@ class Bench:
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Best method per scattered page size (pinned pool when there is one), checked against
-    the issue's targets, and the page size from which DMA beats the kernel."""
+    the bandwidth goals, and the page size from which DMA beats the kernel."""
     pool = "pinned" if any(r["pool"] == "pinned" for r in rows) else "pageable"
     scattered = [r for r in rows if r["pattern"] == "scattered" and r["pool"] == pool]
     best: dict[tuple[str, int], dict[str, Any]] = {}
@@ -449,13 +453,35 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             )
     crossover = {}
     for direction in ("store", "load"):
+        compared = sorted(
+            kib
+            for (d, kib, method) in gbps
+            if d == direction and method == "kernel" and (d, kib, "dma") in gbps
+        )
         dma_wins = [
             kib
-            for (d, kib, method), kernel in gbps.items()
-            if d == direction and method == "kernel" and gbps.get((d, kib, "dma"), 0.0) >= kernel
+            for kib in compared
+            if gbps[(direction, kib, "dma")] >= gbps[(direction, kib, "kernel")]
         ]
-        crossover[direction] = {"dma_wins_from_kib": min(dma_wins) if dma_wins else None}
+        crossover[direction] = {
+            "compared_kib": compared,
+            "dma_wins_from_kib": min(dma_wins) if dma_wins else None,
+        }
     return {"pool": pool, "targets": targets, "crossover": crossover}
+
+
+def crossover_line(c: dict[str, Any]) -> str | None:
+    """Where DMA catches up with the kernel, in words; None when both were not measured."""
+    sizes = c.get("compared_kib") or []
+    if not sizes:
+        return None
+    tried = f"{sizes[0]}-{sizes[-1]} KiB" if len(sizes) > 1 else f"{sizes[0]} KiB"
+    wins = c["dma_wins_from_kib"]
+    if wins is None:
+        return f"the kernel beats DMA at every page size tried ({tried})"
+    if wins == sizes[0]:
+        return f"DMA is at least as fast as the kernel at every page size tried ({tried})"
+    return f"DMA is at least as fast as the kernel from {wins} KiB pages (tried {tried})"
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -503,15 +529,18 @@ def print_report(report: dict[str, Any]) -> None:
     _out()
     on_gpu = all(t["best_method"] != "cpu" for t in report["summary"]["targets"])
     if not on_gpu:
-        _out("CPU run: the bandwidth targets apply to a GPU (PCIe) and are not judged here")
-    for t in report["summary"]["targets"]:
-        verdict = ("met" if t["met"] else "NOT met") if on_gpu else "n/a on CPU"
-        _out(
-            f"target {t['direction']} {t['page_kib']} KiB scattered: {t['pct']:.0f}% "
-            f"({t['best_method']}) vs >= {t['goal_pct']:.0f}%: {verdict}"
-        )
+        _out("CPU run: the bandwidth goals apply to a GPU (PCIe) and are not judged here")
+    else:
+        for t in report["summary"]["targets"]:
+            _out(
+                f"goal {t['direction']} {t['page_kib']} KiB scattered: {t['pct']:.0f}% "
+                f"({t['best_method']}) vs >= {t['goal_pct']:.0f}%: "
+                + ("met" if t["met"] else "NOT met")
+            )
     for direction, c in report["summary"]["crossover"].items():
-        _out(f"crossover {direction}: DMA beats the kernel from {c['dma_wins_from_kib']} KiB pages")
+        line = crossover_line(c)
+        if line is not None:
+            _out(f"crossover {direction}: {line}")
     if report["skipped"]:
         _out(f"time budget reached: {report['skipped']} measurement(s) skipped")
 
@@ -547,23 +576,92 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_s": bench.elapsed(),
     }
     print_report(report)
-    path = args.json
-    if path is None:
-        out_dir = os.environ.get("OUT")
-        path = Path(out_dir) / "transfer_bench.json" if out_dir else Path("transfer_bench.json")
-    path.write_text(json.dumps(report, indent=1))
-    _out(f"wrote {path}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+        _out(f"wrote {args.json}")
     failed = any(not c["ok"] for c in correctness) or any(not r["ok"] for r in rows)
     return 1 if failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcache.transfer")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="GPU correctness check and bandwidth sweep")
-    bench.add_argument("--json", type=Path, default=None, help="where to write the JSON report")
-    bench.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    bench.add_argument("--quick", action="store_true", help="small sizes, one repetition")
-    bench.add_argument("--budget-s", type=float, default=150.0, help="skip rows after this")
-    args = parser.parse_args(argv)
-    return run(args)
+PROG = "kvcache transfer bench"
+MISSING_TORCH = f"{PROG}: error: needs torch (pip install 'kvcache-offload[transfer]')"
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line, as everywhere in the ``kvcache`` command."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, not {text!r}") from None
+    if not value > 0 or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, not {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description=(
+            "Byte-exact store/load round trips through every copy method and pool kind, the "
+            "CPU cost of building copy descriptors, then a bandwidth sweep over page sizes. "
+            "Needs torch; --device cuda (the default) needs a CUDA GPU."
+        ),
+    )
+    parser.add_argument(
+        "--json", type=Path, metavar="FILE", help="also write the whole report as JSON to FILE"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cuda: GPU <-> host transfers (default); cpu: the CPU path, a smoke test of the "
+        "bench on machines without a GPU",
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repetition")
+    parser.add_argument(
+        "--budget-s",
+        type=_budget,
+        default=150.0,
+        metavar="SECONDS",
+        help="skip the remaining measurements once this much time has passed (default 150)",
+    )
+    return parser
+
+
+def json_path_problem(path: Path) -> str | None:
+    """Why the report could not be written to ``path`` (None: it can), checked before the run."""
+    if path.is_dir():
+        return "is a directory"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"directory {parent} does not exist"
+    target = path if path.exists() else parent
+    if not os.access(target, os.W_OK):
+        return f"{target} is not writable"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the bench; returns the exit status. ``--help`` and option errors need no torch."""
+    args = build_parser().parse_args(argv)
+    if args.json is not None:
+        problem = json_path_problem(args.json)
+        if problem is not None:
+            sys.stderr.write(f"{PROG}: error: --json {args.json}: {problem}\n")
+            return 2
+    if importlib.util.find_spec("torch") is None:
+        sys.stderr.write(MISSING_TORCH + "\n")
+        return 2
+    try:
+        return run(args)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "torch":
+            raise
+        sys.stderr.write(MISSING_TORCH + "\n")
+        return 2
