@@ -47,3 +47,12 @@ def test_license_and_version_agree_with_the_crates() -> None:
 def test_the_changelog_names_the_current_version() -> None:
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert re.search(rf"^## \[?{re.escape(kvcache.__version__)}\]?", changelog, re.MULTILINE)
+
+
+def test_no_placeholder_project_urls() -> None:
+    """A URL in the metadata must lead somewhere: no reserved placeholder domains."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for name, url in project.get("urls", {}).items():
+        host = re.sub(r"^[a-z]+://", "", url).split("/", 1)[0]
+        assert not host.endswith((".invalid", ".example", ".test")), f"{name}: {url}"
+        assert host not in ("example.com", "example.org", "example.net"), f"{name}: {url}"
