@@ -1,6 +1,7 @@
 """The adapter vLLM 0.33.0 loads by configuration.
 
-kvcache's manager, policies and worker (recommended)::
+kvcache's manager, policies and worker (the worker's CUDA path has not yet run on a GPU; add
+``"kvcache_worker": False`` to keep vLLM's worker)::
 
     kv_connector_extra_config = {
         "spec_name": "KvCacheOffloadingSpec",
