@@ -215,6 +215,8 @@ struct State {
     hasher: KeyHasher,
     /// Per live request (by token id): its key objects and position-walk cursor.
     observed: hashbrown::HashMap<u64, Observed, foldhash::fast::RandomState>,
+    /// Events taken from the core that a failed `take_events` could not hand out.
+    unreported: Vec<Event>,
 }
 
 /// Offloading manager for host-memory KV chunks: vLLM 0.33.0's `CPUOffloadingManager`
@@ -359,9 +361,26 @@ impl State {
         self.owner.token(ctx, |current| ops.request(current))
     }
 
-    fn event<'py>(&self, py: Python<'py>, e: Event) -> PyResult<Bound<'py, PyAny>> {
+    fn event<'py>(&self, py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyAny>> {
         let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k.as_slice())))?;
         self.types.event(py, keys, e.removed, e.metadata_only)
+    }
+
+    /// Events a failed `take_events` kept back. A failed store's cleanup names only keys no
+    /// store has made resident again since, as the core's own queue does.
+    fn take_unreported(&mut self) -> Vec<Event> {
+        let mut events = std::mem::take(&mut self.unreported);
+        if events.is_empty() {
+            return events;
+        }
+        for e in events.iter_mut().filter(|e| e.metadata_only) {
+            e.keys.retain(|k| {
+                let key = Key::new(&self.hasher, k.as_slice());
+                self.ops.lookup(key) == LookupResult::Miss
+            });
+        }
+        events.retain(|e| !e.keys.is_empty());
+        events
     }
 }
 
@@ -424,6 +443,7 @@ impl PyManager {
                     contexts: ContextTypeCache::positions(),
                     hasher: KeyHasher::global(),
                     observed: Default::default(),
+                    unreported: Vec::new(),
                 },
                 "offloading manager",
             ),
@@ -514,13 +534,20 @@ impl PyManager {
         let mut state = self.inner.lock(py)?;
         let (keys, positions, cursor, token) = state.request_call(&req_context, &keys, true)?;
         let ks = state.keys(&keys);
+        let shell = state.types.spec_shell(py)?;
         let mut observed = Vec::new();
         let ids = state
             .ops
             .prepare_load(token, &ks, &positions, &mut observed)
             .py_err()?;
         state.remember(token, &keys, &observed, cursor);
-        state.types.spec(py, &ids)
+        // The pins are taken: a result that cannot be built (a MemoryError, a
+        // KeyboardInterrupt in Python code) gives them back, or no caller could ever unpin
+        // them.
+        state.types.spec(py, shell, &ids).inspect_err(|_| {
+            // Pinned just now, under the same lock: the unpin cannot fail.
+            let _ = state.ops.complete_load(&ks);
+        })
     }
 
     /// Marks keys recently used.
@@ -563,6 +590,7 @@ impl PyManager {
         let mut state = self.inner.lock(py)?;
         let (keys, positions, cursor, token) = state.request_call(&req_context, &keys, false)?;
         let ks = state.keys(&keys);
+        let shell = state.types.spec_shell(py)?;
         let mut observed = Vec::new();
         let out = state
             .ops
@@ -570,12 +598,21 @@ impl PyManager {
             .py_err()?;
         state.remember(token, &keys, &observed, cursor);
         let Some(out) = out else { return Ok(None) };
-        let stored = PyList::new(py, out.stored.iter().map(|&i| &keys[i]))?;
-        let spec = state.types.spec(py, &out.chunk_ids)?;
-        state
-            .types
-            .store_output(py, stored, spec, out.evicted)
-            .map(Some)
+        let StoreOutput {
+            stored,
+            chunk_ids,
+            evicted,
+        } = out;
+        let built = PyList::new(py, stored.iter().map(|&i| &keys[i])).and_then(|to_store| {
+            let spec = state.types.spec(py, shell, &chunk_ids)?;
+            state.types.store_output(py, to_store, spec, evicted)
+        });
+        built.map(Some).inspect_err(|_| {
+            // The new chunks are pending and nobody will ever hear of them: drop them as a
+            // failed store would (evictions made for them stay, and their events too).
+            let new: Vec<Key<'_>> = stored.iter().map(|&i| ks[i]).collect();
+            state.ops.complete_store(&new, false);
+        })
     }
 
     /// Completes stores: on success the chunks become readable and evictable; on failure the
@@ -652,12 +689,19 @@ impl PyManager {
     /// Events (stored / removed keys) since the last call.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut state = self.inner.lock(py)?;
-        let events = state.ops.take_events();
-        let objects: Vec<_> = events
-            .into_iter()
+        let mut events = state.take_unreported();
+        events.extend(state.ops.take_events());
+        // All or nothing: every event is built before any is handed out; if one cannot be,
+        // they all wait for the next call.
+        let built = events
+            .iter()
             .map(|e| state.event(py, e))
-            .collect::<PyResult<_>>()?;
-        PyList::new(py, objects)
+            .collect::<PyResult<Vec<_>>>()
+            .and_then(|objects| PyList::new(py, objects));
+        if built.is_err() {
+            state.unreported = events;
+        }
+        built
     }
 
     /// Drops every chunk and request state.
