@@ -1036,12 +1036,15 @@ def test_lru_skips_an_evictable_marked_chunk_that_is_still_referenced() -> None:
     policy.validate()
 
 
-def test_a_writable_sixteen_byte_buffer_is_a_chunk() -> None:
-    """Any writable 16-byte buffer is accepted; evict returns the very object."""
+def test_a_writable_sixteen_byte_chunk_layout_is_a_chunk() -> None:
+    """vLLM's ctypes record, our own record's buffer and 16 raw bytes are accepted; evict
+    returns the very object."""
     for make in (
         lambda: bytearray(16),
         lambda: (ctypes.c_char * 16)(),
-        lambda: np.zeros(2, dtype=np.int64),
+        lambda: (ctypes.c_uint8 * 16)(),
+        lambda: np.zeros(16, dtype=np.uint8),
+        lambda: memoryview(bytearray(16)),
         lambda: CtypesChunk(0, 7),
     ):
         policy = kvcache.ARCCachePolicy(2)
@@ -1050,3 +1053,29 @@ def test_a_writable_sixteen_byte_buffer_is_a_chunk() -> None:
         [(key, got)] = policy.evict(1, set())
         assert key == K[0]
         assert got is chunk
+
+
+class SwappedChunk(ctypes.Structure):
+    """16 bytes, but ``chunk_id`` first: read as vLLM's layout, its ``ref_cnt`` would be the
+    low half of the chunk id."""
+
+    _fields_ = [("chunk_id", ctypes.c_int64), ("ref_cnt", ctypes.c_int32)]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SwappedChunk(0, 1),
+        lambda: np.zeros(2, dtype=np.int64),
+        lambda: np.zeros(4, dtype=np.int32),
+        lambda: np.zeros(2, dtype=np.float64),
+        lambda: (ctypes.c_int32 * 4)(),
+    ],
+    ids=["swapped-fields", "int64x2", "int32x4", "float64x2", "c-int32x4"],
+)
+def test_a_sixteen_byte_buffer_of_another_layout_is_refused(make: Callable[[], Any]) -> None:
+    policy = kvcache.ARCCachePolicy(2)
+    with pytest.raises(kvcache.InvalidChunkError, match="ref_cnt:<q:chunk_id"):
+        policy.insert(K[0], make())
+    assert len(policy) == 0
+    policy.validate()
