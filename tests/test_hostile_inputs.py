@@ -1079,3 +1079,104 @@ def test_a_sixteen_byte_buffer_of_another_layout_is_refused(make: Callable[[], A
         policy.insert(K[0], make())
     assert len(policy) == 0
     policy.validate()
+
+
+# --- text, request contexts and length hints --------------------------------------------------
+
+
+def vllm_manager(*args: Any) -> Any:
+    from kvcache.vllm import CPUOffloadingManager
+
+    return CPUOffloadingManager(*args)
+
+
+@pytest.mark.parametrize(
+    ("make", "argument"),
+    [
+        (lambda: kvcache.OffloadingManager(4, "\ud800"), "cache_policy"),
+        (lambda: vllm_manager(4, "\ud800"), "cache_policy"),
+        (lambda: vllm_manager(4, "lru", "kvcache\ud800"), "cache_policy_module_path"),
+    ],
+    ids=["ours-policy", "vllm-policy", "vllm-module-path"],
+)
+def test_a_name_with_a_lone_surrogate_is_an_argument_error(
+    make: Callable[[], object], argument: str
+) -> None:
+    error = raises_exactly(make, IAE)
+    assert argument in str(error)
+
+
+def manager_or_policy(kind: str) -> Any:
+    return {
+        "lru": lambda: kvcache.LRUCachePolicy(4),
+        "manager": lambda: kvcache.OffloadingManager(4),
+        "vllm-manager": lambda: vllm_manager(4),
+    }[kind]()
+
+
+def request_call(obj: Any, ctx: Any) -> object:
+    if isinstance(obj, kvcache.BaseCachePolicy):
+        return obj.on_request_access([K[0]], ctx)
+    return obj.prepare_store([K[0]], ctx)
+
+
+def vllm_context() -> Any:
+    from vllm.v1.kv_offload.base import ReqContext
+
+    return ReqContext("r")
+
+
+@pytest.mark.parametrize("kind", ["lru", "manager", "vllm-manager"])
+@pytest.mark.parametrize("attribute", ["_offload_key_positions", "_state"])
+@pytest.mark.parametrize("make_ctx", [kvcache.ReqContext, vllm_context], ids=["ours", "vllm"])
+@pytest.mark.parametrize("value", [None, [], "missing"])
+def test_a_context_whose_dicts_are_broken_is_a_type_error(
+    kind: str, attribute: str, make_ctx: Callable[[], Any], value: Any
+) -> None:
+    obj = manager_or_policy(kind)
+    if isinstance(obj, kvcache.BaseCachePolicy):
+        obj.insert(K[0], ready(0))
+    ctx = make_ctx()
+    if value == "missing":
+        delattr(ctx, attribute)
+    else:
+        setattr(ctx, attribute, value)
+    error = raises_unchanged(obj, lambda: request_call(obj, ctx), ITE)
+    assert attribute in str(error)
+
+
+@pytest.mark.parametrize("kind", ["lru", "manager"])
+def test_a_method_patched_on_the_context_class_is_honoured(kind: str) -> None:
+    """The fast path that reads a known context's position dict directly notices a class-level
+    patch of ``get_offload_key_position`` made after it was taken."""
+    obj = manager_or_policy(kind)
+    if isinstance(obj, kvcache.BaseCachePolicy):
+        obj.insert(K[0], ready(0))
+    request_call(obj, kvcache.ReqContext())  # the type is cached now
+    calls: list[bytes] = []
+
+    def position(self: Any, key: bytes) -> int | None:
+        calls.append(key)
+        return None
+
+    original = kvcache.ReqContext.get_offload_key_position
+    kvcache.ReqContext.get_offload_key_position = position  # type: ignore[method-assign]
+    try:
+        request_call(obj, kvcache.ReqContext())
+    finally:
+        kvcache.ReqContext.get_offload_key_position = original  # type: ignore[method-assign]
+    assert calls == [K[0]]
+
+
+class InterruptedLength:
+    def __iter__(self) -> Iterator[bytes]:
+        return iter([K[0]])
+
+    def __len__(self) -> int:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("kind", ["lru", "manager"])
+def test_an_interrupt_in_a_length_hint_propagates(kind: str) -> None:
+    obj = manager_or_policy(kind)
+    raises_unchanged(obj, lambda: obj.touch(InterruptedLength()), KeyboardInterrupt)

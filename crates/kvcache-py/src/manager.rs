@@ -25,7 +25,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 use crate::chunk::{fill_record_view, release_record_view};
 use crate::context::{require_context, ContextTypeCache, PositionWalk, Positions};
 use crate::conversion::{
-    collect_keys, count, int_in_range, key_bytes, with_hashed_keys, Flag, PyKey, Text,
+    collect_keys, count, int_in_range, key_bytes, text, with_hashed_keys, Flag, PyKey,
 };
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
@@ -394,7 +394,7 @@ impl PyManager {
     )]
     #[pyo3(signature = (
         num_chunks,
-        cache_policy = Text("lru".into()),
+        cache_policy = "lru".to_owned(),
         cache_policy_module_path = None,
         enable_events = Flag(false),
         store_threshold = 1,
@@ -405,22 +405,22 @@ impl PyManager {
     fn new(
         cls: &Bound<'_, PyType>,
         #[pyo3(from_py_with = num_chunks_arg)] num_chunks: usize,
-        cache_policy: Text,
-        cache_policy_module_path: Option<Text>,
+        #[pyo3(from_py_with = cache_policy_arg)] cache_policy: String,
+        #[pyo3(from_py_with = module_path_arg)] cache_policy_module_path: Option<String>,
         enable_events: Flag,
         #[pyo3(from_py_with = store_threshold_arg)] store_threshold: i64,
         #[pyo3(from_py_with = max_tracker_size_arg)] max_tracker_size: usize,
     ) -> PyResult<Self> {
         let py = cls.py();
-        let module_path = cache_policy_module_path.as_ref().map(|t| t.0.as_str());
-        let Some(kind) = policy_kind(&cache_policy.0, module_path) else {
+        let module_path = cache_policy_module_path.as_deref();
+        let Some(kind) = policy_kind(&cache_policy, module_path) else {
             return Err(new_err(
                 py,
                 &exceptions(py).invalid_argument,
                 format!(
                     "unsupported cache policy {:?} (module {module_path:?}); kvcache's manager \
                      runs {} (or {} from kvcache.vllm)",
-                    cache_policy.0,
+                    cache_policy,
                     names(PolicyKind::name),
                     names(PolicyKind::class_name),
                 ),
@@ -815,6 +815,17 @@ impl PyManager {
 
 fn num_chunks_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     count(obj, "num_chunks")
+}
+
+fn cache_policy_arg(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    text(obj, "cache_policy")
+}
+
+fn module_path_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    text(obj, "cache_policy_module_path").map(Some)
 }
 
 fn store_threshold_arg(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
