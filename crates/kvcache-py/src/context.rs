@@ -401,25 +401,6 @@ pub fn require_context<'a, 'py>(
     }
 }
 
-/// `ctx.get_state(_RequestState)`: read from the context's `_state` dict when `direct` is it
-/// (see [`state_dict`]), else through the method. None when the context has none.
-pub fn stored_state<'py>(
-    ctx: &Bound<'py, PyAny>,
-    direct: Option<&Bound<'py, PyDict>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let py = ctx.py();
-    let state_type = py.get_type::<crate::request_state::RequestState>();
-    match direct {
-        Some(dict) => Ok(dict
-            .get_item(&state_type)?
-            .unwrap_or_else(|| py.None().into_bound(py))),
-        None => ctx
-            .getattr(intern!(py, "get_state"))
-            .map_err(|_| context_error(ctx, "no get_state"))?
-            .call1((&state_type,)),
-    }
-}
-
 /// The `_state` dict of vLLM's or kvcache's own `ReqContext`, whose `get_state` and
 /// `set_state` are plain operations on it: using it directly saves two Python calls per
 /// request. `None` for any other context (or one whose instance shadows the methods).

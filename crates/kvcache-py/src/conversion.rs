@@ -149,6 +149,21 @@ pub unsafe fn with_hashed_keys<T, R>(
     Ok(call(target, &ks))
 }
 
+/// Runs `call`, a core policy or manager method, on `target` with the keys of `keys` hashed
+/// by `hasher` (see [`with_hashed_keys`]). `call` is a plain function, so it captures no
+/// Python object to run code on.
+pub fn with_core_keys<T, R>(
+    target: &mut T,
+    keys: &Bound<'_, PyAny>,
+    hasher: &KeyHasher,
+    call: fn(&mut T, &[Key<'_>]) -> R,
+) -> PyResult<R> {
+    // SAFETY: every caller passes a core policy or manager method over its pure-Rust state:
+    // they read chunk records from memory, and neither call into Python nor drop a Python
+    // object (which could run a `__del__`).
+    unsafe { with_hashed_keys(target, keys, hasher, call) }
+}
+
 /// Collects an iterable of keys (lists and tuples without the iterator protocol).
 pub fn collect_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     if let Ok(list) = obj.cast::<PyList>() {

@@ -25,7 +25,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 use crate::chunk::{fill_record_view, release_record_view};
 use crate::context::{require_context, ContextTypeCache, PositionWalk, Positions};
 use crate::conversion::{
-    collect_keys, count, int_in_range, key_bytes, text, with_hashed_keys, Flag, PyKey,
+    collect_keys, count, int_in_range, key_bytes, text, with_core_keys, Flag, PyKey,
 };
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
@@ -246,10 +246,11 @@ fn policy_kind(cache_policy: &str, module_path: Option<&str>) -> Option<PolicyKi
 
 impl State {
     fn bury_dead(&mut self) {
-        for token in self.owner.graveyard.take() {
-            self.observed.remove(&token.id);
-            self.ops.release_request(token);
-        }
+        let (observed, ops) = (&mut self.observed, &mut self.ops);
+        self.owner.bury_dead(|token| {
+            observed.remove(&token.id);
+            ops.release_request(token);
+        });
     }
 
     /// Remembers the key objects a call showed the request for the first time, and where its
@@ -277,16 +278,13 @@ impl State {
             .collect()
     }
 
-    /// Runs a core call on `keys` (an iterable of bytes). Lists and tuples are read in place
-    /// (no new reference per key); `call` must not run Python code.
+    /// Runs a core call on `keys` (an iterable of bytes); see [`with_core_keys`].
     fn with_keys<R>(
         &mut self,
         keys: &Bound<'_, PyAny>,
-        call: impl FnOnce(&mut Box<dyn ManagerOps>, &[Key<'_>]) -> R,
+        call: fn(&mut Box<dyn ManagerOps>, &[Key<'_>]) -> R,
     ) -> PyResult<R> {
-        // SAFETY: the callers pass closures over manager methods, which never call into
-        // Python.
-        unsafe { with_hashed_keys(&mut self.ops, keys, &self.hasher, call) }
+        with_core_keys(&mut self.ops, keys, &self.hasher, call)
     }
 
     /// Token positions of `keys` (only policies that read them get them), and where the walk
@@ -342,10 +340,12 @@ impl State {
     /// The manager's request state for `ctx` (created on first sight, as vLLM does).
     fn request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<RequestToken> {
         self.bury_dead();
-        match self.cached_live(ctx) {
-            Some(token) => Ok(token),
-            None => self.token_on(ctx),
-        }
+        self.owner.live_token(
+            ctx,
+            &mut *self.ops,
+            |ops, token| ops.is_live_request(token),
+            |ops, current| ops.request(current),
+        )
     }
 
     /// The token of a recently seen context, if its request state is still live.
@@ -629,9 +629,12 @@ impl PyManager {
         success: Flag,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.inner
-            .lock(py)?
-            .with_keys(&keys, |ops, ks| ops.complete_store(ks, success.0))
+        let complete: fn(&mut Box<dyn ManagerOps>, &[Key<'_>]) = if success.0 {
+            |ops, ks| ops.complete_store(ks, true)
+        } else {
+            |ops, ks| ops.complete_store(ks, false)
+        };
+        self.inner.lock(py)?.with_keys(&keys, complete)
     }
 
     /// Starts tracking a request.
