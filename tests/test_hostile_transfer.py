@@ -360,3 +360,17 @@ def test_the_catalogue_covers_every_entry_point() -> None:
     missing = public_entry_points() - COVERED
     assert not missing, f"no hostile case calls {sorted(missing)}"
     assert "Plan.write_runs" in public_entry_points(), "the entry points were not found"
+
+
+def test_integer_types_other_than_int_are_read_exactly() -> None:
+    """numpy integers in ``groups`` and ``offsets`` are integers (``__index__``); only bools
+    and floats are refused."""
+    pool = HostChunkPool(4, 64, pin=False)
+    engine = TransferEngine(
+        layers_of((8, 64)),
+        pool,
+        groups=[[(np.int64(0), np.int32(64))]],
+        offsets=np.array([0], dtype=np.int64),
+    )
+    assert engine.num_groups == 1
+    engine.close()

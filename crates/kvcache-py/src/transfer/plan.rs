@@ -7,8 +7,9 @@ use kvcache_core::host::{
     Lease, PlanScratch, Request, TransferLayout,
 };
 use pyo3::buffer::PyBuffer;
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyIterator, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyIterator, PyString, PyTuple};
 
 use super::ids::{id_vec, small_ints};
 use super::pool::PyHostChunkPool;
@@ -105,6 +106,24 @@ fn items<'py>(
     })
 }
 
+/// An integer entry of `groups` or `offsets`: an int or any integer type (`__index__`, e.g. a
+/// numpy integer), never a bool or a float.
+fn index_in_range<T: TryFrom<i128>>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
+    let range = ">= 0 and < 2**64";
+    if obj.is_instance_of::<PyInt>() || obj.is_instance_of::<PyBool>() {
+        return int_in_range(obj, what, range);
+    }
+    // SAFETY: `obj` is a live object; `PyNumber_Index` returns a new reference or NULL with an
+    // exception set.
+    let index =
+        unsafe { Bound::from_owned_ptr_or_err(obj.py(), ffi::PyNumber_Index(obj.as_ptr())) };
+    match index {
+        Ok(int) => int_in_range(&int, what, range),
+        // Not an integer type: the error names the type given.
+        Err(_) => int_in_range(obj, what, range),
+    }
+}
+
 /// `groups`: per KV-cache group, `(layer index, bytes per block)` pairs of ints.
 fn group_refs(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<GroupRef>>> {
     let mut groups = Vec::new();
@@ -128,16 +147,8 @@ fn group_refs(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<GroupRef>>> {
                 ));
             };
             refs.push(GroupRef {
-                tensor: int_in_range(
-                    tensor,
-                    &format!("{what}[0] (layer index)"),
-                    ">= 0 and < 2**64",
-                )?,
-                bytes: int_in_range(
-                    bytes,
-                    &format!("{what}[1] (bytes per block)"),
-                    ">= 0 and < 2**64",
-                )?,
+                tensor: index_in_range(tensor, &format!("{what}[0] (layer index)"))?,
+                bytes: index_in_range(bytes, &format!("{what}[1] (bytes per block)"))?,
             });
         }
         groups.push(refs);
@@ -149,7 +160,7 @@ fn group_refs(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<GroupRef>>> {
 fn segment_offsets(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     items(obj, "offsets", "a sequence of ints")?
         .enumerate()
-        .map(|(i, o)| int_in_range(&o?, &format!("offsets[{i}]"), ">= 0 and < 2**64"))
+        .map(|(i, o)| index_in_range(&o?, &format!("offsets[{i}]")))
         .collect()
 }
 
