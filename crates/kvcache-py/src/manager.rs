@@ -524,7 +524,9 @@ impl PyManager {
         Ok(state.types.lookup(py, result))
     }
 
-    /// Pins the keys' ready chunks for reading; returns a spec naming their chunk ids.
+    /// Pins the keys' ready chunks for reading; returns a spec naming their chunk ids. If the
+    /// spec cannot be built (e.g. a KeyboardInterrupt), the pins are released and the call
+    /// raises; the request has still observed the keys.
     fn prepare_load<'py>(
         &self,
         py: Python<'py>,
@@ -581,6 +583,8 @@ impl PyManager {
 
     /// Decides which keys to store and where, evicting to make room. Returns an object with
     /// `keys_to_store`, `store_spec` and `evicted_keys`, or None when the keys cannot be stored.
+    /// If the result cannot be built (e.g. a KeyboardInterrupt), the new chunks are dropped as
+    /// by `complete_store(success=False)` and the call raises; evictions it made stay.
     fn prepare_store<'py>(
         &self,
         py: Python<'py>,
