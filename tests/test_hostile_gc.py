@@ -90,14 +90,45 @@ def vllm_manager() -> object:
     return CPUOffloadingManager(num_chunks=4)
 
 
-@pytest.mark.parametrize("make", [our_manager, vllm_manager], ids=["ours", "vllm"])
-def test_a_manager_that_keeps_its_chunk_table_view_is_collected(make: object) -> None:
-    manager = make()
-    manager.t = manager.chunk_table()
+class Holder:
+    """A result object that can refer back to the manager that returns it."""
+
+
+@pytest.mark.parametrize("base", [kvcache.OffloadingManager, "vllm"], ids=["ours", "vllm"])
+def test_a_manager_whose_result_objects_reference_it_is_collected(base: object) -> None:
+    """The manager holds its result types in Rust: a result that refers back to the manager
+    closes a cycle only the manager's traversal can show the collector."""
+    from types import SimpleNamespace
+
+    if base == "vllm":
+        from kvcache.vllm import CPUOffloadingManager as base
+    assert isinstance(base, type)
+    miss = Holder()
+    types = SimpleNamespace(**{**vars(base._result_types), "miss": miss})
+    manager = type("Patched", (base,), {"_result_types": types})(4)
+    del types
+    assert manager.lookup(make_key(0)) is miss
+    miss.manager = manager
     dead = weakref.ref(manager)
-    del manager
+    del manager, miss
     gc.collect()
-    assert dead() is None, "the manager and its table view were never collected"
+    assert dead() is None, "the manager and its result object were never collected"
+
+
+@pytest.mark.parametrize("cls", [kvcache.LRUCachePolicy, kvcache.ARCCachePolicy])
+def test_a_collected_cycle_never_clears_a_live_exporter(cls: type) -> None:
+    """A ``PickleBuffer``'s export is held by its ``bytearray``, not by the buffer itself: the
+    policy owns one reference to each, and must report exactly those."""
+    import pickle
+
+    pb = pickle.PickleBuffer(bytearray(16))
+    policy = cls(4)
+    policy.insert(make_key(0), pb)
+    cycle: list[object] = [policy]
+    cycle.append(cycle)
+    del policy, cycle
+    gc.collect()
+    assert pb.raw().nbytes == 16, "the collector released a buffer that is still in use"
 
 
 @pytest.mark.parametrize("make", [our_manager, vllm_manager], ids=["ours", "vllm"])

@@ -8,6 +8,7 @@
 //! protocol, and a policy reads the count straight from that memory.
 
 use std::ffi::{c_int, CStr};
+use std::mem::ManuallyDrop;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::Ordering;
 
@@ -167,9 +168,12 @@ pub unsafe fn release_record_view(view: *mut ffi::Py_buffer) {
 /// A buffer export held for as long as a policy keeps a foreign chunk: the export keeps the
 /// object alive and its memory in place (e.g. a `bytearray` cannot resize while exported).
 pub struct ForeignChunk {
-    /// The exporter (the export holds a reference too); stored inline so `get()` touches one
-    /// line less.
+    /// The object inserted; stored inline so `get()` touches one line less.
     obj: Py<PyAny>,
+    /// The export's own reference (`view.obj`): the object inserted, or another one that
+    /// owns the memory (a `PickleBuffer`'s `bytearray`, a `memoryview`'s base). Released by
+    /// `PyBuffer_Release`, never dropped here.
+    exporter: ManuallyDrop<Py<PyAny>>,
     ref_cnt: NonNull<i32>,
     view: Box<ffi::Py_buffer>,
 }
@@ -216,10 +220,34 @@ impl HasRefCnt for PyChunk {
     }
 }
 
+/// Formats (PEP 3118) a chunk buffer may have besides raw bytes: vLLM's ctypes `ChunkStatus`
+/// (ctypes writes no padding) and kvcache's own.
+const CHUNK_FORMATS: [&[u8]; 2] = [
+    b"T{<i:ref_cnt:<q:chunk_id:}",
+    CHUNK_STATUS_FORMAT.to_bytes(),
+];
+
+/// Whether a buffer of `itemsize`-byte items in `format` (None: unsigned bytes) is laid out
+/// as a chunk record: one of [`CHUNK_FORMATS`] in one 16-byte item, or plain bytes (`B`, `b`,
+/// `c`, with any byte-order prefix), taken as the raw record.
+fn is_chunk_layout(format: Option<&[u8]>, itemsize: ffi::Py_ssize_t) -> bool {
+    let format = format.unwrap_or(b"B");
+    if itemsize == ITEM_SIZE && CHUNK_FORMATS.contains(&format) {
+        return true;
+    }
+    let bytes = match format {
+        [b'@' | b'=' | b'<' | b'>' | b'!', rest @ ..] => rest,
+        f => f,
+    };
+    itemsize == 1 && matches!(bytes, b"B" | b"b" | b"c")
+}
+
 impl PyChunk {
     /// Accepts a `kvcache.ChunkStatus`, or any object exporting exactly 16 contiguous,
-    /// writable bytes laid out like vLLM's ctypes `ChunkStatus` (the manager that owns a chunk
-    /// updates its `ref_cnt`, so a read-only buffer cannot be a chunk).
+    /// writable bytes laid out like vLLM's ctypes `ChunkStatus`: its ctypes format, ours, or
+    /// raw bytes (`B`/`b`/`c`) read as that layout. The manager that owns a chunk updates its
+    /// `ref_cnt`, so a read-only buffer cannot be a chunk; another layout (fields in another
+    /// order, other types) would be misread, so it is refused.
     pub fn from_object(obj: &Bound<'_, PyAny>) -> PyResult<PyChunk> {
         if let Ok(native) = obj.cast::<ChunkStatus>() {
             return Ok(PyChunk::Native(native.clone().unbind()));
@@ -231,8 +259,10 @@ impl PyChunk {
                 py,
                 &exceptions(py).invalid_chunk,
                 format!(
-                    "chunk must be kvcache.ChunkStatus or expose a 16-byte ChunkStatus buffer \
-                     (int32 ref_cnt, int64 chunk_id); got {ty}: {why}"
+                    "chunk must be kvcache.ChunkStatus or expose a writable 16-byte buffer laid \
+                     out as vLLM's ChunkStatus (int32 ref_cnt at offset 0, int64 chunk_id at \
+                     offset 8: ctypes format 'T{{<i:ref_cnt:<q:chunk_id:}}', or raw bytes); got \
+                     {ty}: {why}"
                 ),
             )
         };
@@ -243,7 +273,8 @@ impl PyChunk {
             ffi::PyObject_GetBuffer(
                 obj.as_ptr(),
                 &mut *view,
-                ffi::PyBUF_SIMPLE | ffi::PyBUF_WRITABLE,
+                // A format comes with a shape (PEP 3118); no strides: contiguous memory.
+                ffi::PyBUF_ND | ffi::PyBUF_WRITABLE | ffi::PyBUF_FORMAT,
             )
         };
         if rc != 0 {
@@ -251,7 +282,11 @@ impl PyChunk {
             let cause = PyErr::take(py).map(|e| e.to_string()).unwrap_or_default();
             return Err(invalid(&format!("no writable buffer ({cause})")));
         }
-        let len = view.len;
+        let (len, itemsize) = (view.len, view.itemsize);
+        // SAFETY: a non-null format of a successful export is a NUL-terminated string that
+        // lives as long as the export.
+        let format = (!view.format.is_null())
+            .then(|| unsafe { CStr::from_ptr(view.format) }.to_bytes().to_vec());
         let (Some(ref_cnt), false) = (NonNull::new(view.buf.cast::<i32>()), view.obj.is_null())
         else {
             // SAFETY: the export succeeded; release it exactly once.
@@ -260,12 +295,22 @@ impl PyChunk {
         };
         let chunk = ForeignChunk {
             obj: obj.clone().unbind(),
+            // SAFETY: `view.obj` is a live object the export holds a reference to; wrapped
+            // without taking one, and never dropped (the export's release gives it back).
+            exporter: ManuallyDrop::new(unsafe { Bound::from_owned_ptr(py, view.obj) }.unbind()),
             ref_cnt,
             view,
         };
         if len != ITEM_SIZE {
             drop(chunk);
             return Err(invalid(&format!("buffer is {len} bytes")));
+        }
+        if !is_chunk_layout(format.as_deref(), itemsize) {
+            drop(chunk);
+            let format = String::from_utf8_lossy(format.as_deref().unwrap_or(b"B")).into_owned();
+            return Err(invalid(&format!(
+                "buffer format {format:?} (item size {itemsize}) is another layout"
+            )));
         }
         Ok(PyChunk::Foreign(chunk))
     }
@@ -282,10 +327,11 @@ impl PyChunk {
     pub fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
         match self {
             PyChunk::Native(c) => visit.call(c),
-            // Two references to the exporter: ours and the export's.
+            // Ours to the object inserted, and the export's to its exporter (often the same
+            // object, then visited twice: it holds two references to it).
             PyChunk::Foreign(f) => {
                 visit.call(&f.obj)?;
-                visit.call(&f.obj)
+                visit.call(&*f.exporter)
             }
         }
     }

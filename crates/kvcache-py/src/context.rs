@@ -152,13 +152,22 @@ pub enum Positions<'py> {
 
 /// Whether some methods of a request context may be bypassed (their dict read directly): its
 /// type defines each of them as one of the known `ReqContext` classes does, and the instance
-/// does not shadow them. Remembers the last type that qualified, and whether its instances
-/// have a `__dict__`.
+/// does not shadow them. Remembers the last type that qualified, the functions it had then
+/// (a method replaced on the class later, e.g. by a test's patch, is noticed by identity), and
+/// whether its instances have a `__dict__`.
 pub struct ContextTypeCache {
     methods: &'static [&'static str],
     /// `methods` as Python strings, made once: this check runs on every request call.
     names: Vec<Py<PyString>>,
-    fast: Option<(Py<PyType>, bool)>,
+    fast: Option<FastType>,
+}
+
+/// A context type whose methods may be bypassed.
+struct FastType {
+    ty: Py<PyType>,
+    /// The type's functions for `methods` when it qualified.
+    functions: Vec<Py<PyAny>>,
+    has_dict: bool,
 }
 
 impl ContextTypeCache {
@@ -176,12 +185,39 @@ impl ContextTypeCache {
         Self::new(&["get_offload_key_position"])
     }
 
+    /// Whether `ty` is the remembered type and still has the functions it had then (one
+    /// attribute-cache lookup per method).
+    fn remembered(&self, ty: &Bound<'_, PyType>) -> PyResult<Option<bool>> {
+        let Some(fast) = &self.fast else {
+            return Ok(None);
+        };
+        let py = ty.py();
+        if !fast.ty.bind(py).is(ty) {
+            return Ok(None);
+        }
+        for (name, function) in self.names.iter().zip(&fast.functions) {
+            if !ty.getattr(name.bind(py))?.is(function.bind(py)) {
+                return Ok(None);
+            }
+        }
+        Ok(Some(fast.has_dict))
+    }
+
     /// Whether `ctx`'s methods may be bypassed (see the type's docs).
     pub fn bypassable(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let py = ctx.py();
+        if self.names.is_empty() {
+            self.names = self
+                .methods
+                .iter()
+                .map(|name| PyString::intern(py, name).unbind())
+                .collect();
+        }
         let ty = ctx.get_type();
-        let has_dict = match &self.fast {
-            Some((fast, has_dict)) if fast.bind(ctx.py()).is(&ty) => *has_dict,
-            _ => {
+        let has_dict = match self.remembered(&ty)? {
+            Some(has_dict) => has_dict,
+            None => {
+                self.fast = None;
                 if !self.known_type(&ty)? {
                     return Ok(false);
                 }
@@ -190,22 +226,23 @@ impl ContextTypeCache {
                     .getattr_opt("__dictoffset__")?
                     .and_then(|o| o.extract::<isize>().ok())
                     .is_none_or(|offset| offset != 0);
-                self.fast = Some((ty.unbind(), has_dict));
+                let functions = self
+                    .names
+                    .iter()
+                    .map(|name| ty.getattr(name.bind(py)).map(Bound::unbind))
+                    .collect::<PyResult<_>>()?;
+                self.fast = Some(FastType {
+                    ty: ty.unbind(),
+                    functions,
+                    has_dict,
+                });
                 has_dict
             }
         };
         // An instance attribute could shadow a method: then honour it. (Asking a slotted
         // instance for `__dict__` would raise and catch an AttributeError.)
         if has_dict {
-            let py = ctx.py();
             if let Some(d) = ctx.getattr_opt(pyo3::intern!(py, "__dict__"))? {
-                if self.names.is_empty() {
-                    self.names = self
-                        .methods
-                        .iter()
-                        .map(|name| PyString::intern(py, name).unbind())
-                        .collect();
-                }
                 let shadowed = d.cast::<PyDict>().map_or(true, |d| {
                     self.names
                         .iter()
@@ -252,10 +289,9 @@ impl<'py> Positions<'py> {
         };
         let py = ctx.py();
         if cache.bypassable(ctx)? {
-            if let Some(dict) = ctx.getattr_opt(pyo3::intern!(py, "_offload_key_positions"))? {
-                if let Ok(dict) = dict.cast_into_exact::<PyDict>() {
-                    return Ok(Positions::Dict(dict));
-                }
+            let name = pyo3::intern!(py, "_offload_key_positions");
+            if let Some(dict) = known_dict(ctx, name)? {
+                return Ok(Positions::Dict(dict));
             }
         }
         let method = ctx
@@ -365,25 +401,6 @@ pub fn require_context<'a, 'py>(
     }
 }
 
-/// `ctx.get_state(_RequestState)`: read from the context's `_state` dict when `direct` is it
-/// (see [`state_dict`]), else through the method. None when the context has none.
-pub fn stored_state<'py>(
-    ctx: &Bound<'py, PyAny>,
-    direct: Option<&Bound<'py, PyDict>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let py = ctx.py();
-    let state_type = py.get_type::<crate::request_state::RequestState>();
-    match direct {
-        Some(dict) => Ok(dict
-            .get_item(&state_type)?
-            .unwrap_or_else(|| py.None().into_bound(py))),
-        None => ctx
-            .getattr(intern!(py, "get_state"))
-            .map_err(|_| context_error(ctx, "no get_state"))?
-            .call1((&state_type,)),
-    }
-}
-
 /// The `_state` dict of vLLM's or kvcache's own `ReqContext`, whose `get_state` and
 /// `set_state` are plain operations on it: using it directly saves two Python calls per
 /// request. `None` for any other context (or one whose instance shadows the methods).
@@ -394,7 +411,28 @@ pub fn state_dict<'py>(
     if !cache.bypassable(ctx)? {
         return Ok(None);
     }
-    Ok(ctx
-        .getattr_opt(intern!(ctx.py(), "_state"))?
-        .and_then(|d| d.cast_into_exact::<PyDict>().ok()))
+    known_dict(ctx, intern!(ctx.py(), "_state"))
+}
+
+/// The dict attribute `name` that a known `ReqContext`'s methods work on: `None` for a dict
+/// subclass (its methods are called, which honours its overrides), a typed error when it is
+/// missing or not a dict at all (the methods would fail on it with an `AttributeError`).
+fn known_dict<'py>(
+    ctx: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let Some(value) = ctx.getattr_opt(name)? else {
+        return Err(context_error(ctx, &format!("it has no {name} dict")));
+    };
+    if value.is_exact_instance_of::<PyDict>() {
+        // SAFETY: just checked that `value` is exactly a dict.
+        return Ok(Some(unsafe { value.cast_into_unchecked::<PyDict>() }));
+    }
+    if value.is_instance_of::<PyDict>() {
+        return Ok(None);
+    }
+    Err(context_error(
+        ctx,
+        &format!("its {name} is {}, not a dict", type_name(&value)),
+    ))
 }

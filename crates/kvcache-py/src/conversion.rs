@@ -149,6 +149,21 @@ pub unsafe fn with_hashed_keys<T, R>(
     Ok(call(target, &ks))
 }
 
+/// Runs `call`, a core policy or manager method, on `target` with the keys of `keys` hashed
+/// by `hasher` (see [`with_hashed_keys`]). `call` is a plain function, so it captures no
+/// Python object to run code on.
+pub fn with_core_keys<T, R>(
+    target: &mut T,
+    keys: &Bound<'_, PyAny>,
+    hasher: &KeyHasher,
+    call: fn(&mut T, &[Key<'_>]) -> R,
+) -> PyResult<R> {
+    // SAFETY: every caller passes a core policy or manager method over its pure-Rust state:
+    // they read chunk records from memory, and neither call into Python nor drop a Python
+    // object (which could run a `__del__`).
+    unsafe { with_hashed_keys(target, keys, hasher, call) }
+}
+
 /// Collects an iterable of keys (lists and tuples without the iterator protocol).
 pub fn collect_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     if let Ok(list) = obj.cast::<PyList>() {
@@ -177,8 +192,15 @@ pub fn collect_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyB
             format!("expected an iterable of bytes keys, got {}", type_name(obj)),
         )
     })?;
-    // `__len__` is only a hint, and a user's: never let it size an allocation.
-    let mut keys = Vec::with_capacity(obj.len().unwrap_or(0).min(1024));
+    // `__len__` is only a hint, and a user's: never let it size an allocation. As
+    // `operator.length_hint`, no `__len__` (a TypeError) means no hint; any other error it
+    // raises (a KeyboardInterrupt) is the caller's.
+    let hint = match obj.len() {
+        Ok(n) => n,
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => 0,
+        Err(e) => return Err(e),
+    };
+    let mut keys = Vec::with_capacity(hint.min(1024));
     for item in iter {
         keys.push(as_key(item?)?);
     }
@@ -337,23 +359,22 @@ impl FromPyObject<'_, '_> for Flag {
     }
 }
 
-/// A `str` argument.
-pub struct Text(pub String);
-
-impl FromPyObject<'_, '_> for Text {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
-        match obj.cast::<PyString>() {
-            Ok(s) => Ok(Text(s.to_str()?.to_owned())),
-            Err(_) => {
-                let py = obj.py();
-                Err(new_err(
-                    py,
-                    &exceptions(py).invalid_type,
-                    format!("expected a str, got {}", type_name(&obj)),
-                ))
-            }
-        }
-    }
+/// A `str` argument named `what`: a type error for anything else, and an argument error for a
+/// string UTF-8 cannot hold (a lone surrogate).
+pub fn text(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
+    let py = obj.py();
+    let s = obj.cast::<PyString>().map_err(|_| {
+        new_err(
+            py,
+            &exceptions(py).invalid_type,
+            format!("{what} must be a str, got {}", type_name(obj)),
+        )
+    })?;
+    s.to_str().map(str::to_owned).map_err(|_| {
+        new_err(
+            py,
+            &exceptions(py).invalid_argument,
+            format!("{what} must be valid Unicode text, got a lone surrogate"),
+        )
+    })
 }

@@ -8,7 +8,8 @@
 //! classes are made once with `type(name, bases, namespace)` at import.
 
 use pyo3::exceptions::{
-    PyException, PyIndexError, PyKeyError, PyMemoryError, PyRuntimeError, PyTypeError, PyValueError,
+    PyBufferError, PyException, PyIndexError, PyKeyError, PyMemoryError, PyRuntimeError,
+    PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -28,6 +29,7 @@ pub struct Exceptions {
     pub out_of_memory: Py<PyType>,
     pub out_of_range: Py<PyType>,
     pub transfer: Py<PyType>,
+    pub pool_closed: Py<PyType>,
 }
 
 static EXCEPTIONS: PyOnceLock<Exceptions> = PyOnceLock::new();
@@ -70,6 +72,19 @@ fn build(py: Python<'_>) -> PyResult<Exceptions> {
         &[b, &type_error],
     )?;
     let t = invalid_type.bind(py).clone();
+    let invalid_state = make_type(
+        py,
+        "InvalidStateError",
+        "A call that contradicts the state of a chunk, e.g. loading a chunk still being stored.",
+        &[b, &value_error],
+    )?;
+    let pool_closed = make_type(
+        py,
+        "PoolClosedError",
+        "A buffer asked of a host chunk pool after close(): also a BufferError, as any failed \
+         buffer export.",
+        &[invalid_state.bind(py), &py.get_type::<PyBufferError>()],
+    )?;
     Ok(Exceptions {
         key_not_found: make_type(
             py,
@@ -108,12 +123,8 @@ fn build(py: Python<'_>) -> PyResult<Exceptions> {
              ChunkStatus buffer.",
             &[&t],
         )?,
-        invalid_state: make_type(
-            py,
-            "InvalidStateError",
-            "A call that contradicts the state of a chunk, e.g. loading a chunk still being stored.",
-            &[b, &value_error],
-        )?,
+        invalid_state,
+        pool_closed,
         reentrant_call: make_type(
             py,
             "ReentrantCallError",
@@ -163,6 +174,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         &e.out_of_memory,
         &e.out_of_range,
         &e.transfer,
+        &e.pool_closed,
     ] {
         let ty = ty.bind(py);
         m.add(ty.name()?, ty)?;

@@ -25,7 +25,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 use crate::chunk::{fill_record_view, release_record_view};
 use crate::context::{require_context, ContextTypeCache, PositionWalk, Positions};
 use crate::conversion::{
-    collect_keys, count, int_in_range, key_bytes, with_hashed_keys, Flag, PyKey, Text,
+    collect_keys, count, int_in_range, key_bytes, text, with_core_keys, Flag, PyKey,
 };
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
@@ -215,6 +215,8 @@ struct State {
     hasher: KeyHasher,
     /// Per live request (by token id): its key objects and position-walk cursor.
     observed: hashbrown::HashMap<u64, Observed, foldhash::fast::RandomState>,
+    /// Events taken from the core that a failed `take_events` could not hand out.
+    unreported: Vec<Event>,
 }
 
 /// Offloading manager for host-memory KV chunks: vLLM 0.33.0's `CPUOffloadingManager`
@@ -244,10 +246,11 @@ fn policy_kind(cache_policy: &str, module_path: Option<&str>) -> Option<PolicyKi
 
 impl State {
     fn bury_dead(&mut self) {
-        for token in self.owner.graveyard.take() {
-            self.observed.remove(&token.id);
-            self.ops.release_request(token);
-        }
+        let (observed, ops) = (&mut self.observed, &mut self.ops);
+        self.owner.bury_dead(|token| {
+            observed.remove(&token.id);
+            ops.release_request(token);
+        });
     }
 
     /// Remembers the key objects a call showed the request for the first time, and where its
@@ -275,16 +278,13 @@ impl State {
             .collect()
     }
 
-    /// Runs a core call on `keys` (an iterable of bytes). Lists and tuples are read in place
-    /// (no new reference per key); `call` must not run Python code.
+    /// Runs a core call on `keys` (an iterable of bytes); see [`with_core_keys`].
     fn with_keys<R>(
         &mut self,
         keys: &Bound<'_, PyAny>,
-        call: impl FnOnce(&mut Box<dyn ManagerOps>, &[Key<'_>]) -> R,
+        call: fn(&mut Box<dyn ManagerOps>, &[Key<'_>]) -> R,
     ) -> PyResult<R> {
-        // SAFETY: the callers pass closures over manager methods, which never call into
-        // Python.
-        unsafe { with_hashed_keys(&mut self.ops, keys, &self.hasher, call) }
+        with_core_keys(&mut self.ops, keys, &self.hasher, call)
     }
 
     /// Token positions of `keys` (only policies that read them get them), and where the walk
@@ -340,10 +340,12 @@ impl State {
     /// The manager's request state for `ctx` (created on first sight, as vLLM does).
     fn request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<RequestToken> {
         self.bury_dead();
-        match self.cached_live(ctx) {
-            Some(token) => Ok(token),
-            None => self.token_on(ctx),
-        }
+        self.owner.live_token(
+            ctx,
+            &mut *self.ops,
+            |ops, token| ops.is_live_request(token),
+            |ops, current| ops.request(current),
+        )
     }
 
     /// The token of a recently seen context, if its request state is still live.
@@ -359,9 +361,26 @@ impl State {
         self.owner.token(ctx, |current| ops.request(current))
     }
 
-    fn event<'py>(&self, py: Python<'py>, e: Event) -> PyResult<Bound<'py, PyAny>> {
+    fn event<'py>(&self, py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyAny>> {
         let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k.as_slice())))?;
         self.types.event(py, keys, e.removed, e.metadata_only)
+    }
+
+    /// Events a failed `take_events` kept back. A failed store's cleanup names only keys no
+    /// store has made resident again since, as the core's own queue does.
+    fn take_unreported(&mut self) -> Vec<Event> {
+        let mut events = std::mem::take(&mut self.unreported);
+        if events.is_empty() {
+            return events;
+        }
+        for e in events.iter_mut().filter(|e| e.metadata_only) {
+            e.keys.retain(|k| {
+                let key = Key::new(&self.hasher, k.as_slice());
+                self.ops.lookup(key) == LookupResult::Miss
+            });
+        }
+        events.retain(|e| !e.keys.is_empty());
+        events
     }
 }
 
@@ -375,7 +394,7 @@ impl PyManager {
     )]
     #[pyo3(signature = (
         num_chunks,
-        cache_policy = Text("lru".into()),
+        cache_policy = "lru".to_owned(),
         cache_policy_module_path = None,
         enable_events = Flag(false),
         store_threshold = 1,
@@ -386,22 +405,22 @@ impl PyManager {
     fn new(
         cls: &Bound<'_, PyType>,
         #[pyo3(from_py_with = num_chunks_arg)] num_chunks: usize,
-        cache_policy: Text,
-        cache_policy_module_path: Option<Text>,
+        #[pyo3(from_py_with = cache_policy_arg)] cache_policy: String,
+        #[pyo3(from_py_with = module_path_arg)] cache_policy_module_path: Option<String>,
         enable_events: Flag,
         #[pyo3(from_py_with = store_threshold_arg)] store_threshold: i64,
         #[pyo3(from_py_with = max_tracker_size_arg)] max_tracker_size: usize,
     ) -> PyResult<Self> {
         let py = cls.py();
-        let module_path = cache_policy_module_path.as_ref().map(|t| t.0.as_str());
-        let Some(kind) = policy_kind(&cache_policy.0, module_path) else {
+        let module_path = cache_policy_module_path.as_deref();
+        let Some(kind) = policy_kind(&cache_policy, module_path) else {
             return Err(new_err(
                 py,
                 &exceptions(py).invalid_argument,
                 format!(
                     "unsupported cache policy {:?} (module {module_path:?}); kvcache's manager \
                      runs {} (or {} from kvcache.vllm)",
-                    cache_policy.0,
+                    cache_policy,
                     names(PolicyKind::name),
                     names(PolicyKind::class_name),
                 ),
@@ -424,6 +443,7 @@ impl PyManager {
                     contexts: ContextTypeCache::positions(),
                     hasher: KeyHasher::global(),
                     observed: Default::default(),
+                    unreported: Vec::new(),
                 },
                 "offloading manager",
             ),
@@ -504,7 +524,9 @@ impl PyManager {
         Ok(state.types.lookup(py, result))
     }
 
-    /// Pins the keys' ready chunks for reading; returns a spec naming their chunk ids.
+    /// Pins the keys' ready chunks for reading; returns a spec naming their chunk ids. If the
+    /// spec cannot be built (e.g. a KeyboardInterrupt), the pins are released and the call
+    /// raises; the request has still observed the keys.
     fn prepare_load<'py>(
         &self,
         py: Python<'py>,
@@ -514,13 +536,20 @@ impl PyManager {
         let mut state = self.inner.lock(py)?;
         let (keys, positions, cursor, token) = state.request_call(&req_context, &keys, true)?;
         let ks = state.keys(&keys);
+        let shell = state.types.spec_shell(py)?;
         let mut observed = Vec::new();
         let ids = state
             .ops
             .prepare_load(token, &ks, &positions, &mut observed)
             .py_err()?;
         state.remember(token, &keys, &observed, cursor);
-        state.types.spec(py, &ids)
+        // The pins are taken: a result that cannot be built (a MemoryError, a
+        // KeyboardInterrupt in Python code) gives them back, or no caller could ever unpin
+        // them.
+        state.types.spec(py, shell, &ids).inspect_err(|_| {
+            // Pinned just now, under the same lock: the unpin cannot fail.
+            let _ = state.ops.complete_load(&ks);
+        })
     }
 
     /// Marks keys recently used.
@@ -554,6 +583,8 @@ impl PyManager {
 
     /// Decides which keys to store and where, evicting to make room. Returns an object with
     /// `keys_to_store`, `store_spec` and `evicted_keys`, or None when the keys cannot be stored.
+    /// If the result cannot be built (e.g. a KeyboardInterrupt), the new chunks are dropped as
+    /// by `complete_store(success=False)` and the call raises; evictions it made stay.
     fn prepare_store<'py>(
         &self,
         py: Python<'py>,
@@ -563,6 +594,7 @@ impl PyManager {
         let mut state = self.inner.lock(py)?;
         let (keys, positions, cursor, token) = state.request_call(&req_context, &keys, false)?;
         let ks = state.keys(&keys);
+        let shell = state.types.spec_shell(py)?;
         let mut observed = Vec::new();
         let out = state
             .ops
@@ -570,12 +602,21 @@ impl PyManager {
             .py_err()?;
         state.remember(token, &keys, &observed, cursor);
         let Some(out) = out else { return Ok(None) };
-        let stored = PyList::new(py, out.stored.iter().map(|&i| &keys[i]))?;
-        let spec = state.types.spec(py, &out.chunk_ids)?;
-        state
-            .types
-            .store_output(py, stored, spec, out.evicted)
-            .map(Some)
+        let StoreOutput {
+            stored,
+            chunk_ids,
+            evicted,
+        } = out;
+        let built = PyList::new(py, stored.iter().map(|&i| &keys[i])).and_then(|to_store| {
+            let spec = state.types.spec(py, shell, &chunk_ids)?;
+            state.types.store_output(py, to_store, spec, evicted)
+        });
+        built.map(Some).inspect_err(|_| {
+            // The new chunks are pending and nobody will ever hear of them: drop them as a
+            // failed store would (evictions made for them stay, and their events too).
+            let new: Vec<Key<'_>> = stored.iter().map(|&i| ks[i]).collect();
+            state.ops.complete_store(&new, false);
+        })
     }
 
     /// Completes stores: on success the chunks become readable and evictable; on failure the
@@ -592,9 +633,12 @@ impl PyManager {
         success: Flag,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.inner
-            .lock(py)?
-            .with_keys(&keys, |ops, ks| ops.complete_store(ks, success.0))
+        let complete: fn(&mut Box<dyn ManagerOps>, &[Key<'_>]) = if success.0 {
+            |ops, ks| ops.complete_store(ks, true)
+        } else {
+            |ops, ks| ops.complete_store(ks, false)
+        };
+        self.inner.lock(py)?.with_keys(&keys, complete)
     }
 
     /// Starts tracking a request.
@@ -652,12 +696,19 @@ impl PyManager {
     /// Events (stored / removed keys) since the last call.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut state = self.inner.lock(py)?;
-        let events = state.ops.take_events();
-        let objects: Vec<_> = events
-            .into_iter()
+        let mut events = state.take_unreported();
+        events.extend(state.ops.take_events());
+        // All or nothing: every event is built before any is handed out; if one cannot be,
+        // they all wait for the next call.
+        let built = events
+            .iter()
             .map(|e| state.event(py, e))
-            .collect::<PyResult<_>>()?;
-        PyList::new(py, objects)
+            .collect::<PyResult<Vec<_>>>()
+            .and_then(|objects| PyList::new(py, objects));
+        if built.is_err() {
+            state.unreported = events;
+        }
+        built
     }
 
     /// Drops every chunk and request state.
@@ -771,6 +822,17 @@ impl PyManager {
 
 fn num_chunks_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     count(obj, "num_chunks")
+}
+
+fn cache_policy_arg(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    text(obj, "cache_policy")
+}
+
+fn module_path_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    text(obj, "cache_policy_module_path").map(Some)
 }
 
 fn store_threshold_arg(obj: &Bound<'_, PyAny>) -> PyResult<i64> {

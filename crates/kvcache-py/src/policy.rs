@@ -14,7 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
 
 use crate::chunk::PyChunk;
 use crate::context::{order_request_keys, require_context, ContextTypeCache, Positions};
-use crate::conversion::{collect_keys, key_bytes, type_name, with_hashed_keys, EvictCount, PyKey};
+use crate::conversion::{collect_keys, key_bytes, type_name, with_core_keys, EvictCount, PyKey};
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::guard::Guarded;
@@ -83,11 +83,12 @@ impl<P: Policy<PyChunk>> Host<P> {
 
     /// Releases the states of requests whose context was collected since the last call.
     fn bury_dead(&mut self) {
-        for token in self.owner.graveyard.take() {
-            if let Some(state) = self.requests.remove(token) {
-                self.policy.release_request(state);
+        let (requests, policy) = (&mut self.requests, &mut self.policy);
+        self.owner.bury_dead(|token| {
+            if let Some(state) = requests.remove(token) {
+                policy.release_request(state);
             }
-        }
+        });
     }
 
     /// The token of the request's state, kept on the context like vLLM's
@@ -95,27 +96,22 @@ impl<P: Policy<PyChunk>> Host<P> {
     /// before the policy changes.
     fn request_token(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<Token> {
         self.bury_dead();
-        if let Some(token) = self.owner.cached(ctx) {
-            if self.requests.get(token).is_some() {
-                return Ok(token);
-            }
-        }
-        let requests = &mut self.requests;
-        self.owner.token(ctx, |current| {
-            requests.get_or_insert_with(current, P::Request::default)
-        })
+        self.owner.live_token(
+            ctx,
+            &mut self.requests,
+            |requests, token| requests.get(token).is_some(),
+            |requests, current| requests.get_or_insert_with(current, P::Request::default),
+        )
     }
 
     /// Runs `call` on the policy with `keys` (an iterable of bytes) hashed.
     fn with_keys<R>(
         &mut self,
         keys: &Bound<'_, PyAny>,
-        call: impl FnOnce(&mut P, &[kvcache_core::Key<'_>]) -> R,
+        call: fn(&mut P, &[kvcache_core::Key<'_>]) -> R,
     ) -> PyResult<R> {
         let hasher = self.policy.hasher().clone();
-        // SAFETY: the callers pass policy methods, which read chunk records from memory and
-        // never call into Python.
-        unsafe { with_hashed_keys(&mut self.policy, keys, &hasher, call) }
+        with_core_keys(&mut self.policy, keys, &hasher, call)
     }
 }
 

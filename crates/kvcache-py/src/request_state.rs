@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyWeakrefReference;
+use pyo3::types::{PyDict, PyWeakrefReference};
 
-use crate::context::{context_error, state_dict, stored_state, ContextTypeCache};
+use crate::context::{context_error, state_dict, ContextTypeCache};
 
 /// Names an owner's state for one request in one generation of its registry.
 pub use kvcache_core::RequestToken as Token;
@@ -205,6 +205,27 @@ impl Owner {
         alive.is(ctx).then_some(r.token)
     }
 
+    /// Releases the states of requests whose context was collected since the last call
+    /// (`release` frees one owner's state named by a token).
+    pub fn bury_dead(&self, release: impl FnMut(Token)) {
+        self.graveyard.take().into_iter().for_each(release);
+    }
+
+    /// The owner's token on `ctx`, for a state kept in `states`: a recently seen context's if
+    /// `is_live` says its state still exists, else [`token`](Self::token) with `validate`.
+    pub fn live_token<S: ?Sized>(
+        &mut self,
+        ctx: &Bound<'_, PyAny>,
+        states: &mut S,
+        is_live: impl FnOnce(&S, Token) -> bool,
+        validate: impl FnOnce(&mut S, Option<Token>) -> Token,
+    ) -> PyResult<Token> {
+        if let Some(token) = self.cached(ctx).filter(|&t| is_live(states, t)) {
+            return Ok(token);
+        }
+        self.token(ctx, |current| validate(states, current))
+    }
+
     /// The owner's token on `ctx` if it has one (no state is created).
     pub fn existing_token(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<Option<Token>> {
         if let Some(token) = self.cached(ctx) {
@@ -216,5 +237,24 @@ impl Owner {
             .cast::<RequestState>()
             .ok()
             .and_then(|s| s.get().get(self.uid)))
+    }
+}
+
+/// `ctx.get_state(_RequestState)`: read from the context's `_state` dict when `direct` is it
+/// (see `context::state_dict`), else through the method. None when the context has none.
+fn stored_state<'py>(
+    ctx: &Bound<'py, PyAny>,
+    direct: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = ctx.py();
+    let state_type = py.get_type::<RequestState>();
+    match direct {
+        Some(dict) => Ok(dict
+            .get_item(&state_type)?
+            .unwrap_or_else(|| py.None().into_bound(py))),
+        None => ctx
+            .getattr(intern!(py, "get_state"))
+            .map_err(|_| context_error(ctx, "no get_state"))?
+            .call1((&state_type,)),
     }
 }

@@ -331,15 +331,33 @@ impl ResultTypes {
         member.bind(py).clone()
     }
 
-    /// A spec naming `ids`. vLLM's spec is made without running its `__init__`, which would
-    /// only copy the array we already built as `np.int32`.
-    pub fn spec<'py>(&self, py: Python<'py>, ids: &[ChunkId]) -> PyResult<Bound<'py, PyAny>> {
+    /// What of a spec can be made before the manager changes: vLLM's spec object, made
+    /// without running its `__init__` (which would only copy the array we build as
+    /// `np.int32`); nothing for ours.
+    pub fn spec_shell<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        match &self.foreign {
+            None => Ok(None),
+            Some(f) => {
+                let cls = f.spec_cls.bind(py);
+                cls.call_method1(pyo3::intern!(py, "__new__"), (cls,))
+                    .map(Some)
+            }
+        }
+    }
+
+    /// A spec naming `ids`, completing `shell` (from [`spec_shell`](Self::spec_shell)).
+    pub fn spec<'py>(
+        &self,
+        py: Python<'py>,
+        shell: Option<Bound<'py, PyAny>>,
+        ids: &[ChunkId],
+    ) -> PyResult<Bound<'py, PyAny>> {
         let ids: Vec<i32> = ids
             .iter()
             .map(|&id| i32::try_from(id).expect("chunk ids are below MAX_CHUNKS = i32::MAX"))
             .collect();
         let array = PyArray1::from_slice(py, &ids);
-        match &self.foreign {
+        match shell {
             None => Ok(Bound::new(
                 py,
                 LoadStoreSpec {
@@ -347,9 +365,7 @@ impl ResultTypes {
                 },
             )?
             .into_any()),
-            Some(f) => {
-                let cls = f.spec_cls.bind(py);
-                let spec = cls.call_method1(pyo3::intern!(py, "__new__"), (cls,))?;
+            Some(spec) => {
                 spec.setattr(pyo3::intern!(py, "block_ids"), array)?;
                 Ok(spec)
             }

@@ -498,16 +498,8 @@ class TransferEngine:
             raise InvalidArgumentError(f"unsupported device {device}")
         host = device.type == "cpu"
         specs = [_layer_spec(t, i, host=host) for i, t in enumerate(layers)]
-        group_refs = None
-        if groups is not None:
-            group_refs = [[(int(t), int(n)) for t, n in refs] for refs in groups]
-        self._layout = _core.TransferLayout(
-            pool,
-            specs,
-            blocks_per_chunk,
-            group_refs,
-            None if offsets is None else [int(o) for o in offsets],
-        )
+        # groups and offsets are checked in Rust (typed errors naming the bad entry).
+        self._layout = _core.TransferLayout(pool, specs, blocks_per_chunk, groups, offsets)
         self._grouped = groups is not None or offsets is not None
         self._backend: _Backend
         if host:

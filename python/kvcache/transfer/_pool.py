@@ -6,7 +6,7 @@ import logging
 from typing import TYPE_CHECKING, Literal, Self
 
 from kvcache import _core
-from kvcache._core import InvalidArgumentError, TransferError
+from kvcache._core import InvalidArgumentError, InvalidStateError, TransferError
 from kvcache.transfer import _cuda
 from kvcache.transfer._checks import check_count
 
@@ -59,6 +59,9 @@ class HostChunkPool(_core.HostChunkPool):
         return super().__new__(cls, num_chunks, chunk_bytes)
 
     def __init__(self, num_chunks: int, chunk_bytes: int, *, pin: PinMode = "auto") -> None:
+        if "_pin_reported" in vars(self):
+            # Running __init__ again would re-pin, and close the pool on a failure.
+            raise InvalidStateError("HostChunkPool.__init__ called on a pool already set up")
         # Whether a GPU kernel may address the pool with host pointers: true once registered
         # on a unified-addressing system (checked when registration completes).
         self.device_can_use_host_pointer = False

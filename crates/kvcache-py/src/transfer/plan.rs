@@ -7,11 +7,13 @@ use kvcache_core::host::{
     Lease, PlanScratch, Request, TransferLayout,
 };
 use pyo3::buffer::PyBuffer;
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyBool, PyBytes, PyInt, PyIterator, PyString, PyTuple};
 
 use super::ids::{id_vec, small_ints};
 use super::pool::PyHostChunkPool;
+use crate::conversion::{count, int_in_range, type_name};
 use crate::errors::{typed, IntoPyResult};
 
 /// `(device base, block stride, segment offset, page slot bytes, bytes copied)`.
@@ -80,6 +82,116 @@ fn host_layer(buf: &PyBuffer<u8>, index: usize, segment: u64) -> PyResult<LayerG
     })
 }
 
+fn blocks_per_chunk_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    count(obj, "blocks_per_chunk")
+}
+
+/// The items of an iterable argument, with a type error naming it otherwise.
+fn items<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    expected: &str,
+) -> PyResult<Bound<'py, PyIterator>> {
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(typed(
+            |e| &e.invalid_type,
+            format!("{what} must be {expected}, got {}", type_name(obj)),
+        ));
+    }
+    obj.try_iter().map_err(|_| {
+        typed(
+            |e| &e.invalid_type,
+            format!("{what} must be {expected}, got {}", type_name(obj)),
+        )
+    })
+}
+
+/// An integer entry of `groups` or `offsets`: an int or any integer type (`__index__`, e.g. a
+/// numpy integer), never a bool or a float.
+fn index_in_range<T: TryFrom<i128>>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
+    let range = ">= 0 and < 2**64";
+    if obj.is_instance_of::<PyInt>() || obj.is_instance_of::<PyBool>() {
+        return int_in_range(obj, what, range);
+    }
+    // SAFETY: `obj` is a live object; `PyNumber_Index` returns a new reference or NULL with an
+    // exception set.
+    let index =
+        unsafe { Bound::from_owned_ptr_or_err(obj.py(), ffi::PyNumber_Index(obj.as_ptr())) };
+    match index {
+        Ok(int) => int_in_range(&int, what, range),
+        // Not an integer type: the error names the type given.
+        Err(_) => int_in_range(obj, what, range),
+    }
+}
+
+/// `groups`: per KV-cache group, `(layer index, bytes per block)` pairs of ints.
+fn group_refs(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<GroupRef>>> {
+    let mut groups = Vec::new();
+    for (g, group) in items(obj, "groups", "a sequence of groups")?.enumerate() {
+        let group = group?;
+        let mut refs = Vec::new();
+        let what = format!("groups[{g}]");
+        for (r, pair) in
+            items(&group, &what, "a sequence of (layer index, bytes) pairs")?.enumerate()
+        {
+            let pair = pair?;
+            let what = format!("groups[{g}][{r}]");
+            // At most one item more than a pair is read: enough to refuse it.
+            let fields: Vec<_> = items(&pair, &what, "a (layer index, bytes) pair")?
+                .take(3)
+                .collect::<PyResult<_>>()?;
+            let [tensor, bytes] = fields.as_slice() else {
+                return Err(typed(
+                    |e| &e.invalid_argument,
+                    format!("{what} must be a (layer index, bytes) pair"),
+                ));
+            };
+            refs.push(GroupRef {
+                tensor: index_in_range(tensor, &format!("{what}[0] (layer index)"))?,
+                bytes: index_in_range(bytes, &format!("{what}[1] (bytes per block)"))?,
+            });
+        }
+        groups.push(refs);
+    }
+    Ok(groups)
+}
+
+/// `offsets`: each layer's segment offset inside a chunk, in bytes.
+fn segment_offsets(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    items(obj, "offsets", "a sequence of ints")?
+        .enumerate()
+        .map(|(i, o)| index_in_range(&o?, &format!("offsets[{i}]")))
+        .collect()
+}
+
+/// A caller's output buffer: writable int64 memory.
+fn out_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<i64>> {
+    let buf = PyBuffer::<i64>::get(obj).map_err(|_| {
+        typed(
+            |e| &e.invalid_type,
+            format!(
+                "{what} must be a writable int64 buffer (e.g. a numpy array), got {}",
+                type_name(obj)
+            ),
+        )
+    })?;
+    if buf.readonly() {
+        return Err(typed(
+            |e| &e.invalid_argument,
+            format!("{what} is read-only"),
+        ));
+    }
+    Ok(buf)
+}
+
+fn piece_bytes_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    int_in_range(obj, "max_piece_bytes", ">= 0 and < 2**64")
+}
+
+fn group_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    count(obj, "group")
+}
+
 #[pymethods]
 impl PyTransferLayout {
     /// `layers`: for host memory (CPU tensors), `(buffer, segment)` with a 2-d writable byte
@@ -97,10 +209,19 @@ impl PyTransferLayout {
     fn new(
         pool: &Bound<'_, PyHostChunkPool>,
         layers: Vec<Bound<'_, PyTuple>>,
-        blocks_per_chunk: usize,
-        groups: Option<Vec<Vec<(usize, u64)>>>,
-        offsets: Option<Vec<u64>>,
+        #[pyo3(from_py_with = blocks_per_chunk_arg)] blocks_per_chunk: usize,
+        groups: Option<Bound<'_, PyAny>>,
+        offsets: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        // Read in full before anything else: a bad entry raises naming where it is.
+        let groups = groups
+            .filter(|g| !g.is_none())
+            .map(|g| group_refs(&g))
+            .transpose()?;
+        let offsets = offsets
+            .filter(|o| !o.is_none())
+            .map(|o| segment_offsets(&o))
+            .transpose()?;
         let pool = pool.get();
         let region = Arc::clone(&pool.region);
         if region.is_closed() {
@@ -177,17 +298,12 @@ impl PyTransferLayout {
                 vec![geoms
                     .iter()
                     .enumerate()
-                    .map(|(tensor, l)| (tensor, l.page_bytes))
+                    .map(|(tensor, l)| GroupRef {
+                        tensor,
+                        bytes: l.page_bytes,
+                    })
                     .collect()]
             });
-            let groups = groups
-                .into_iter()
-                .map(|refs| {
-                    refs.into_iter()
-                        .map(|(tensor, bytes)| GroupRef { tensor, bytes })
-                        .collect()
-                })
-                .collect();
             TransferLayout::with_groups(
                 geoms,
                 offsets,
@@ -441,7 +557,13 @@ impl Plan {
     /// Writes group `group`'s block table (device ids, then chunk addresses, then slots; the
     /// copy kernel's per-block input) into `out`, a writable int64 buffer of exactly
     /// `3 * group_blocks[group]` entries.
-    fn write_block_table(&self, py: Python<'_>, group: usize, out: PyBuffer<i64>) -> PyResult<()> {
+    fn write_block_table(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = group_arg)] group: usize,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let out = out_buffer(out, "out")?;
         let mut table = Vec::new();
         self.data
             .shared
@@ -485,7 +607,7 @@ impl Plan {
 
     /// Descriptors after cutting runs into pieces of at most `max_piece_bytes` (0: none).
     #[pyo3(signature = (max_piece_bytes=0))]
-    fn num_pieces(&self, max_piece_bytes: u64) -> usize {
+    fn num_pieces(&self, #[pyo3(from_py_with = piece_bytes_arg)] max_piece_bytes: u64) -> usize {
         self.data.runs().count_pieces(max_piece_bytes)
     }
 
@@ -493,7 +615,13 @@ impl Plan {
     /// pieces of at most `max_piece_bytes`, 0: none) into `out`, a writable C-contiguous int64
     /// buffer of exactly `3 * num_pieces(max_piece_bytes)` entries.
     #[pyo3(signature = (out, max_piece_bytes=0))]
-    fn write_runs(&self, py: Python<'_>, out: PyBuffer<i64>, max_piece_bytes: u64) -> PyResult<()> {
+    fn write_runs(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = piece_bytes_arg)] max_piece_bytes: u64,
+    ) -> PyResult<()> {
+        let out = out_buffer(out, "out")?;
         let n = self.data.runs().count_pieces(max_piece_bytes);
         if Some(out.item_count()) != n.checked_mul(3) {
             return Err(typed(

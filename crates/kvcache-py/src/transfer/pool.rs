@@ -12,7 +12,7 @@ use kvcache_core::host::{HostRegion, PinStatus};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt};
 
 use super::registrar::{CudartRegistrar, RuntimeFns};
 use crate::errors::{typed, IntoPyResult};
@@ -128,9 +128,12 @@ impl PyHostChunkPool {
 
     /// Blocks (GIL released) until a background registration has finished or `timeout_s`
     /// passed; returns :meth:`pin_status` then.
-    fn wait_pinned<'py>(&self, py: Python<'py>, timeout_s: f64) -> PyResult<Bound<'py, PyDict>> {
-        let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0))
-            .map_err(|e| typed(|e| &e.invalid_argument, format!("timeout_s: {e}")))?;
+    fn wait_pinned<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = timeout_arg)] timeout_s: Duration,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let timeout = timeout_s;
         let region = Arc::clone(&self.region);
         let status = py.detach(move || region.wait_pinned(timeout));
         status_dict(py, status)
@@ -223,7 +226,10 @@ impl PyHostChunkPool {
         }
         let this = slf.get();
         if this.region.is_closed() {
-            return Err(PyBufferError::new_err("the host chunk pool is closed"));
+            return Err(typed(
+                |e| &e.pool_closed,
+                "the host chunk pool is closed: it exports no memory",
+            ));
         }
         let want = |f: c_int| flags & f == f;
         // SAFETY: `view` is a valid, writable Py_buffer provided by CPython. Every pointer we
@@ -288,6 +294,32 @@ fn status_dict(py: Python<'_>, status: PinStatus) -> PyResult<Bound<'_, PyDict>>
         }
     }
     Ok(d)
+}
+
+/// Seconds to wait: an int or a float (not a bool, not NaN); a negative one waits not at all.
+fn timeout_arg(obj: &Bound<'_, PyAny>) -> PyResult<Duration> {
+    let number = (obj.is_instance_of::<PyInt>() || obj.is_instance_of::<PyFloat>())
+        && !obj.is_instance_of::<PyBool>();
+    if !number {
+        return Err(typed(
+            |e| &e.invalid_type,
+            format!(
+                "timeout_s must be a number of seconds, got {}",
+                crate::conversion::type_name(obj)
+            ),
+        ));
+    }
+    let secs: f64 = obj
+        .extract()
+        .map_err(|_| typed(|e| &e.invalid_argument, "timeout_s is too large"))?;
+    if secs.is_nan() {
+        return Err(typed(
+            |e| &e.invalid_argument,
+            "timeout_s must be a number, got nan",
+        ));
+    }
+    Duration::try_from_secs_f64(secs.max(0.0))
+        .map_err(|e| typed(|e| &e.invalid_argument, format!("timeout_s: {e}")))
 }
 
 fn num_chunks_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
