@@ -16,6 +16,7 @@ from typing_extensions import disjoint_base
 __all__ = [
     "BACKGROUND_PIECE_BYTES",
     "PAGE_SIZE",
+    "POLICY_KINDS",
     "ARCCachePolicy",
     "BaseCachePolicy",
     "ChunkStatus",
@@ -49,6 +50,7 @@ __all__ = [
     "_cuda_memcpy_batch",
     "_cuda_memcpy_runs",
     "order_request_keys",
+    "resolve_policy",
 ]
 
 __version__: str
@@ -122,6 +124,14 @@ class ARCCachePolicy(BaseCachePolicy):
     def target_t1_size(self) -> float: ...
 
 def order_request_keys(key_groups: Iterable[Iterable[bytes]], req_context: Any) -> list[bytes]: ...
+
+#: Every policy kvcache offers: short name (vLLM's registered name) -> class (whose
+#: ``__name__`` is vLLM's class name), in the core's order.
+POLICY_KINDS: dict[str, type[BaseCachePolicy]]
+
+def resolve_policy(
+    cache_policy: str, cache_policy_module_path: str | None = None
+) -> str | None: ...
 
 @final
 class _RequestState: ...
