@@ -1,4 +1,5 @@
-"""HostChunkPool.populate: the thread count is capped, and a refused thread is a typed error."""
+"""HostChunkPool.populate and wait_pinned: the thread count is capped, a refused thread is a
+typed error, and no timeout overflows into a panic."""
 
 import subprocess
 import sys
@@ -6,7 +7,6 @@ import textwrap
 
 import pytest
 
-import kvcache
 from kvcache.transfer import HostChunkPool
 
 
@@ -57,5 +57,10 @@ def test_a_refused_thread_is_a_transfer_error_not_a_panic():
     assert "single: " in out.stdout
 
 
-def test_kvcache_error_classes_are_exported():
-    assert issubclass(kvcache.TransferError, kvcache.KvCacheError)
+def test_a_timeout_beyond_any_instant_is_no_deadline():
+    # 1e19 s fits a Duration but not an Instant: it must mean "no deadline", not a panic.
+    pool = HostChunkPool(1, 4096, pin=False)
+    try:
+        assert pool.wait_pinned(1e19)["state"] == "unpinned"
+    finally:
+        pool.close()

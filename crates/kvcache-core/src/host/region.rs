@@ -536,10 +536,12 @@ impl HostRegion {
     /// Blocks until a background registration has finished (or `timeout` passed); returns
     /// the status then.
     pub fn wait_pinned(&self, timeout: Duration) -> PinStatus {
-        let deadline = Instant::now() + timeout;
+        // A timeout beyond what an `Instant` can represent means no deadline.
+        let deadline = Instant::now().checked_add(timeout);
         loop {
             let status = self.pin_status();
-            if !matches!(status, PinStatus::Pinning { .. }) || Instant::now() >= deadline {
+            let expired = deadline.is_some_and(|d| Instant::now() >= d);
+            if !matches!(status, PinStatus::Pinning { .. }) || expired {
                 return status;
             }
             std::thread::sleep(Duration::from_millis(2));
@@ -735,6 +737,11 @@ mod tests {
             PinStatus::Pinned { pieces: 3, .. }
         ));
         assert!(r.is_registered());
+        // A timeout no `Instant` can hold is no deadline, not an overflow.
+        assert!(matches!(
+            r.wait_pinned(Duration::MAX),
+            PinStatus::Pinned { pieces: 3, .. }
+        ));
         assert_eq!(r.registered_pieces(), 3);
         assert_eq!(log.registered.lock().unwrap().len(), 3);
         assert!(
