@@ -50,7 +50,6 @@ __all__ = [
     "_cuda_memcpy_batch",
     "_cuda_memcpy_runs",
     "order_request_keys",
-    "resolve_policy",
 ]
 
 __version__: str
@@ -128,10 +127,6 @@ def order_request_keys(key_groups: Iterable[Iterable[bytes]], req_context: Any) 
 #: Every policy kvcache offers: short name (vLLM's registered name) -> class (whose
 #: ``__name__`` is vLLM's class name), in the core's order.
 POLICY_KINDS: dict[str, type[BaseCachePolicy]]
-
-def resolve_policy(
-    cache_policy: str, cache_policy_module_path: str | None = None
-) -> str | None: ...
 
 @final
 class _RequestState: ...

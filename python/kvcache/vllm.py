@@ -79,7 +79,6 @@ from kvcache._core import (
     InvalidArgumentError,
     InvalidTypeError,
     LRUCachePolicy,
-    resolve_policy,
 )
 from kvcache._core import OffloadingManager as _RustManager
 from kvcache._vllm_worker import CPUOffloadingWorker
@@ -118,10 +117,15 @@ _COPY_SETTINGS = ("auto", "dma", "kernel")
 
 
 def rust_policy(name: str, module_path: str | None) -> str | None:
-    """The short name (``"lru"``, ``"arc"``) of the policy kvcache's Rust manager runs for
-    ``eviction_policy=name`` from ``module_path``; None for an out-of-tree Python policy (vLLM's
-    manager must run it). The same rule as ``OffloadingManager(cache_policy=...)``."""
-    return resolve_policy(name, module_path)
+    """``"lru"``/``"arc"`` when kvcache's Rust manager runs policy ``name`` from
+    ``module_path``; None for an out-of-tree Python policy (vLLM's manager must run it).
+
+    Broader than ``OffloadingManager(cache_policy=...)``, which follows vLLM's factory: with
+    kvcache's module path a registered short name (``"arc"``) also means kvcache's policy here,
+    and the spec warns about it (see ``KvCacheOffloadingSpec``)."""
+    if module_path not in OUR_MODULES:
+        return None
+    return RUST_POLICIES.get(name)
 
 
 class CPUOffloadingManager(_RustManager, OffloadingManager):

@@ -155,20 +155,8 @@ impl PolicyKind {
     }
 }
 
-/// The short name of the policy kvcache's manager runs for vLLM's `cache_policy` and
-/// `cache_policy_module_path` (see `OffloadingManager`), or None for a policy kvcache does
-/// not implement.
-#[pyfunction]
-#[pyo3(signature = (cache_policy, cache_policy_module_path=None))]
-fn resolve_policy(
-    cache_policy: &str,
-    cache_policy_module_path: Option<&str>,
-) -> Option<&'static str> {
-    PolicyKind::resolve(cache_policy, cache_policy_module_path).map(PolicyKind::name)
-}
-
-/// Adds every policy class, `POLICY_KINDS` (short name → class, in the core's order) and
-/// `resolve_policy` to the module.
+/// Adds every policy class and `POLICY_KINDS` (short name → class, in the core's order) to
+/// the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     add_classes(m)?;
     let py = m.py();
@@ -177,6 +165,5 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         kinds.set_item(kind.name(), kind.class(py))?;
     }
     m.add("POLICY_KINDS", kinds)?;
-    m.add_function(wrap_pyfunction!(resolve_policy, m)?)?;
     Ok(())
 }
