@@ -257,8 +257,8 @@ for name, timeout, builtin in [
         builtin,
         covers="HostChunkPool.wait_pinned",
     )
-# The thread count's bound belongs to `populate` itself; these check only the argument's type
-# and sign, which pyo3's own conversion reports untyped until then.
+# Only the argument's type and range: how many threads actually start is bounded by
+# `populate` itself (tests/test_transfer_populate.py).
 for name, threads, builtin in [
     ("str", "x", TypeError),
     ("float", 1.5, TypeError),
@@ -270,7 +270,6 @@ for name, threads, builtin in [
         lambda e, t=threads: e.pool.populate(t),
         builtin,
         covers="HostChunkPool.populate",
-        marks=pytest.mark.xfail(reason="populate's argument is converted by pyo3", strict=False),
     )
 case(
     "init-again",

@@ -8,6 +8,7 @@ configuration, and ``kvcache.transfer`` moves chunks between GPU and host memory
 
 from kvcache._context import ReqContext
 from kvcache._core import (
+    POLICY_KINDS,
     ARCCachePolicy,
     BaseCachePolicy,
     ChunkStatus,
@@ -68,3 +69,8 @@ __all__ = [
     "__version__",
     "order_request_keys",
 ]
+
+# Every policy class of the Rust core's list, by its class name (LRU and ARC are also imported
+# by name above, for type checkers).
+for _policy_cls in POLICY_KINDS.values():
+    globals().setdefault(_policy_cls.__name__, _policy_cls)

@@ -16,6 +16,7 @@ from typing_extensions import disjoint_base
 __all__ = [
     "BACKGROUND_PIECE_BYTES",
     "PAGE_SIZE",
+    "POLICY_KINDS",
     "ARCCachePolicy",
     "BaseCachePolicy",
     "ChunkStatus",
@@ -124,6 +125,10 @@ class ARCCachePolicy(BaseCachePolicy):
     def target_t1_size(self) -> float: ...
 
 def order_request_keys(key_groups: Iterable[Iterable[bytes]], req_context: Any) -> list[bytes]: ...
+
+#: Every policy kvcache offers: short name (vLLM's registered name) -> class (whose
+#: ``__name__`` is vLLM's class name), in the core's order.
+POLICY_KINDS: dict[str, type[BaseCachePolicy]]
 
 @final
 class _RequestState: ...

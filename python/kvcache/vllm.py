@@ -74,7 +74,13 @@ from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as _VllmCPUOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcache._core import ARCCachePolicy, InvalidArgumentError, InvalidTypeError, LRUCachePolicy
+from kvcache._core import (
+    POLICY_KINDS,
+    ARCCachePolicy,
+    InvalidArgumentError,
+    InvalidTypeError,
+    LRUCachePolicy,
+)
 from kvcache._core import OffloadingManager as _RustManager
 from kvcache._vllm_logging import route_to_vllm
 from kvcache._vllm_worker import CPUOffloadingWorker
@@ -94,11 +100,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_VllmCachePolicy.register(LRUCachePolicy)
-_VllmCachePolicy.register(ARCCachePolicy)
+# Every Rust policy class is a vLLM ``CachePolicy`` and is found here by vLLM's class name
+# (``cache_policy_module_path="kvcache.vllm"``); the list comes from the Rust core.
+for _policy_cls in POLICY_KINDS.values():
+    _VllmCachePolicy.register(_policy_cls)
+    globals().setdefault(_policy_cls.__name__, _policy_cls)
 
 #: Policy names kvcache's Rust manager runs, by the name given in ``eviction_policy``.
-RUST_POLICIES = {"lru": "lru", "arc": "arc", "LRUCachePolicy": "lru", "ARCCachePolicy": "arc"}
+RUST_POLICIES = {
+    **{name: name for name in POLICY_KINDS},
+    **{cls.__name__: name for name, cls in POLICY_KINDS.items()},
+}
 #: ``cache_policy_module_path`` values that mean "kvcache's policies" (or none given).
 OUR_MODULES = (None, "kvcache.vllm", "kvcache")
 
@@ -108,7 +120,11 @@ _COPY_SETTINGS = ("auto", "dma", "kernel")
 
 def rust_policy(name: str, module_path: str | None) -> str | None:
     """``"lru"``/``"arc"`` when kvcache's Rust manager runs policy ``name`` from
-    ``module_path``; None for an out-of-tree Python policy (vLLM's manager must run it)."""
+    ``module_path``; None for an out-of-tree Python policy (vLLM's manager must run it).
+
+    Broader than ``OffloadingManager(cache_policy=...)``, which follows vLLM's factory: with
+    kvcache's module path a registered short name (``"arc"``) also means kvcache's policy here,
+    and the spec warns about it (see ``KvCacheOffloadingSpec``)."""
     if module_path not in OUR_MODULES:
         return None
     return RUST_POLICIES.get(name)

@@ -1,6 +1,7 @@
 //! The replay driver's semantics (`python -m kvcache replay`, lag 8, every store succeeds) in
 //! pure Rust, to time and profile the manager without Python:
-//! `cargo run --release --example replay_core -- FILE arc|lru CHUNKS [REPEATS]`.
+//! `cargo run --release --example replay_core -- FILE POLICY CHUNKS [REPEATS]` (POLICY: a
+//! policy's short name, `lru` or `arc`).
 //! FILE comes from `bench/dump_workload.py` (u32 request count, u32 block tokens, then per
 //! request a u32 key count and 36-byte keys, little-endian). Prints ns per key visit for each
 //! repeat, and to stderr the split by phase (per key visit; each request's keys are hashed
@@ -10,7 +11,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use kvcache_core::manager::{ChunkId, LookupResult, Manager, ManagerConfig};
-use kvcache_core::{ArcPolicy, LruPolicy, Policy};
+use kvcache_core::Policy;
 
 fn read_u32(b: &[u8], at: &mut usize) -> u32 {
     let v = u32::from_le_bytes(b[*at..*at + 4].try_into().unwrap());
@@ -95,10 +96,8 @@ fn run<P: Policy<ChunkId>>(reqs: &[Vec<Vec<u8>>], bt: i64, chunks: usize) -> (u1
             let st: Vec<_> = stored.iter().map(|&i| ks[i]).collect();
             m.complete_store(&st, true);
             lap(4, &mut ph);
-            m.finish_request(t, |i, _| {
-                Ok::<_, ()>(Some(bt * (i64::try_from(i).expect("a key index") + 1)))
-            })
-            .unwrap();
+            let positions: Vec<_> = (1..).map(|j| Some(bt * j)).take(keys.len()).collect();
+            m.finish_request(t, &positions);
             m.release_request(t);
             lap(5, &mut ph);
         }
@@ -127,11 +126,27 @@ fn main() {
     let (reqs, bt) = load(&args[1]);
     let chunks: usize = args[3].parse().unwrap();
     let reps: usize = args.get(4).map_or(3, |s| s.parse().unwrap());
-    for _ in 0..reps {
-        let (ns, visits, hits) = match args[2].as_str() {
-            "arc" => run::<ArcPolicy<u32>>(&reqs, bt, chunks),
-            _ => run::<LruPolicy<u32>>(&reqs, bt, chunks),
+    let policy = args[2].as_str();
+    // The runner of each policy the crate offers, by its short name.
+    macro_rules! runners {
+        ($($(#[$doc:meta])* $module:ident::$policy:ident as $kind:ident = $class:literal;)*) => {
+            [$((
+                <kvcache_core::$policy<u32> as Policy<u32>>::NAME,
+                run::<kvcache_core::$policy<u32>> as fn(&[Vec<Vec<u8>>], i64, usize) -> (u128, usize, usize),
+            )),*]
         };
+    }
+    let runners = kvcache_core::for_each_policy!(runners);
+    let Some(&(_, run)) = runners.iter().find(|(name, _)| *name == policy) else {
+        let names: Vec<_> = runners.iter().map(|(name, _)| *name).collect();
+        eprintln!(
+            "unknown policy {policy:?}: choose from {}",
+            names.join(", ")
+        );
+        std::process::exit(2);
+    };
+    for _ in 0..reps {
+        let (ns, visits, hits) = run(&reqs, bt, chunks);
         println!(
             "{} {chunks}: {:.1} ns/visit, hit ratio {:.4}",
             args[2],

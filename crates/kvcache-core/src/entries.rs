@@ -4,7 +4,7 @@
 
 use crate::index::{KeyIndex, Keyed};
 use crate::key::{key_eq, Key, KeyHasher};
-use crate::slab::{Idx, Slab};
+use crate::slab::{Idx, Linked, Slab};
 
 /// [`Linked`](crate::slab::Linked) and [`Keyed`] for an entry type with `links` and `key`
 /// fields (`keyed_entry!(ArcEntry<C>)`, `keyed_entry!(Plain)`).
@@ -38,9 +38,10 @@ macro_rules! keyed_entry {
 }
 pub(crate) use keyed_entry;
 
-/// The [`Policy`](crate::Policy) methods that only look entries up, for a policy whose entries
-/// (with a `chunk: Option<C>` field) live in `self.entries`: written once here, expanded into
-/// each policy's `impl Policy`.
+/// The [`Policy`](crate::Policy) methods that only look entries up, and `remove`, for a policy
+/// whose entries (with a `chunk: Option<C>` field) live in `self.entries` and that takes one
+/// off its lists and out of the store with `self.delete(idx)`: written once here, expanded
+/// into each policy's `impl Policy`.
 macro_rules! entry_lookups {
     () => {
         fn hasher(&self) -> &crate::key::KeyHasher {
@@ -63,6 +64,12 @@ macro_rules! entry_lookups {
         #[inline]
         fn chunk(&self, id: crate::policy::EntryId) -> Option<&C> {
             self.entries.get(id.0).chunk.as_ref()
+        }
+
+        fn remove(&mut self, id: crate::policy::EntryId) -> C {
+            self.delete(id.0)
+                .chunk
+                .expect("only resident entries are removed")
         }
     };
 }
@@ -125,8 +132,21 @@ impl<E: Keyed> Entries<E> {
         self.slab.try_get(idx).filter(|e| key_eq(e.key(), key))
     }
 
+    /// Prefetches the list neighbours of `idx`, which a batch is about to move, and returns
+    /// the entry (batches prefetch every entry first, so their cache misses overlap).
+    #[inline]
+    pub(crate) fn prefetch_neighbours(&self, idx: Idx) -> &E
+    where
+        E: Linked,
+    {
+        let e = self.slab.get(idx);
+        self.slab.prefetch(e.links().prev);
+        self.slab.prefetch(e.links().next);
+        e
+    }
+
     /// Adds `entry` under `key`, which must be absent. The key is written in place (see
-    /// [`KeyBuf::assign`](crate::KeyBuf::assign)) before the index may rehash it.
+    /// `KeyBuf::assign`) before the index may rehash it.
     pub(crate) fn insert(&mut self, key: Key<'_>, entry: E) -> Idx {
         debug_assert!(self.find(key).is_none());
         let idx = self.slab.insert(entry);

@@ -41,7 +41,7 @@ impl KeyBuf {
 
     /// The empty key: a placeholder for an entry whose key is then written in place
     /// ([`assign`](Self::assign)).
-    pub const EMPTY: KeyBuf = KeyBuf::Inline {
+    pub(crate) const EMPTY: KeyBuf = KeyBuf::Inline {
         len: 0,
         bytes: [0; INLINE_KEY_BYTES],
     };
@@ -50,7 +50,7 @@ impl KeyBuf {
     /// a key on the stack and moving it into place instead makes the move re-read bytes just
     /// written in other widths, which stalls store forwarding on every entry created.
     #[inline]
-    pub fn assign(&mut self, key: &[u8]) {
+    pub(crate) fn assign(&mut self, key: &[u8]) {
         match self {
             KeyBuf::Inline { len, bytes } if key.len() <= INLINE_KEY_BYTES => {
                 copy_short(bytes, key);

@@ -5,12 +5,17 @@
 //! A policy keeps chunks of type `C` under byte keys. Callers resolve keys to [`EntryId`]s
 //! once ([`Policy::find`], [`Policy::find_many`]) and then change the policy through those
 //! handles only; the key-level methods ([`Policy::get`], [`Policy::insert_key`], …) are
-//! provided wrappers that resolve, then call. Eviction is planned on `&self` and committed on
-//! `&mut self` by [`crate::eviction`], written once for every policy.
+//! provided wrappers that resolve, then call.
+//!
+//! Evictions are transactions, written once here for every policy: [`Policy::evict`] plans on
+//! `&P` (so "no plan" cannot have changed anything: the compiler enforces the atomicity vLLM's
+//! `evict` promises) and only then commits on `&mut P`. A plan never leaves this module, so it
+//! cannot be applied to a policy that changed since it was made.
+
+use hashbrown::HashSet;
 
 use crate::chunk::RefCounts;
 use crate::error::{CoreError, CoreResult};
-use crate::eviction::{Evicted, Protected};
 use crate::key::{Key, KeyBuf, KeyHasher};
 use crate::slab::Idx;
 
@@ -35,6 +40,17 @@ pub enum Access {
 pub enum Stat {
     Count(usize),
     Value(f64),
+}
+
+impl Stat {
+    /// The figure as a float (counts are exact below 2^53).
+    pub fn as_f64(self) -> f64 {
+        match self {
+            #[allow(clippy::cast_precision_loss, reason = "counts are far below 2^53")]
+            Stat::Count(n) => n as f64,
+            Stat::Value(v) => v,
+        }
+    }
 }
 
 /// One resident key with its LRU-style rank (eviction order is ascending `(rank, -position)`).
@@ -164,7 +180,7 @@ pub trait Policy<C>: Sized {
     fn stats(&self) -> Vec<(&'static str, Stat)>;
     /// Checks every structural invariant; `Err` names the first one broken.
     #[cfg(any(test, feature = "validate"))]
-    fn validate(&self, counts: &impl RefCounts<C>) -> Result<(), String>;
+    fn validate(&self) -> Result<(), String>;
 
     // Key-level wrappers: resolve, then call.
 
@@ -195,6 +211,19 @@ pub trait Policy<C>: Sized {
             .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))
     }
 
+    /// What [`insert`](Self::insert) takes as `found` for `key` (its ghost, or `None`), or
+    /// [`CoreError::DuplicateKey`] if `key` is resident. Callers that must do more between
+    /// the check and the insertion (read a position) check with this first.
+    #[inline]
+    fn find_vacant(&self, key: Key<'_>) -> CoreResult<Option<EntryId>> {
+        match self.find(key) {
+            Some(id) if self.chunk(id).is_some() => {
+                Err(CoreError::DuplicateKey(KeyBuf::new(key.bytes)))
+            }
+            found => Ok(found),
+        }
+    }
+
     /// [`insert`](Self::insert) with the lookup; [`CoreError::DuplicateKey`] if resident.
     fn insert_key(
         &mut self,
@@ -204,12 +233,8 @@ pub trait Policy<C>: Sized {
         position: Option<i64>,
         evictable: bool,
     ) -> CoreResult<EntryId> {
-        match self.find(key) {
-            Some(id) if self.chunk(id).is_some() => {
-                Err(CoreError::DuplicateKey(KeyBuf::new(key.bytes)))
-            }
-            found => Ok(self.insert(request, found, key, chunk, position, evictable)),
-        }
+        let found = self.find_vacant(key)?;
+        Ok(self.insert(request, found, key, chunk, position, evictable))
     }
 
     /// [`remove`](Self::remove) of a resident key.
@@ -251,14 +276,87 @@ pub trait Policy<C>: Sized {
         Protected::from_ids(keys.into_iter().filter_map(|k| self.find_resident(k)))
     }
 
-    /// Evicts exactly `n` idle, unprotected chunks in the policy's order, or returns `None`
-    /// and changes nothing (see [`crate::eviction::evict`]).
+    /// Evicts exactly `n` idle (`ref_cnt == 0`), unprotected chunks in the policy's order, or
+    /// returns `None` and changes nothing.
     fn evict(
         &mut self,
         n: usize,
         protected: &Protected,
         counts: &impl RefCounts<C>,
     ) -> Option<Vec<Evicted<C>>> {
-        crate::eviction::evict(self, n, protected, counts)
+        if n == 0 {
+            // vLLM's policies return at once; nothing to plan or tidy.
+            return Some(Vec::new());
+        }
+        let plan = plan(&*self, n, protected, counts)?;
+        Some(commit(self, plan))
     }
+}
+
+/// An evicted entry: its key and the chunk that was stored under it.
+#[derive(Debug)]
+pub struct Evicted<C> {
+    pub key: KeyBuf,
+    pub chunk: C,
+}
+
+/// Entries an eviction must skip: the resident keys the caller is about to use. Keys that
+/// are not resident need no entry, so the set is at most as large as the offer.
+#[derive(Default, Debug)]
+pub struct Protected {
+    entries: HashSet<EntryId, foldhash::fast::FixedState>,
+}
+
+impl Protected {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub(crate) fn from_ids(ids: impl IntoIterator<Item = EntryId>) -> Self {
+        Protected {
+            entries: ids.into_iter().collect(),
+        }
+    }
+
+    #[inline]
+    fn contains(&self, id: EntryId) -> bool {
+        !self.entries.is_empty() && self.entries.contains(&id)
+    }
+}
+
+/// Victims chosen by [`plan`], in eviction order.
+struct EvictionPlan {
+    victims: Vec<EntryId>,
+}
+
+/// Chooses exactly `n` victims without changing anything, or `None` if fewer than `n` resident
+/// chunks are idle and unprotected. The victim list is sized by the policy's resident count,
+/// never by `n` alone.
+fn plan<C, P: Policy<C>>(
+    policy: &P,
+    n: usize,
+    protected: &Protected,
+    counts: &impl RefCounts<C>,
+) -> Option<EvictionPlan> {
+    if n > policy.len() {
+        return None;
+    }
+    let mut victims = Vec::with_capacity(n);
+    victims.extend(
+        policy
+            .victims(|id, chunk| counts.ref_cnt(chunk) == 0 && !protected.contains(id))
+            .take(n),
+    );
+    (victims.len() == n).then_some(EvictionPlan { victims })
+}
+
+/// Takes the planned victims out, in plan order, then lets the policy tidy up once.
+fn commit<C, P: Policy<C>>(policy: &mut P, plan: EvictionPlan) -> Vec<Evicted<C>> {
+    let evicted = plan
+        .victims
+        .into_iter()
+        .map(|id| policy.evict_entry(id))
+        .collect();
+    policy.after_eviction();
+    evicted
 }

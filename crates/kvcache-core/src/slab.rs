@@ -39,7 +39,7 @@ impl Idx {
 /// entries first, prefetch what they will touch next, then act: the cache misses of a batch
 /// overlap instead of following one another. A hint only: no effect on results.
 #[inline(always)]
-#[allow(unsafe_code)]
+#[allow(unsafe_code, reason = "a CPU prefetch hint (an intrinsic)")]
 pub fn prefetch<T>(value: &T) {
     #[cfg(all(target_arch = "x86_64", not(miri)))]
     // SAFETY: `_mm_prefetch` needs SSE, which every x86_64 CPU has (it is in the target's

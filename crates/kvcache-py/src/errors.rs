@@ -67,15 +67,19 @@ impl From<HostErr> for PyErr {
         Python::attach(|py| {
             let ex = exceptions(py);
             let message = e.to_string();
-            match e {
-                HostError::InvalidArgument(_) => new_err(py, &ex.invalid_argument, message),
-                HostError::OutOfRange(_) => new_err(py, &ex.out_of_range, message),
-                HostError::Closed => new_err(py, &ex.invalid_state, message),
-                HostError::Busy { .. } | HostError::Register { .. } => {
-                    new_err(py, &ex.transfer, message)
+            let ty = match e {
+                HostError::Geometry(_)
+                | HostError::Mismatch(_)
+                | HostError::DuplicateDestination { .. }
+                | HostError::Unaddressable { .. } => &ex.invalid_argument,
+                HostError::OutOfRange { .. } | HostError::NoSuchGroup { .. } => &ex.out_of_range,
+                HostError::AlreadyRegistered | HostError::Closed => &ex.invalid_state,
+                HostError::Busy { .. } | HostError::Register { .. } | HostError::Spawn(_) => {
+                    &ex.transfer
                 }
-                HostError::Map(_) => new_err(py, &ex.out_of_memory, message),
-            }
+                HostError::Map(_) => &ex.out_of_memory,
+            };
+            new_err(py, ty, message)
         })
     }
 }

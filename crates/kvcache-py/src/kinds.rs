@@ -1,22 +1,64 @@
-//! The policies kvcache offers, in one list: each line makes the Python class (a subclass of
-//! `BaseCachePolicy` over the core policy), its [`PolicyKind`] (names vLLM's configuration
-//! uses), and the manager over it. Adding a policy to the bindings is adding one line here.
+//! The policies kvcache offers, from the core's one list ([`kvcache_core::for_each_policy!`]):
+//! each line there makes a Python class here (a subclass of `BaseCachePolicy` over the core
+//! policy), its [`PolicyKind`] (the names vLLM's configuration uses), the manager over it and
+//! its entry in `_core.POLICY_KINDS`, from which the Python package derives its policy lists.
+//! A new policy needs no line here unless its class has attributes of its own
+//! ([`class_methods!`]).
 
 use kvcache_core::manager::{ChunkId, Manager, ManagerConfig};
-use kvcache_core::{ArcPolicy, CoreResult, LruPolicy};
+use kvcache_core::{CoreResult, Policy};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use pyo3::PyClass;
 
 use crate::chunk::PyChunk;
-use crate::conversion::Count;
-use crate::manager::ManagerOps;
+use crate::manager_ops::ManagerOps;
 use crate::policy::BaseCachePolicy;
 
+/// The Python class of a policy: a `BaseCachePolicy` over the core policy `P`.
+fn class_initializer<P, T>(cache_capacity: usize, class: T) -> PyClassInitializer<T>
+where
+    P: Policy<PyChunk> + Send + 'static,
+    P::Request: Send,
+    T: PyClass<BaseType = BaseCachePolicy>,
+{
+    PyClassInitializer::from(BaseCachePolicy::new::<P>(cache_capacity)).add_subclass(class)
+}
+
+/// The methods of a policy's Python class: the constructor, and for ARC its adaptive target.
+macro_rules! class_methods {
+    (Arc, $policy:ident) => {
+        #[pymethods]
+        impl Arc {
+            #[new]
+            fn new(cache_capacity: Count) -> PyClassInitializer<Self> {
+                class_initializer::<kvcache_core::$policy<PyChunk>, _>(cache_capacity.0, Arc)
+            }
+
+            /// ARC's adaptive target size of T1, in `[0, cache_capacity]`.
+            #[getter]
+            fn target_t1_size(slf: PyRef<'_, Self>) -> PyResult<f64> {
+                let name = kvcache_core::$policy::<PyChunk>::TARGET_T1_SIZE;
+                let stat = slf.as_super().stat(slf.py(), name)?;
+                stat.map(kvcache_core::Stat::as_f64).ok_or_else(|| {
+                    crate::errors::typed(|e| &e.invalid_state, format!("no {name} reported"))
+                })
+            }
+        }
+    };
+    ($kind:ident, $policy:ident) => {
+        #[pymethods]
+        impl $kind {
+            #[new]
+            fn new(cache_capacity: Count) -> PyClassInitializer<Self> {
+                class_initializer::<kvcache_core::$policy<PyChunk>, _>(cache_capacity.0, $kind)
+            }
+        }
+    };
+}
+
 macro_rules! policies {
-    ($(
-        $(#[$doc:meta])*
-        $kind:ident: $class:ident = $class_name:literal, $name:literal, $policy:ident
-            $({ $($extra:tt)* })?;
-    )*) => {
+    ($($(#[$doc:meta])* $module:ident::$policy:ident as $kind:ident = $class_name:literal;)*) => {
         /// A policy by the names vLLM's configuration gives it (`"lru"`, `"LRUCachePolicy"`).
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         pub enum PolicyKind {
@@ -26,83 +68,102 @@ macro_rules! policies {
         impl PolicyKind {
             pub const ALL: &'static [PolicyKind] = &[$(PolicyKind::$kind),*];
 
-            /// The short name (`"lru"`), as vLLM's factory registers it.
+            /// The short name (`"lru"`), as vLLM's factory registers it ([`Policy::NAME`]).
             pub fn name(self) -> &'static str {
                 match self {
-                    $(PolicyKind::$kind => $name),*
+                    $(PolicyKind::$kind => {
+                        <kvcache_core::$policy<ChunkId> as Policy<ChunkId>>::NAME
+                    }),*
                 }
             }
 
-            /// The Python class name (`"LRUCachePolicy"`).
+            /// The Python class name (`"LRUCachePolicy"`), vLLM's name for the policy.
             pub fn class_name(self) -> &'static str {
                 match self {
                     $(PolicyKind::$kind => $class_name),*
                 }
             }
 
-            /// The kind a short or class name means.
-            pub fn from_name(name: &str) -> Option<Self> {
-                Self::ALL
-                    .iter()
-                    .copied()
-                    .find(|k| k.name() == name || k.class_name() == name)
-            }
-
             /// A manager over this policy.
             pub fn new_manager(self, config: ManagerConfig) -> CoreResult<Box<dyn ManagerOps>> {
                 Ok(match self {
                     $(PolicyKind::$kind => {
-                        Box::new(Manager::<$policy<ChunkId>>::new(config)?)
+                        Box::new(Manager::<kvcache_core::$policy<ChunkId>>::new(config)?)
                     }),*
                 })
             }
+
+            /// The Python class of this policy.
+            fn class(self, py: Python<'_>) -> Bound<'_, pyo3::types::PyType> {
+                match self {
+                    $(PolicyKind::$kind => py.get_type::<classes::$kind>()),*
+                }
+            }
         }
 
-        $(
-            $(#[$doc])*
-            #[pyclass(
-                extends = BaseCachePolicy,
-                name = $class_name,
-                module = "kvcache._core",
-                frozen,
-                weakref
-            )]
-            pub struct $class;
+        /// The Python classes, one per policy.
+        mod classes {
+            use pyo3::prelude::*;
 
-            #[pymethods]
-            impl $class {
-                #[new]
-                fn new(cache_capacity: Count) -> PyClassInitializer<Self> {
-                    let base = BaseCachePolicy::new::<$policy<PyChunk>>(cache_capacity.0);
-                    PyClassInitializer::from(base).add_subclass($class)
-                }
+            use super::class_initializer;
+            use crate::chunk::PyChunk;
+            use crate::conversion::Count;
+            use crate::policy::BaseCachePolicy;
 
-                $($($extra)*)?
-            }
-        )*
+            $(
+                $(#[$doc])*
+                #[pyclass(
+                    extends = BaseCachePolicy,
+                    name = $class_name,
+                    module = "kvcache._core",
+                    frozen,
+                    weakref
+                )]
+                pub struct $kind;
+
+                class_methods!($kind, $policy);
+            )*
+        }
 
         /// Adds every policy class to the module.
-        pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-            $(m.add_class::<$class>()?;)*
+        fn add_classes(m: &Bound<'_, PyModule>) -> PyResult<()> {
+            $(m.add_class::<classes::$kind>()?;)*
             Ok(())
         }
     };
 }
 
-policies! {
-    /// Least-recently-used eviction with logical recency independent of pinning (vLLM's LRU).
-    Lru: LruCachePolicy = "LRUCachePolicy", "lru", LruPolicy;
+kvcache_core::for_each_policy!(policies);
 
-    /// Adaptive replacement (T1/T2 with ghost lists B1/B2), as vLLM's ARC.
-    Arc: ArcCachePolicy = "ARCCachePolicy", "arc", ArcPolicy {
-        /// ARC's adaptive target size of T1, in `[0, cache_capacity]`.
-        #[getter]
-        fn target_t1_size(slf: PyRef<'_, Self>) -> PyResult<f64> {
-            let stat = slf.as_super().stat(slf.py(), "target_t1_size")?;
-            Ok(match stat {
-                Some(kvcache_core::Stat::Value(v)) => v,
-                _ => unreachable!("ARC reports target_t1_size"),
-            })
-        }
-    };
+impl PolicyKind {
+    /// The kind a short or class name means.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|k| k.name() == name || k.class_name() == name)
+    }
+
+    /// The policy kvcache's manager runs for vLLM's `cache_policy` and
+    /// `cache_policy_module_path`: a registered short name without a module path, or a class
+    /// name with kvcache's module path (or none). `None`: a policy kvcache does not implement.
+    pub fn resolve(cache_policy: &str, module_path: Option<&str>) -> Option<Self> {
+        let kind = Self::from_name(cache_policy)?;
+        let ours = matches!(module_path, None | Some("kvcache.vllm" | "kvcache"));
+        let by_short_name = kind.name() == cache_policy && module_path.is_none();
+        (by_short_name || (kind.class_name() == cache_policy && ours)).then_some(kind)
+    }
+}
+
+/// Adds every policy class and `POLICY_KINDS` (short name → class, in the core's order) to
+/// the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    add_classes(m)?;
+    let py = m.py();
+    let kinds = PyDict::new(py);
+    for &kind in PolicyKind::ALL {
+        kinds.set_item(kind.name(), kind.class(py))?;
+    }
+    m.add("POLICY_KINDS", kinds)?;
+    Ok(())
 }

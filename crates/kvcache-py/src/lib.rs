@@ -1,7 +1,8 @@
 //! `kvcache._core`: the Python bindings of kvcache-core.
 //!
 //! Conversions live in `conversion` (keys, counts) and `context` (request contexts), errors in
-//! `errors` and `exceptions`, the policies' list in `kinds`; this file only assembles the
+//! `errors` and `exceptions`, the policy classes (from the core's list) in `kinds`, the
+//! type-erased manager in `manager_ops`; this file only assembles the
 //! module. The module relies on the GIL (see the `SAFETY` notes in `chunk`), so
 //! it is built for the stable ABI of GIL builds (abi3, CPython ≥ 3.11).
 
@@ -15,6 +16,7 @@ mod exceptions;
 mod guard;
 mod kinds;
 mod manager;
+mod manager_ops;
 mod policy;
 mod request_state;
 mod results;

@@ -10,11 +10,8 @@
 use std::ffi::c_int;
 use std::ptr;
 
-use kvcache_core::manager::{
-    ChunkId, ChunkRecord, ChunkTable, Event, LookupResult, Manager, ManagerConfig, MemoryUsage,
-    Stats, StoreOutput, FREE,
-};
-use kvcache_core::{CoreError, CoreResult, Inspection, Key, KeyHasher, Policy, RequestToken};
+use kvcache_core::manager::{ChunkRecord, Event, LookupResult, ManagerConfig, StoreOutput, FREE};
+use kvcache_core::{CoreError, Key, KeyHasher, RequestToken};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::gc::{PyTraverseError, PyVisit};
@@ -31,156 +28,10 @@ use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::guard::Guarded;
 use crate::kinds::PolicyKind;
+use crate::manager_ops::ManagerOps;
 use crate::policy::inspection_dict;
 use crate::request_state::Owner;
 use crate::results::ResultTypes;
-
-/// The Rust manager over any policy: its API with the policy type erased.
-pub trait ManagerOps: Send {
-    fn config(&self) -> &ManagerConfig;
-    fn reads_positions(&self) -> bool;
-    fn len(&self) -> usize;
-    fn num_evictable(&self) -> usize;
-    fn num_write_pending(&self) -> usize;
-    fn num_requests(&self) -> usize;
-    fn lookup(&self, key: Key<'_>) -> LookupResult;
-    fn request(&mut self, current: Option<RequestToken>) -> RequestToken;
-    fn is_live_request(&self, token: RequestToken) -> bool;
-    fn check_request_call(&self, keys: &[Key<'_>], load: bool) -> CoreResult<()>;
-    fn release_request(&mut self, token: RequestToken);
-    fn prepare_load(
-        &mut self,
-        token: RequestToken,
-        keys: &[Key<'_>],
-        positions: &[Option<i64>],
-        observed: &mut Vec<usize>,
-    ) -> CoreResult<Vec<ChunkId>>;
-    fn touch(&mut self, keys: &[Key<'_>]);
-    fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()>;
-    fn prepare_store(
-        &mut self,
-        token: RequestToken,
-        keys: &[Key<'_>],
-        positions: &[Option<i64>],
-        observed: &mut Vec<usize>,
-    ) -> CoreResult<Option<StoreOutput>>;
-    fn complete_store(&mut self, keys: &[Key<'_>], success: bool);
-    fn unfinished_request_len(&self, token: RequestToken) -> Option<usize>;
-    fn unfinished_request_keys(&self, token: RequestToken) -> Option<Vec<&[u8]>>;
-    /// Finishes the request; `positions[i]` is the token position of its `i`-th observed key.
-    fn finish_request(&mut self, token: RequestToken, positions: &[Option<i64>]);
-    fn take_events(&mut self) -> Vec<Event>;
-    fn reset(&mut self);
-    fn take_stats(&mut self) -> Stats;
-    fn memory_usage(&self) -> MemoryUsage;
-    fn table(&self) -> &ChunkTable;
-    fn inspect(&self) -> Inspection<'_>;
-    /// Resident keys with their chunk ids.
-    fn chunks(&self) -> Vec<(&[u8], ChunkId)>;
-    #[cfg(feature = "validate")]
-    fn validate(&self) -> Result<(), String>;
-}
-
-impl<P: Policy<ChunkId> + Send> ManagerOps for Manager<P>
-where
-    P::Request: Send,
-{
-    fn config(&self) -> &ManagerConfig {
-        Manager::config(self)
-    }
-    fn reads_positions(&self) -> bool {
-        P::READS_POSITIONS
-    }
-    fn len(&self) -> usize {
-        Manager::len(self)
-    }
-    fn num_evictable(&self) -> usize {
-        Manager::num_evictable(self)
-    }
-    fn num_write_pending(&self) -> usize {
-        Manager::num_write_pending(self)
-    }
-    fn num_requests(&self) -> usize {
-        Manager::num_requests(self)
-    }
-    fn lookup(&self, key: Key<'_>) -> LookupResult {
-        Manager::lookup(self, key)
-    }
-    fn request(&mut self, current: Option<RequestToken>) -> RequestToken {
-        Manager::request(self, current)
-    }
-    fn is_live_request(&self, token: RequestToken) -> bool {
-        Manager::is_live_request(self, token)
-    }
-    fn check_request_call(&self, keys: &[Key<'_>], load: bool) -> CoreResult<()> {
-        Manager::check_request_call(self, keys, load)
-    }
-    fn release_request(&mut self, token: RequestToken) {
-        Manager::release_request(self, token);
-    }
-    fn prepare_load(
-        &mut self,
-        token: RequestToken,
-        keys: &[Key<'_>],
-        positions: &[Option<i64>],
-        observed: &mut Vec<usize>,
-    ) -> CoreResult<Vec<ChunkId>> {
-        Manager::prepare_load(self, token, keys, positions, observed)
-    }
-    fn touch(&mut self, keys: &[Key<'_>]) {
-        Manager::touch(self, keys);
-    }
-    fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
-        Manager::complete_load(self, keys)
-    }
-    fn prepare_store(
-        &mut self,
-        token: RequestToken,
-        keys: &[Key<'_>],
-        positions: &[Option<i64>],
-        observed: &mut Vec<usize>,
-    ) -> CoreResult<Option<StoreOutput>> {
-        Manager::prepare_store(self, token, keys, positions, observed)
-    }
-    fn complete_store(&mut self, keys: &[Key<'_>], success: bool) {
-        Manager::complete_store(self, keys, success);
-    }
-    fn unfinished_request_len(&self, token: RequestToken) -> Option<usize> {
-        Manager::unfinished_request_len(self, token)
-    }
-    fn unfinished_request_keys(&self, token: RequestToken) -> Option<Vec<&[u8]>> {
-        Manager::unfinished_request_keys(self, token)
-    }
-    fn finish_request(&mut self, token: RequestToken, positions: &[Option<i64>]) {
-        let position = |i: usize, _: &[u8]| Ok::<_, ()>(positions.get(i).copied().flatten());
-        let _ = Manager::finish_request(self, token, position);
-    }
-    fn take_events(&mut self) -> Vec<Event> {
-        Manager::take_events(self)
-    }
-    fn reset(&mut self) {
-        Manager::reset(self);
-    }
-    fn take_stats(&mut self) -> Stats {
-        Manager::take_stats(self)
-    }
-    fn memory_usage(&self) -> MemoryUsage {
-        Manager::memory_usage(self)
-    }
-    fn table(&self) -> &ChunkTable {
-        Manager::table(self)
-    }
-    fn inspect(&self) -> Inspection<'_> {
-        self.policy().inspect()
-    }
-    fn chunks(&self) -> Vec<(&[u8], ChunkId)> {
-        self.policy().resident().map(|(k, &c)| (k, c)).collect()
-    }
-    #[cfg(feature = "validate")]
-    fn validate(&self) -> Result<(), String> {
-        Manager::validate(self)
-    }
-}
 
 /// A request call's keys, their token positions, where the walk over the position dict
 /// stopped, and the request's state.
@@ -233,15 +84,6 @@ pub struct PyManager {
     inner: Guarded<State>,
     /// vLLM's `OffloadingManager.lock`, made on first use.
     lock: PyOnceLock<Py<PyAny>>,
-}
-
-/// The policy the manager runs: vLLM's registered names (`lru`, `arc`) without a module path,
-/// kvcache's class names with kvcache's module path (or none).
-fn policy_kind(cache_policy: &str, module_path: Option<&str>) -> Option<PolicyKind> {
-    let kind = PolicyKind::from_name(cache_policy)?;
-    let ours = matches!(module_path, None | Some("kvcache.vllm" | "kvcache"));
-    let by_short_name = kind.name() == cache_policy && module_path.is_none();
-    (by_short_name || (kind.class_name() == cache_policy && ours)).then_some(kind)
 }
 
 impl State {
@@ -413,7 +255,7 @@ impl PyManager {
     ) -> PyResult<Self> {
         let py = cls.py();
         let module_path = cache_policy_module_path.as_deref();
-        let Some(kind) = policy_kind(&cache_policy, module_path) else {
+        let Some(kind) = PolicyKind::resolve(&cache_policy, module_path) else {
             return Err(new_err(
                 py,
                 &exceptions(py).invalid_argument,

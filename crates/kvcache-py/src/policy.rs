@@ -139,13 +139,7 @@ where
         ctx: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let k = self.policy.key(key.bytes());
-        let found = self.policy.find(k);
-        if found.is_some_and(|id| self.policy.chunk(id).is_some()) {
-            return Err(kvcache_core::CoreError::DuplicateKey(
-                kvcache_core::KeyBuf::new(k.bytes),
-            ))
-            .py_err();
-        }
+        let found = self.policy.find_vacant(k).py_err()?;
         let position = if P::READS_POSITIONS {
             Positions::new(ctx, &mut self.contexts)?.get(&key.bound())?
         } else {
@@ -313,7 +307,7 @@ where
 
     #[cfg(feature = "validate")]
     fn validate(&self) -> Result<(), String> {
-        self.policy.validate(&SelfCounted)
+        self.policy.validate()
     }
 }
 

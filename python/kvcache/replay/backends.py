@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvcache._core import POLICY_KINDS
 from kvcache.replay.errors import BackendUnavailable, ConfigError
 
 __all__ = [
@@ -49,8 +50,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Policies every backend understands, by vLLM's registered names.
-POLICIES: tuple[str, ...] = ("lru", "arc")
+#: Policies every backend understands, by vLLM's registered names (the Rust core's list).
+POLICIES: tuple[str, ...] = tuple(POLICY_KINDS)
 #: Backends selectable by name (the null baseline is built from a recorded run, not by name).
 BACKENDS: tuple[str, ...] = ("kvcache", "vllm", "vllm-rust-policies")
 #: The vLLM release the replay's reference and our adapter are checked against.
@@ -58,7 +59,7 @@ REFERENCE_VLLM = "0.33.0"
 
 #: vLLM's policy class names (what ``eviction_policy`` names in its configuration), which are
 #: also our Rust classes' names in ``kvcache.vllm``.
-POLICY_CLASSES = {"lru": "LRUCachePolicy", "arc": "ARCCachePolicy"}
+POLICY_CLASSES = {name: cls.__name__ for name, cls in POLICY_KINDS.items()}
 _POLICY_ALIASES = {
     **{name: name for name in POLICIES},
     **{cls.lower(): name for name, cls in POLICY_CLASSES.items()},

@@ -1,5 +1,5 @@
 //! The CPU copy path: executes a [`CopyRuns`] plan with `memmove`.
-#![allow(unsafe_code)]
+#![allow(unsafe_code, reason = "raw copies between plan addresses")]
 
 use super::error::{HostError, HostResult};
 use super::plan::CopyRuns;
@@ -18,15 +18,9 @@ use super::plan::CopyRuns;
 /// alive and unshared until this returns.
 pub unsafe fn copy_runs(runs: &CopyRuns) -> HostResult<()> {
     for ((&src, &dst), &len) in runs.src().iter().zip(runs.dst()).zip(runs.lens()) {
-        let (Ok(src), Ok(dst), Ok(len)) = (
-            usize::try_from(src),
-            usize::try_from(dst),
-            usize::try_from(len),
-        ) else {
-            return Err(HostError::InvalidArgument(format!(
-                "copy run {src:#x} -> {dst:#x} ({len} bytes) does not fit in this address space"
-            )));
-        };
+        let fit =
+            |value: u64| usize::try_from(value).map_err(|_| HostError::Unaddressable { value });
+        let (src, dst, len) = (fit(src)?, fit(dst)?, fit(len)?);
         // SAFETY: the caller guarantees both ranges are valid (see above); `ptr::copy`
         // tolerates overlap. Integer-to-pointer conversion is how plans carry addresses.
         unsafe {

@@ -1,33 +1,82 @@
 //! Errors of the host-memory module. Like the rest of the core, every check runs before any
-//! effect, so an `Err` means nothing was mapped, registered, copied or planned.
+//! effect, so an `Err` means nothing was mapped, registered, copied or planned. The bindings
+//! map each variant to one `KvCacheError` subclass (noted per variant).
 
 use std::fmt;
 
 #[derive(Debug)]
 pub enum HostError {
-    /// A size, count or geometry outside its domain (Python: `ValueError`).
-    InvalidArgument(String),
-    /// A block or chunk id outside `[0, count)` (Python: `IndexError`).
-    OutOfRange(String),
-    /// The region was closed; no new transfers or registrations (Python: `ValueError`).
+    /// A size, count or layout a region or a transfer layout cannot be built with
+    /// (`InvalidArgumentError`).
+    Geometry(String),
+    /// A transfer whose ids, spans or buffers do not match its layout
+    /// (`InvalidArgumentError`).
+    Mismatch(String),
+    /// One transfer writes the destination `id` (at `position`) more than once
+    /// (`InvalidArgumentError`).
+    DuplicateDestination {
+        what: &'static str,
+        id: i64,
+        position: usize,
+    },
+    /// An address or length that does not fit where it must go: int64 for kernels, `usize`
+    /// for a CPU copy (`InvalidArgumentError`).
+    Unaddressable { value: u64 },
+    /// A block or chunk id (at `position` of its list) outside `[0, bound)`
+    /// (`OutOfRangeError`).
+    OutOfRange {
+        what: &'static str,
+        id: i64,
+        position: usize,
+        bound: u64,
+    },
+    /// A group index outside the layout's `groups` (`OutOfRangeError`).
+    NoSuchGroup { group: usize, groups: usize },
+    /// The region is registered already, or a registration is under way
+    /// (`InvalidStateError`).
+    AlreadyRegistered,
+    /// The region was closed; no new transfers or registrations (`InvalidStateError`).
     Closed,
-    /// `close()` while transfers still hold leases on the region (Python: `RuntimeError`).
+    /// `close()` while transfers still hold leases on the region (`TransferError`).
     Busy { leases: usize },
-    /// The operating system refused the mapping (Python: `MemoryError`).
+    /// The operating system refused the mapping (`OutOfMemoryError`).
     Map(std::io::Error),
-    /// The registrar failed on the piece at `offset` (all earlier pieces were rolled back).
+    /// The registrar failed on the piece at `offset` (all earlier pieces were rolled back)
+    /// (`TransferError`).
     Register {
         code: i32,
         offset: usize,
         len: usize,
     },
+    /// The operating system refused a helper thread (`TransferError`).
+    Spawn(std::io::Error),
 }
 
 impl fmt::Display for HostError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            HostError::InvalidArgument(m) => write!(f, "{m}"),
-            HostError::OutOfRange(m) => write!(f, "{m}"),
+            HostError::Geometry(m) | HostError::Mismatch(m) => write!(f, "{m}"),
+            HostError::DuplicateDestination { what, id, position } => write!(
+                f,
+                "{what} id {id} at position {position} repeats: one job may write each \
+                 destination once"
+            ),
+            HostError::Unaddressable { value } => {
+                write!(f, "address or length {value:#x} does not fit (int64 / address space)")
+            }
+            HostError::OutOfRange {
+                what,
+                id,
+                position,
+                bound,
+            } => write!(
+                f,
+                "{what} id {id} at position {position} is out of range [0, {bound})"
+            ),
+            HostError::NoSuchGroup { group, groups } => {
+                write!(f, "group {group} is out of range: the layout has {groups} groups")
+            }
+            HostError::AlreadyRegistered => write!(f, "the host region is already registered"),
             HostError::Closed => write!(f, "the host chunk pool is closed"),
             HostError::Busy { leases } => write!(
                 f,
@@ -38,6 +87,7 @@ impl fmt::Display for HostError {
                 f,
                 "host memory registration failed with code {code} for {len} bytes at offset {offset}"
             ),
+            HostError::Spawn(e) => write!(f, "cannot start a host-memory thread: {e}"),
         }
     }
 }

@@ -27,7 +27,4 @@ pub use plan::{
     CopyRuns, Direction, GroupRef, GroupSpan, HostGeometry, LayerGeometry, PlanScratch, Request,
     TransferLayout,
 };
-pub use region::{
-    page_size, prefault_threads, registration_piece_bytes, HostRegion, HostRegistrar, Lease,
-    PinStatus, BACKGROUND_PIECE_BYTES,
-};
+pub use region::{page_size, HostRegion, HostRegistrar, Lease, PinStatus, BACKGROUND_PIECE_BYTES};

@@ -102,7 +102,7 @@ impl PlanScratch {
         universe: u64,
     ) -> HostResult<Option<usize>> {
         let words = usize::try_from(universe.div_ceil(64))
-            .map_err(|_| HostError::InvalidArgument("id universe too large".into()))?;
+            .map_err(|_| HostError::Geometry("id universe too large".into()))?;
         if self.bits.len() < words {
             self.bits.resize(words, 0);
         }
@@ -211,16 +211,12 @@ impl CopyRuns {
     pub fn write_soa(&self, max_piece: u64, out: &mut [i64]) -> HostResult<()> {
         let n = self.count_pieces(max_piece);
         if Some(out.len()) != n.checked_mul(3) {
-            return Err(HostError::InvalidArgument(format!(
+            return Err(HostError::Mismatch(format!(
                 "descriptor buffer holds {} entries, expected 3 * {n}",
                 out.len()
             )));
         }
-        let signed = |v: u64| {
-            i64::try_from(v).map_err(|_| {
-                HostError::InvalidArgument(format!("address or length {v:#x} exceeds int64"))
-            })
-        };
+        let signed = |v: u64| i64::try_from(v).map_err(|_| HostError::Unaddressable { value: v });
         let (s, rest) = out.split_at_mut(n);
         let (d, l) = rest.split_at_mut(n);
         let step = if max_piece == 0 { u64::MAX } else { max_piece };
@@ -330,8 +326,12 @@ pub struct TransferLayout {
     split_chunks: u64,
 }
 
-fn invalid(msg: String) -> HostError {
-    HostError::InvalidArgument(msg)
+fn geometry(msg: String) -> HostError {
+    HostError::Geometry(msg)
+}
+
+fn mismatch(msg: String) -> HostError {
+    HostError::Mismatch(msg)
 }
 
 fn to_u64(v: usize) -> u64 {
@@ -369,7 +369,7 @@ impl TransferLayout {
         let offsets = Self::packed_offsets(&layers, blocks_per_chunk)?;
         let packed = offsets.last().copied().unwrap_or(0);
         if packed != chunk_bytes {
-            return Err(invalid(format!(
+            return Err(geometry(format!(
                 "chunk_bytes is {chunk_bytes} but blocks_per_chunk ({blocks_per_chunk}) x the \
                  sum of layer page bytes is {packed}"
             )));
@@ -403,7 +403,7 @@ impl TransferLayout {
                 .page_bytes
                 .checked_mul(bpc)
                 .and_then(|s| s.checked_add(off))
-                .ok_or_else(|| invalid("chunk size overflows".into()))?;
+                .ok_or_else(|| geometry("chunk size overflows".into()))?;
             offsets.push(off);
         }
         Ok(offsets)
@@ -421,22 +421,22 @@ impl TransferLayout {
         host: HostGeometry,
     ) -> HostResult<Self> {
         if layers.is_empty() {
-            return Err(invalid("at least one layer is required".into()));
+            return Err(geometry("at least one layer is required".into()));
         }
         if groups.is_empty() {
-            return Err(invalid("at least one group is required".into()));
+            return Err(geometry("at least one group is required".into()));
         }
         if blocks_per_chunk == 0 {
-            return Err(invalid("blocks_per_chunk must be at least 1".into()));
+            return Err(geometry("blocks_per_chunk must be at least 1".into()));
         }
         let bpc = to_u64(blocks_per_chunk);
         if host.num_chunks == 0 || host.chunk_stride == 0 {
-            return Err(invalid(
+            return Err(geometry(
                 "the pool must hold at least one non-empty chunk".into(),
             ));
         }
         if host_offsets.len() != layers.len() {
-            return Err(invalid(format!(
+            return Err(geometry(format!(
                 "{} segment offsets for {} layers",
                 host_offsets.len(),
                 layers.len()
@@ -445,10 +445,10 @@ impl TransferLayout {
         let mut segments = Vec::with_capacity(layers.len());
         for (i, (l, &off)) in layers.iter().zip(&host_offsets).enumerate() {
             if l.page_bytes == 0 || l.num_blocks == 0 {
-                return Err(invalid(format!("layer {i} has no blocks or empty pages")));
+                return Err(geometry(format!("layer {i} has no blocks or empty pages")));
             }
             if l.block_stride < l.page_bytes {
-                return Err(invalid(format!(
+                return Err(geometry(format!(
                     "layer {i}: blocks are {} bytes apart but pages are {} bytes (overlapping)",
                     l.block_stride, l.page_bytes
                 )));
@@ -458,7 +458,7 @@ impl TransferLayout {
                 .and_then(|o| o.checked_add(l.page_bytes))
                 .and_then(|o| o.checked_add(l.base));
             if end.is_none() {
-                return Err(invalid(format!("layer {i}: address range overflows")));
+                return Err(geometry(format!("layer {i}: address range overflows")));
             }
             let seg_end = l
                 .page_bytes
@@ -466,7 +466,7 @@ impl TransferLayout {
                 .and_then(|s| s.checked_add(off))
                 .filter(|&e| e <= host.chunk_stride)
                 .ok_or_else(|| {
-                    invalid(format!(
+                    geometry(format!(
                         "layer {i}: its {blocks_per_chunk} page slots of {} bytes at offset {off} \
                          do not fit in a chunk of {} bytes",
                         l.page_bytes, host.chunk_stride
@@ -477,7 +477,7 @@ impl TransferLayout {
         segments.sort_unstable();
         for w in segments.windows(2) {
             if w[0].1 > w[1].0 {
-                return Err(invalid(format!(
+                return Err(geometry(format!(
                     "the chunk segments of layers {} and {} overlap",
                     w[0].2, w[1].2
                 )));
@@ -489,10 +489,10 @@ impl TransferLayout {
             .and_then(|n| n.checked_add(host.base))
             .is_none()
         {
-            return Err(invalid("host address range overflows".into()));
+            return Err(geometry("host address range overflows".into()));
         }
         if host.split_bytes % host.chunk_stride != 0 {
-            return Err(invalid(format!(
+            return Err(geometry(format!(
                 "registration pieces of {} bytes do not hold whole chunks",
                 host.split_bytes
             )));
@@ -507,21 +507,21 @@ impl TransferLayout {
             let mut logical: u64 = 0;
             for (k, r) in refs.iter().enumerate() {
                 let layer = layers.get(r.tensor).ok_or_else(|| {
-                    invalid(format!(
+                    geometry(format!(
                         "group {g}, reference {k}: tensor {} of {}",
                         r.tensor,
                         layers.len()
                     ))
                 })?;
                 if r.bytes == 0 || r.bytes > layer.page_bytes {
-                    return Err(invalid(format!(
+                    return Err(geometry(format!(
                         "group {g}, reference {k}: copies {} bytes of a {}-byte page",
                         r.bytes, layer.page_bytes
                     )));
                 }
                 logical = logical
                     .checked_add(r.bytes)
-                    .ok_or_else(|| invalid("reference sizes overflow".into()))?;
+                    .ok_or_else(|| geometry("reference sizes overflow".into()))?;
                 match distinct.iter_mut().find(|d| d.tensor == r.tensor) {
                     Some(d) => d.bytes = d.bytes.max(r.bytes),
                     None => distinct.push(*r),
@@ -593,16 +593,18 @@ impl TransferLayout {
         self.host.chunk_stride
     }
 
-    fn check_range(ids: &[i64], limit: u64, what: &str, offset: usize) -> HostResult<()> {
+    fn check_range(ids: &[i64], limit: u64, what: &'static str, offset: usize) -> HostResult<()> {
         if let Some((pos, &id)) = ids
             .iter()
             .enumerate()
             .find(|&(_, &id)| u64::try_from(id).map_or(true, |id| id >= limit))
         {
-            return Err(HostError::OutOfRange(format!(
-                "{what} id {id} at position {} is out of range [0, {limit})",
-                pos + offset
-            )));
+            return Err(HostError::OutOfRange {
+                what,
+                id,
+                position: pos + offset,
+                bound: limit,
+            });
         }
         Ok(())
     }
@@ -618,13 +620,13 @@ impl TransferLayout {
     ) -> HostResult<CopyRuns> {
         let bpc = self.blocks_per_chunk;
         if self.groups.len() != 1 {
-            return Err(invalid(format!(
+            return Err(mismatch(format!(
                 "this layout has {} groups: give each group's span",
                 self.groups.len()
             )));
         }
         if chunk_ids.len().checked_mul(bpc) != Some(gpu_ids.len()) {
-            return Err(invalid(format!(
+            return Err(mismatch(format!(
                 "{} block ids for {} chunk ids: expected blocks_per_chunk ({bpc}) per chunk",
                 gpu_ids.len(),
                 chunk_ids.len()
@@ -670,7 +672,7 @@ impl TransferLayout {
         scratch: &mut PlanScratch,
     ) -> HostResult<Request> {
         if spans.len() != self.groups.len() {
-            return Err(invalid(format!(
+            return Err(mismatch(format!(
                 "{} group spans for a layout of {} groups",
                 spans.len(),
                 self.groups.len()
@@ -685,9 +687,9 @@ impl TransferLayout {
                 let skip = s.first_index % self.bpc;
                 let logical = to_u64(s.blocks)
                     .checked_add(skip)
-                    .ok_or_else(|| invalid(format!("group {g}: span overflows")))?;
+                    .ok_or_else(|| mismatch(format!("group {g}: span overflows")))?;
                 usize::try_from(logical.div_ceil(self.bpc))
-                    .map_err(|_| invalid(format!("group {g}: span overflows")))?
+                    .map_err(|_| mismatch(format!("group {g}: span overflows")))?
             };
             parts.push(Part {
                 gpu: g_off,
@@ -698,13 +700,13 @@ impl TransferLayout {
             });
             g_off = g_off
                 .checked_add(s.blocks)
-                .ok_or_else(|| invalid("group spans overflow".into()))?;
+                .ok_or_else(|| mismatch("group spans overflow".into()))?;
             c_off = c_off
                 .checked_add(chunks)
-                .ok_or_else(|| invalid("group spans overflow".into()))?;
+                .ok_or_else(|| mismatch("group spans overflow".into()))?;
         }
         if g_off != gpu_ids.len() || c_off != chunk_ids.len() {
-            return Err(invalid(format!(
+            return Err(mismatch(format!(
                 "the group spans cover {g_off} block ids and {c_off} chunk ids, but the job has \
                  {} block ids and {} chunk ids",
                 gpu_ids.len(),
@@ -736,11 +738,11 @@ impl TransferLayout {
                 }
             }
             if let Some(pos) = scratch.find_duplicate(dest, &ranges, universe)? {
-                return Err(invalid(format!(
-                    "{what} id {} at position {pos} repeats: one job may write each destination \
-                     once",
-                    dest[pos]
-                )));
+                return Err(HostError::DuplicateDestination {
+                    what,
+                    id: dest[pos],
+                    position: pos,
+                });
             }
         }
         let (mut pages, mut bytes, mut logical) = (0u64, 0u64, 0u64);
@@ -847,13 +849,12 @@ impl TransferLayout {
     /// the block's slot in that chunk (three arrays of the group's length, appended to `out`
     /// in that order). Per-tensor geometry comes from [`Self::group_refs`]. Linear in blocks.
     pub fn block_table(&self, req: &Request, group: usize, out: &mut Vec<i64>) -> HostResult<()> {
-        let p = req
-            .parts
-            .get(group)
-            .ok_or_else(|| invalid(format!("group {group} of {}", req.parts.len())))?;
+        let p = req.parts.get(group).ok_or(HostError::NoSuchGroup {
+            group,
+            groups: req.parts.len(),
+        })?;
         let bpc = self.blocks_per_chunk;
-        let signed =
-            |v: u64| i64::try_from(v).map_err(|_| invalid(format!("address {v:#x} exceeds int64")));
+        let signed = |v: u64| i64::try_from(v).map_err(|_| HostError::Unaddressable { value: v });
         out.reserve(p.blocks.saturating_mul(3));
         out.extend_from_slice(&req.gpu_ids[p.gpu..p.gpu + p.blocks]);
         for slot in p.skip..p.skip + p.blocks {
@@ -869,10 +870,10 @@ impl TransferLayout {
     /// A group's distinct references as `(device base, block stride, segment offset in the
     /// chunk, page slot bytes, bytes copied)` per tensor, for [`Self::block_table`]'s kernel.
     pub fn group_refs(&self, group: usize) -> HostResult<Vec<[u64; 5]>> {
-        let g = self
-            .groups
-            .get(group)
-            .ok_or_else(|| invalid(format!("group {group} of {}", self.groups.len())))?;
+        let g = self.groups.get(group).ok_or(HostError::NoSuchGroup {
+            group,
+            groups: self.groups.len(),
+        })?;
         Ok(g.refs
             .iter()
             .map(|r| {

@@ -11,7 +11,10 @@
 //! gives its physical pages back (`MADV_DONTNEED`): stale views then read zeros instead of
 //! crashing. The address range itself is unmapped exactly once, when the last owner (the pool
 //! object, and any plan or in-flight copy holding an `Arc`) drops it.
-#![allow(unsafe_code)]
+#![allow(
+    unsafe_code,
+    reason = "mmap, munmap, madvise and mincore on the region's own mapping"
+)]
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,13 +73,13 @@ pub enum PinStatus {
 }
 
 /// Prefaults `len` bytes at `addr` (page aligned, inside one mapping) with up to `threads`
-/// threads: `MADV_POPULATE_WRITE` allocates the pages without changing their contents, so it
-/// may run while copies use the memory. Returns false when the kernel lacks it (< 5.14): the
-/// registration then faults the pages in itself.
-fn populate(addr: usize, len: usize, threads: usize) -> bool {
-    let page = page_size();
-    let threads = threads.max(1);
-    let part = len.div_ceil(threads).next_multiple_of(page).max(page);
+/// threads, capped at [`prefault_threads`]: `MADV_POPULATE_WRITE` allocates the pages without
+/// changing their contents, so it may run while copies use the memory. `Ok(false)` when the
+/// kernel lacks it (< 5.14): the registration then faults the pages in itself.
+/// [`HostError::Spawn`] when the system refuses a thread (the threads already started finish
+/// their part first).
+fn populate(addr: usize, len: usize, threads: usize) -> HostResult<bool> {
+    let (threads, part) = prefault_split(len, threads);
     let one = |start: usize, n: usize| {
         // SAFETY: `[start, start + n)` lies inside the caller's mapping (page aligned); the
         // advice only allocates missing pages and never modifies existing contents.
@@ -90,23 +93,39 @@ fn populate(addr: usize, len: usize, threads: usize) -> bool {
         rc == 0
     };
     if threads == 1 || len <= part {
-        return one(addr, len);
+        return Ok(one(addr, len));
     }
     std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..len)
-            .step_by(part)
-            .map(|off| {
-                let n = part.min(len - off);
-                scope.spawn(move || one(addr + off, n))
-            })
-            .collect();
-        handles.into_iter().all(|h| h.join().unwrap_or(false))
+        let mut handles = Vec::with_capacity(threads);
+        for off in (0..len).step_by(part) {
+            let n = part.min(len - off);
+            let spawned = std::thread::Builder::new()
+                .name("kvcache-prefault".into())
+                .spawn_scoped(scope, move || one(addr + off, n));
+            match spawned {
+                Ok(handle) => handles.push(handle),
+                Err(e) => return Err(HostError::Spawn(e)),
+            }
+        }
+        // The scope joins whatever `all` leaves unjoined.
+        Ok(handles.into_iter().all(|h| h.join().unwrap_or(false)))
     })
 }
 
-/// Threads used to prefault before registering (bounded: page zeroing saturates memory
-/// bandwidth long before it saturates cores).
-pub fn prefault_threads() -> usize {
+/// How many threads prefault `len` bytes when `threads` are asked for, and the bytes each
+/// takes (whole pages).
+fn prefault_split(len: usize, threads: usize) -> (usize, usize) {
+    let page = page_size();
+    let threads = threads.clamp(1, prefault_threads());
+    (
+        threads,
+        len.div_ceil(threads).next_multiple_of(page).max(page),
+    )
+}
+
+/// The most threads one prefault uses: the available parallelism, at most 8 (page zeroing
+/// saturates memory bandwidth long before it saturates cores, and every thread costs a stack).
+pub(crate) fn prefault_threads() -> usize {
     std::thread::available_parallelism()
         .map_or(1, std::num::NonZeroUsize::get)
         .min(8)
@@ -117,19 +136,19 @@ pub fn prefault_threads() -> usize {
 /// One registration call fails beyond a driver limit, so large regions are registered in
 /// pieces of at most `max_piece` bytes. Pieces start on chunk boundaries that are also page
 /// boundaries, so no chunk straddles two registrations and no page is registered twice.
-pub fn registration_piece_bytes(
+pub(crate) fn registration_piece_bytes(
     total: usize,
     unit: usize,
     page: usize,
     max_piece: usize,
 ) -> HostResult<usize> {
     if unit == 0 || page == 0 {
-        return Err(HostError::InvalidArgument(
+        return Err(HostError::Geometry(
             "chunk and page sizes must be positive".into(),
         ));
     }
     if max_piece < page {
-        return Err(HostError::InvalidArgument(format!(
+        return Err(HostError::Geometry(format!(
             "registration pieces of at most {max_piece} bytes are smaller than a page ({page})"
         )));
     }
@@ -137,7 +156,7 @@ pub fn registration_piece_bytes(
         return Ok(total);
     }
     let aligned = lcm(unit, page).filter(|&a| a <= max_piece).ok_or_else(|| {
-        HostError::InvalidArgument(format!(
+        HostError::Geometry(format!(
             "chunks of {unit} bytes cannot start registration pieces of at most {max_piece} bytes \
              on page boundaries"
         ))
@@ -213,14 +232,14 @@ impl HostRegion {
     /// Maps `len` bytes (> 0) of zeroed, non-resident, read-write memory.
     pub fn new(len: usize) -> HostResult<Self> {
         if len == 0 {
-            return Err(HostError::InvalidArgument(
+            return Err(HostError::Geometry(
                 "a host region needs at least one byte".into(),
             ));
         }
         let map_len = len
             .checked_next_multiple_of(page_size())
             .filter(|&m| isize::try_from(m).is_ok())
-            .ok_or_else(|| HostError::InvalidArgument(format!("{len} bytes cannot be mapped")))?;
+            .ok_or_else(|| HostError::Geometry(format!("{len} bytes cannot be mapped")))?;
         // SAFETY: a fresh private anonymous mapping: no address hint, no file, and the
         // arguments are valid for any length; the result is checked against MAP_FAILED.
         let raw = unsafe {
@@ -322,9 +341,10 @@ impl HostRegion {
         self.pin_lock.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Prefaults the whole mapping with `threads` threads (see [`populate`]); false when the
-    /// kernel does not support `MADV_POPULATE_WRITE`.
-    pub fn populate(&self, threads: usize) -> bool {
+    /// Prefaults the whole mapping with `threads` threads, at most the available parallelism
+    /// (capped at 8; see [`populate`]); `Ok(false)` when the kernel does not support
+    /// `MADV_POPULATE_WRITE`, [`HostError::Spawn`] when the system refuses a thread.
+    pub fn populate(&self, threads: usize) -> HostResult<bool> {
         populate(self.addr(), self.map_len, threads)
     }
 
@@ -441,7 +461,7 @@ impl HostRegion {
                     }
                 }
             })
-            .map_err(|e| HostError::InvalidArgument(format!("cannot start pinning thread: {e}")))?;
+            .map_err(HostError::Spawn)?;
         st.planned = Some((piece, total));
         st.status = PinStatus::Pinning { done: 0, total };
         st.pin_thread = Some(handle);
@@ -465,9 +485,7 @@ impl HostRegion {
             return Err(HostError::Closed);
         }
         if st.registration.is_some() || st.pin_thread.is_some() {
-            return Err(HostError::InvalidArgument(
-                "the host region is already registered".into(),
-            ));
+            return Err(HostError::AlreadyRegistered);
         }
         registration_piece_bytes(self.map_len, unit, page_size(), max_piece)
     }
@@ -489,7 +507,9 @@ impl HostRegion {
                 break;
             }
             let len = piece.min(self.map_len - offset);
-            populate(base + offset, len, threads);
+            // Prefaulting only speeds the registration up (it faults missing pages in itself),
+            // so a refused thread or an old kernel is no reason to fail.
+            let _prefaulted = populate(base + offset, len, threads);
             let rc = {
                 let _exclusive = self.pin_lock.write().unwrap_or_else(|e| e.into_inner());
                 registrar.register(base + offset, len)
@@ -516,10 +536,12 @@ impl HostRegion {
     /// Blocks until a background registration has finished (or `timeout` passed); returns
     /// the status then.
     pub fn wait_pinned(&self, timeout: Duration) -> PinStatus {
-        let deadline = Instant::now() + timeout;
+        // A timeout beyond what an `Instant` can represent means no deadline.
+        let deadline = Instant::now().checked_add(timeout);
         loop {
             let status = self.pin_status();
-            if !matches!(status, PinStatus::Pinning { .. }) || Instant::now() >= deadline {
+            let expired = deadline.is_some_and(|d| Instant::now() >= d);
+            if !matches!(status, PinStatus::Pinning { .. }) || expired {
                 return status;
             }
             std::thread::sleep(Duration::from_millis(2));
@@ -715,6 +737,11 @@ mod tests {
             PinStatus::Pinned { pieces: 3, .. }
         ));
         assert!(r.is_registered());
+        // A timeout no `Instant` can hold is no deadline, not an overflow.
+        assert!(matches!(
+            r.wait_pinned(Duration::MAX),
+            PinStatus::Pinned { pieces: 3, .. }
+        ));
         assert_eq!(r.registered_pieces(), 3);
         assert_eq!(log.registered.lock().unwrap().len(), 3);
         assert!(
@@ -749,7 +776,10 @@ mod tests {
         let (mut m, log) = mock(None);
         m.delay = Duration::from_millis(50); // 8 pieces: 400 ms unless close() stops it
         r.register_background(m, page, page).unwrap();
-        assert!(r.register_background(mock(None).0, page, page).is_err());
+        assert!(matches!(
+            r.register_background(mock(None).0, page, page),
+            Err(HostError::AlreadyRegistered)
+        ));
         std::thread::sleep(Duration::from_millis(30));
         r.close().unwrap();
         let registered = log.registered.lock().unwrap().len();
@@ -760,6 +790,30 @@ mod tests {
         assert_eq!(log.unregistered.lock().unwrap().len(), registered);
         assert!(!r.is_registered());
         assert!(r.register_background(mock(None).0, page, page).is_err());
+    }
+
+    #[test]
+    fn prefaulting_never_asks_for_more_threads_than_the_cap() {
+        let page = page_size();
+        for (len, asked) in [
+            (1 << 28, 1 << 16),
+            (16 * page, usize::MAX),
+            (page, 4),
+            (0, 0),
+        ] {
+            let (threads, part) = prefault_split(len, asked);
+            assert!(threads <= prefault_threads() && threads >= 1);
+            assert_eq!(part % page, 0);
+            assert!(
+                len.div_ceil(part) <= threads,
+                "{len} bytes in parts of {part}"
+            );
+        }
+        let r = HostRegion::new(64 * page).unwrap();
+        let populated = r.populate(usize::MAX).unwrap();
+        if populated {
+            assert_eq!(r.resident_bytes().unwrap(), 64 * page);
+        }
     }
 
     #[test]

@@ -27,10 +27,9 @@ mod validate;
 
 use crate::chunk::RefCounts;
 use crate::entries::Entries;
-use crate::eviction::Evicted;
 use crate::index::Keyed;
 use crate::key::{Key, KeyBuf};
-use crate::policy::{Access, EntryId, Inspection, Policy, RankedEntry, Stat};
+use crate::policy::{Access, EntryId, Evicted, Inspection, Policy, RankedEntry, Stat};
 use crate::slab::{Idx, Links, List, Slab};
 use group::Group;
 
@@ -68,6 +67,9 @@ impl<C> LruEntry<C> {
 
 crate::entries::keyed_entry!(LruEntry<C>);
 
+/// Bytes of one LRU entry for `u32` chunk handles.
+pub const LRU_ENTRY_BYTES: usize = std::mem::size_of::<LruEntry<u32>>();
+
 /// Insertions land at either end of a group in prefix-order traffic (O(1)); one that lands
 /// farther than this from both ends builds the group's position index (O(log k) from then on).
 const WALK_LIMIT: usize = 8;
@@ -85,12 +87,12 @@ pub struct LruPolicy<C> {
 
 impl<C> LruPolicy<C> {
     /// Live request groups (anchors on the list).
-    pub fn num_request_groups(&self) -> usize {
+    fn num_request_groups(&self) -> usize {
         self.groups.len()
     }
 
     /// Resident keys with their ranks, in eviction order (ascending rank), evictable or not.
-    pub fn entries(&self) -> impl Iterator<Item = RankedEntry<'_>> + '_ {
+    fn entries(&self) -> impl Iterator<Item = RankedEntry<'_>> + '_ {
         self.order.iter(&self.entries.slab).filter_map(move |i| {
             let e = self.entries.get(i);
             (!e.has(ANCHOR)).then_some(RankedEntry {
@@ -241,12 +243,6 @@ impl<C> Policy<C> for LruPolicy<C> {
         EntryId(idx)
     }
 
-    fn remove(&mut self, id: EntryId) -> C {
-        self.delete(id.0)
-            .chunk
-            .expect("only resident entries are removed")
-    }
-
     /// Fresh ranks for the resident keys, from the last key to the first (so the first key
     /// ends most recent).
     fn touch(&mut self, ids: &[Option<EntryId>], _counts: &impl RefCounts<C>) {
@@ -363,7 +359,7 @@ impl<C> Policy<C> for LruPolicy<C> {
     }
 
     #[cfg(any(test, feature = "validate"))]
-    fn validate(&self, _counts: &impl RefCounts<C>) -> Result<(), String> {
+    fn validate(&self) -> Result<(), String> {
         self.check_invariants()
     }
 }
@@ -372,9 +368,7 @@ impl<C> LruPolicy<C> {
     /// [`Policy::touch`] without counts (LRU reads none).
     fn touch_ids(&mut self, ids: &[Option<EntryId>]) {
         for &EntryId(idx) in ids.iter().flatten() {
-            let e = self.entries.get(idx);
-            self.entries.slab.prefetch(e.links.prev);
-            self.entries.slab.prefetch(e.links.next);
+            self.entries.prefetch_neighbours(idx);
         }
         for &EntryId(idx) in ids.iter().rev().flatten() {
             self.detach(idx);
@@ -387,8 +381,13 @@ impl<C> LruPolicy<C> {
 mod tests {
     use super::*;
     use crate::chunk::{SelfCounted, TestChunk};
-    use crate::eviction::Protected;
+    use crate::policy::Protected;
     use crate::CoreError;
+
+    #[test]
+    fn an_entry_takes_80_bytes() {
+        assert_eq!(LRU_ENTRY_BYTES, 80);
+    }
 
     fn order(p: &LruPolicy<TestChunk>) -> Vec<Vec<u8>> {
         p.entries().map(|e| e.key.to_vec()).collect()
@@ -427,9 +426,9 @@ mod tests {
         // Later keys of the same request still go before "x".
         insert(&mut p, &mut rr, b"u", Some(64));
         assert_eq!(order(&p)[0], b"u".to_vec());
-        p.validate(&SelfCounted).unwrap();
+        p.validate().unwrap();
         assert_eq!(evict(&mut p, 2).unwrap(), [b"u".to_vec(), b"t".to_vec()]);
-        p.validate(&SelfCounted).unwrap();
+        p.validate().unwrap();
     }
 
     #[test]
@@ -440,7 +439,7 @@ mod tests {
             insert(&mut p, &mut rr, k, Some(7));
         }
         assert_eq!(order(&p), [b"a1".to_vec(), b"b1".to_vec(), b"c1".to_vec()]);
-        p.validate(&SelfCounted).unwrap();
+        p.validate().unwrap();
     }
 
     #[test]
@@ -475,7 +474,7 @@ mod tests {
         );
         p.touch_keys(&[p.key(b"a")], &SelfCounted);
         assert_eq!(p.num_request_groups(), 0);
-        p.validate(&SelfCounted).unwrap();
+        p.validate().unwrap();
         let mut rr2 = None;
         p.on_request_access(&mut rr2, &[]);
         assert_eq!(p.num_request_groups(), 1);
@@ -487,7 +486,7 @@ mod tests {
         p.clear();
         insert(&mut p, &mut rr3, b"z", Some(1));
         assert_eq!(p.entries().next().map(|e| e.rank), Some(1));
-        p.validate(&SelfCounted).unwrap();
+        p.validate().unwrap();
     }
 
     #[test]

@@ -23,12 +23,14 @@ mod table;
 mod tracker;
 
 use crate::error::{CoreError, CoreResult};
-use crate::eviction::Protected;
 use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::policy::Protected;
 use crate::policy::{Access, EntryId, Policy};
 use crate::registry::RequestToken;
 use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
-pub use table::{ChunkId, ChunkRecord, ChunkTable, FREE, MAX_CHUNKS, PENDING};
+#[cfg(any(test, feature = "validate"))]
+use table::PENDING;
+pub use table::{ChunkId, ChunkRecord, ChunkTable, TableRecord, FREE, MAX_CHUNKS};
 use tracker::AccessTracker;
 
 /// A key a call records in the request: its offer index, its resident entry (`None`: not
@@ -596,19 +598,14 @@ impl<P: Policy<ChunkId>> Manager<P> {
         Some(req.num_keys())
     }
 
-    /// Applies the finished request's accesses to the policy, once. `position(i, key)` gives the
-    /// token position of the request's `i`-th observed key; it is called for every key before
-    /// anything changes.
-    pub fn finish_request<E>(
-        &mut self,
-        token: RequestToken,
-        mut position: impl FnMut(usize, &[u8]) -> Result<Option<i64>, E>,
-    ) -> Result<(), E> {
+    /// Applies the finished request's accesses to the policy, once. `positions[i]` is the
+    /// token position of the request's `i`-th observed key (missing entries: unknown).
+    pub fn finish_request(&mut self, token: RequestToken, positions: &[Option<i64>]) {
         let Some(req) = self.requests.get(token) else {
-            return Ok(());
+            return;
         };
         if req.finished {
-            return Ok(());
+            return;
         }
         // vLLM's order_request_keys: key groups by group index, each in first-seen order and
         // sorted by position when all its keys have one; across groups by position when every
@@ -617,7 +614,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
         let mut all_positioned = true;
         let mut one_group = true;
         for (i, k) in req.keys_in_order().enumerate() {
-            let position = position(i, k.key.as_slice())?;
+            let position = positions.get(i).copied().flatten();
             all_positioned &= position.is_some();
             one_group &= k.group == ordered.first().map_or(k.group, |f: &Finished| f.group);
             let key = k.key.as_slice();
@@ -668,7 +665,6 @@ impl<P: Policy<ChunkId>> Manager<P> {
             .get_mut(token)
             .expect("checked above")
             .finished = true;
-        Ok(())
     }
 
     /// Takes the events collected so far. A failed store's cleanup only names keys no retry
@@ -738,7 +734,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
     /// Checks the manager's invariants and its policy's.
     #[cfg(any(test, feature = "validate"))]
     pub fn validate(&self) -> Result<(), String> {
-        self.policy.validate(&self.table)?;
+        self.policy.validate()?;
         let n = self.table.num_chunks();
         let resident = self.table.num_resident();
         if resident != self.policy.len() {

@@ -17,7 +17,7 @@ use crate::error::{CoreError, CoreResult};
 /// `ref_cnt` of a slot that holds no chunk.
 pub const FREE: i32 = -2;
 /// `ref_cnt` of a chunk whose store is in flight.
-pub const PENDING: i32 = -1;
+pub(crate) const PENDING: i32 = -1;
 
 /// vLLM's `ChunkStatus` layout: int32 `ref_cnt` at 0, int64 `chunk_id` at 8, 16 bytes.
 #[repr(C)]
@@ -54,6 +54,28 @@ impl ChunkRecord {
     }
 }
 
+/// A record of the manager's table: readable by anyone, written only by the manager (so
+/// nothing outside it can change a count behind its bookkeeping).
+#[repr(transparent)]
+pub struct TableRecord(ChunkRecord);
+
+impl TableRecord {
+    #[inline]
+    pub fn ref_cnt(&self) -> i32 {
+        self.0.ref_cnt()
+    }
+
+    #[inline]
+    pub fn chunk_id(&self) -> i64 {
+        self.0.chunk_id()
+    }
+
+    #[inline]
+    pub(crate) fn set_ref_cnt(&self, value: i32) {
+        self.0.set_ref_cnt(value);
+    }
+}
+
 /// Chunk id: an index into the table.
 pub type ChunkId = u32;
 
@@ -63,7 +85,7 @@ pub const MAX_CHUNKS: usize = i32::MAX as usize;
 
 pub struct ChunkTable {
     /// The records of every id handed out since the last reset (index = chunk id).
-    records: Vec<ChunkRecord>,
+    records: Vec<TableRecord>,
     num_chunks: usize,
     free_list: Vec<ChunkId>,
 }
@@ -113,12 +135,12 @@ impl ChunkTable {
     }
 
     #[inline]
-    pub fn record(&self, id: ChunkId) -> &ChunkRecord {
+    pub fn record(&self, id: ChunkId) -> &TableRecord {
         &self.records[id as usize]
     }
 
     /// The records of the ids handed out so far (index = chunk id); every later id is free.
-    pub fn records(&self) -> &[ChunkRecord] {
+    pub fn records(&self) -> &[TableRecord] {
         &self.records
     }
 
@@ -151,7 +173,8 @@ impl ChunkTable {
         let mut ids = Vec::with_capacity(n);
         for _ in 0..fresh {
             let id = ChunkId::try_from(self.records.len()).expect("ids fit: num_chunks <= MAX");
-            self.records.push(ChunkRecord::new(i64::from(id), PENDING));
+            self.records
+                .push(TableRecord(ChunkRecord::new(i64::from(id), PENDING)));
             ids.push(id);
         }
         for _ in fresh..n {
@@ -174,7 +197,7 @@ impl ChunkTable {
     }
 
     pub fn heap_bytes(&self) -> usize {
-        self.records.capacity() * std::mem::size_of::<ChunkRecord>()
+        self.records.capacity() * std::mem::size_of::<TableRecord>()
             + self.free_list.capacity() * std::mem::size_of::<ChunkId>()
     }
 }

@@ -139,11 +139,16 @@ impl PyHostChunkPool {
         status_dict(py, status)
     }
 
-    /// Prefaults every page of the pool with `threads` threads (GIL released); False when
-    /// the kernel lacks `MADV_POPULATE_WRITE`.
-    fn populate(&self, py: Python<'_>, threads: usize) -> bool {
+    /// Prefaults every page of the pool with `threads` threads, at most the available
+    /// parallelism (capped at 8) (GIL released); False when the kernel lacks
+    /// `MADV_POPULATE_WRITE`. Raises `TransferError` when the system refuses a thread.
+    fn populate(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = threads_arg)] threads: usize,
+    ) -> PyResult<bool> {
         let region = Arc::clone(&self.region);
-        py.detach(move || region.populate(threads))
+        py.detach(move || region.populate(threads)).py_err()
     }
 
     /// Bytes of the pool resident in RAM right now (`mincore`).
@@ -179,7 +184,10 @@ impl PyHostChunkPool {
         register_fn, unregister_fn, get_last_error_fn, flags, max_piece_bytes, keepalive,
         *, background=false, set_device_fn=0, device=0
     ))]
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the CUDA runtime entry points and options, as Python passes them"
+    )]
     fn _register(
         &self,
         py: Python<'_>,
@@ -320,6 +328,10 @@ fn timeout_arg(obj: &Bound<'_, PyAny>) -> PyResult<Duration> {
     }
     Duration::try_from_secs_f64(secs.max(0.0))
         .map_err(|e| typed(|e| &e.invalid_argument, format!("timeout_s: {e}")))
+}
+
+fn threads_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    crate::conversion::count(obj, "threads")
 }
 
 fn num_chunks_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {

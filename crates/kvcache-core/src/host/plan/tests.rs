@@ -136,23 +136,32 @@ fn rejects_bad_requests() {
     let st = Direction::Store;
     assert!(matches!(
         lay.plan(st, &[1, 2, 3], &[0, 1], &mut s),
-        Err(HostError::InvalidArgument(_))
+        Err(HostError::Mismatch(_))
     ));
     assert!(matches!(
         lay.plan(st, &[1, 2], &[4], &mut s),
-        Err(HostError::OutOfRange(_))
+        Err(HostError::OutOfRange {
+            what: "chunk",
+            id: 4,
+            position: 0,
+            bound: 4
+        })
     ));
     assert!(matches!(
         lay.plan(st, &[1, 10], &[0], &mut s),
-        Err(HostError::OutOfRange(_))
+        Err(HostError::OutOfRange { .. })
     ));
     assert!(matches!(
         lay.plan(st, &[-1, 0], &[0], &mut s),
-        Err(HostError::OutOfRange(_))
+        Err(HostError::OutOfRange { .. })
     ));
     assert!(matches!(
         lay.plan(st, &[1, 2, 3, 4], &[1, 1], &mut s),
-        Err(HostError::InvalidArgument(_))
+        Err(HostError::DuplicateDestination {
+            what: "chunk",
+            id: 1,
+            position: 1
+        })
     ));
     // Duplicate sources are fine for a store; duplicate destinations are not for a load.
     assert!(lay.plan(st, &[1, 1, 1, 1], &[0, 1], &mut s).is_ok());
@@ -313,7 +322,14 @@ fn groups_share_tensors_and_duplicate_references_move_once() {
     assert_eq!(runs.logical_bytes(), 2 * 56 + 64 + 32);
     // Block 3 in groups 0 and 2 is fine (different tensors); in groups 0 and 1 it is not.
     let err = lay.plan_groups(Direction::Load, &[3, 4, 3, 5], &[0, 1, 2], &spans, &mut s);
-    assert!(matches!(err, Err(HostError::InvalidArgument(m)) if m.contains("position 2")));
+    assert!(matches!(
+        err,
+        Err(HostError::DuplicateDestination {
+            what: "block",
+            position: 2,
+            ..
+        })
+    ));
     assert!(s.bits.iter().all(|&w| w == 0));
     // A store names chunks: chunk 1 twice in one class is refused.
     let err = lay.plan_groups(Direction::Store, &[3, 4, 5, 6], &[1, 1, 2], &spans, &mut s);

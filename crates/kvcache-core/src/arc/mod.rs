@@ -14,18 +14,23 @@
 //! entry (40-byte inline key, links, list tag, chunk handle) plus ~5 bytes of hash table per
 //! key, for resident and ghost keys alike.
 
+#[cfg(any(test, feature = "validate"))]
+mod validate;
+
 use crate::chunk::RefCounts;
 use crate::entries::Entries;
-use crate::eviction::Evicted;
 use crate::index::Keyed;
 use crate::key::{Key, KeyBuf};
-use crate::policy::{Access, EntryId, Inspection, Policy, Stat};
+use crate::policy::{Access, EntryId, Evicted, Inspection, Policy, Stat};
 use crate::slab::{Idx, Links, List};
+
+/// Bytes of one ARC entry for `u32` chunk handles (one cache line).
+pub const ARC_ENTRY_BYTES: usize = std::mem::size_of::<ArcEntry<u32>>();
 
 /// Which ARC list an entry is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
-pub enum ListId {
+pub(crate) enum ListId {
     T1 = 0,
     T2 = 1,
     B1 = 2,
@@ -33,15 +38,15 @@ pub enum ListId {
 }
 
 impl ListId {
-    pub const ALL: [ListId; 4] = [ListId::T1, ListId::T2, ListId::B1, ListId::B2];
+    const ALL: [ListId; 4] = [ListId::T1, ListId::T2, ListId::B1, ListId::B2];
 
     #[inline]
-    pub fn is_resident(self) -> bool {
+    fn is_resident(self) -> bool {
         matches!(self, ListId::T1 | ListId::T2)
     }
 
     /// The name vLLM gives the list.
-    pub fn name(self) -> &'static str {
+    fn name(self) -> &'static str {
         match self {
             ListId::T1 => "t1",
             ListId::T2 => "t2",
@@ -71,17 +76,16 @@ pub struct ArcPolicy<C> {
 }
 
 impl<C> ArcPolicy<C> {
-    /// ARC's adaptive target size of T1, in `[0, capacity]`.
-    pub fn target_t1_size(&self) -> f64 {
-        self.target_t1_size
-    }
+    /// The name of ARC's adaptive target size of T1 in [`Policy::stats`] (a
+    /// [`Stat::Value`] in `[0, capacity]`).
+    pub const TARGET_T1_SIZE: &'static str = "target_t1_size";
 
-    pub fn list_len(&self, list: ListId) -> usize {
+    fn list_len(&self, list: ListId) -> usize {
         self.lists[list as usize].len()
     }
 
     /// Keys of one list from LRU to MRU.
-    pub fn list_keys(&self, list: ListId) -> impl Iterator<Item = &[u8]> + '_ {
+    fn list_keys(&self, list: ListId) -> impl Iterator<Item = &[u8]> + '_ {
         self.lists[list as usize]
             .iter(&self.entries.slab)
             .map(|i| self.entries.get(i).key())
@@ -128,18 +132,6 @@ impl<C> ArcPolicy<C> {
         self.lists[list as usize].move_to_back(&mut self.entries.slab, idx);
     }
 
-    /// Prefetches the list neighbours of the entries a batch is about to move (and, with
-    /// `counts`, their chunks' counts).
-    fn prefetch_moves(&self, ids: &[Option<EntryId>], counts: Option<&impl RefCounts<C>>) {
-        for id in ids.iter().flatten() {
-            let e = self.entries.get(id.0);
-            if let (Some(counts), Some(chunk)) = (counts, &e.chunk) {
-                counts.prefetch(chunk);
-            }
-            self.entries.slab.prefetch(e.links.prev);
-            self.entries.slab.prefetch(e.links.next);
-        }
-    }
 }
 
 /// Lengths as the floats vLLM's arithmetic uses (exact below 2^53 entries).
@@ -279,17 +271,14 @@ impl<C> Policy<C> for ArcPolicy<C> {
         EntryId(idx)
     }
 
-    fn remove(&mut self, id: EntryId) -> C {
-        debug_assert!(self.entries.get(id.0).list.is_resident());
-        self.delete(id.0)
-            .chunk
-            .expect("only resident entries are removed")
-    }
-
     /// Ready T1 entries are promoted to T2, pending ones stay in T1 at MRU, T2 entries move to
     /// MRU, ghosts adapt the target.
     fn touch(&mut self, ids: &[Option<EntryId>], counts: &impl RefCounts<C>) {
-        self.prefetch_moves(ids, Some(counts));
+        for id in ids.iter().flatten() {
+            if let Some(chunk) = &self.entries.prefetch_neighbours(id.0).chunk {
+                counts.prefetch(chunk);
+            }
+        }
         for &EntryId(idx) in ids.iter().rev().flatten() {
             let entry = self.entries.get(idx);
             match entry.list {
@@ -318,9 +307,7 @@ impl<C> Policy<C> for ArcPolicy<C> {
                 .map(|id| (id.0, access))
         };
         for (idx, _) in entries.iter().filter_map(moving) {
-            let e = self.entries.get(idx);
-            self.entries.slab.prefetch(e.links.prev);
-            self.entries.slab.prefetch(e.links.next);
+            self.entries.prefetch_neighbours(idx);
         }
         for (idx, access) in entries.iter().rev().filter_map(moving) {
             let list = self.entries.get(idx).list;
@@ -389,7 +376,7 @@ impl<C> Policy<C> for ArcPolicy<C> {
     }
 
     fn stats(&self) -> Vec<(&'static str, Stat)> {
-        vec![("target_t1_size", Stat::Value(self.target_t1_size))]
+        vec![(Self::TARGET_T1_SIZE, Stat::Value(self.target_t1_size))]
     }
 
     fn inspect(&self) -> Inspection<'_> {
@@ -404,42 +391,8 @@ impl<C> Policy<C> for ArcPolicy<C> {
     }
 
     #[cfg(any(test, feature = "validate"))]
-    fn validate(&self, _counts: &impl RefCounts<C>) -> Result<(), String> {
-        let mut total = 0;
-        for list in ListId::ALL {
-            let members = self.lists[list as usize].validate(&self.entries.slab)?;
-            for &idx in &members {
-                let e = self.entries.get(idx);
-                if e.list != list {
-                    return Err(format!(
-                        "{:?} is on {list:?} but tagged {:?}",
-                        e.key, e.list
-                    ));
-                }
-                if e.chunk.is_some() != list.is_resident() {
-                    return Err(format!("{:?} on {list:?}: chunk presence is wrong", e.key));
-                }
-                self.entries.check_indexed(idx)?;
-            }
-            total += members.len();
-        }
-        self.entries.check_counts(total, 0)?;
-        for ghost in [ListId::B1, ListId::B2] {
-            if self.list_len(ghost) > self.capacity {
-                return Err(format!(
-                    "{ghost:?} holds {} > capacity {}",
-                    self.list_len(ghost),
-                    self.capacity
-                ));
-            }
-        }
-        if !(0.0..=usize_as_f64(self.capacity)).contains(&self.target_t1_size) {
-            return Err(format!(
-                "target_t1_size {} outside [0, {}]",
-                self.target_t1_size, self.capacity
-            ));
-        }
-        Ok(())
+    fn validate(&self) -> Result<(), String> {
+        self.check_invariants()
     }
 }
 
@@ -447,11 +400,11 @@ impl<C> Policy<C> for ArcPolicy<C> {
 mod tests {
     use super::*;
     use crate::chunk::{SelfCounted, TestChunk};
-    use crate::eviction::Protected;
+    use crate::policy::Protected;
 
     #[test]
     fn an_entry_fills_exactly_one_cache_line() {
-        assert_eq!(std::mem::size_of::<ArcEntry<u32>>(), 64);
+        assert_eq!(ARC_ENTRY_BYTES, 64);
         assert_eq!(std::mem::align_of::<ArcEntry<u32>>(), 64);
     }
 
@@ -487,12 +440,12 @@ mod tests {
         );
         assert_eq!(lists(&p)[2], vec![b"b".to_vec(), b"c".to_vec()]);
         p.on_store_miss_keys(&keys(&p, &[b"b"]), &SelfCounted);
-        assert_eq!(p.target_t1_size(), 1.0);
+        assert_eq!(p.target_t1_size, 1.0);
         // Inserting a ghost's key turns that ghost back into a T1 entry.
         insert(&mut p, b"b", 9, -1);
         assert_eq!(lists(&p)[0], vec![b"b".to_vec()]);
         assert_eq!(lists(&p)[2], vec![b"c".to_vec()]);
-        p.validate(&SelfCounted).unwrap();
+        p.validate().unwrap();
     }
 
     #[test]
@@ -529,6 +482,6 @@ mod tests {
         p.mark_non_evictable(k).unwrap();
         p.mark_non_evictable(k).unwrap();
         assert_eq!(lists(&p)[0], vec![b"a".to_vec()]);
-        p.validate(&SelfCounted).unwrap();
+        p.validate().unwrap();
     }
 }

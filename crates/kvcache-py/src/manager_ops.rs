@@ -1,0 +1,154 @@
+//! [`ManagerOps`]: the core manager's API with the policy type erased, so one Python class
+//! runs a manager over any policy (`kinds` makes them, `manager` drives them).
+
+use kvcache_core::manager::{
+    ChunkId, ChunkTable, Event, LookupResult, Manager, ManagerConfig, MemoryUsage, Stats,
+    StoreOutput,
+};
+use kvcache_core::{CoreResult, Inspection, Key, Policy, RequestToken};
+
+/// The Rust manager over any policy: its API with the policy type erased.
+pub trait ManagerOps: Send {
+    fn config(&self) -> &ManagerConfig;
+    fn reads_positions(&self) -> bool;
+    fn len(&self) -> usize;
+    fn num_evictable(&self) -> usize;
+    fn num_write_pending(&self) -> usize;
+    fn num_requests(&self) -> usize;
+    fn lookup(&self, key: Key<'_>) -> LookupResult;
+    fn request(&mut self, current: Option<RequestToken>) -> RequestToken;
+    fn is_live_request(&self, token: RequestToken) -> bool;
+    fn check_request_call(&self, keys: &[Key<'_>], load: bool) -> CoreResult<()>;
+    fn release_request(&mut self, token: RequestToken);
+    fn prepare_load(
+        &mut self,
+        token: RequestToken,
+        keys: &[Key<'_>],
+        positions: &[Option<i64>],
+        observed: &mut Vec<usize>,
+    ) -> CoreResult<Vec<ChunkId>>;
+    fn touch(&mut self, keys: &[Key<'_>]);
+    fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()>;
+    fn prepare_store(
+        &mut self,
+        token: RequestToken,
+        keys: &[Key<'_>],
+        positions: &[Option<i64>],
+        observed: &mut Vec<usize>,
+    ) -> CoreResult<Option<StoreOutput>>;
+    fn complete_store(&mut self, keys: &[Key<'_>], success: bool);
+    fn unfinished_request_len(&self, token: RequestToken) -> Option<usize>;
+    fn unfinished_request_keys(&self, token: RequestToken) -> Option<Vec<&[u8]>>;
+    /// Finishes the request; `positions[i]` is the token position of its `i`-th observed key.
+    fn finish_request(&mut self, token: RequestToken, positions: &[Option<i64>]);
+    fn take_events(&mut self) -> Vec<Event>;
+    fn reset(&mut self);
+    fn take_stats(&mut self) -> Stats;
+    fn memory_usage(&self) -> MemoryUsage;
+    fn table(&self) -> &ChunkTable;
+    fn inspect(&self) -> Inspection<'_>;
+    /// Resident keys with their chunk ids.
+    fn chunks(&self) -> Vec<(&[u8], ChunkId)>;
+    #[cfg(feature = "validate")]
+    fn validate(&self) -> Result<(), String>;
+}
+
+impl<P: Policy<ChunkId> + Send> ManagerOps for Manager<P>
+where
+    P::Request: Send,
+{
+    fn config(&self) -> &ManagerConfig {
+        Manager::config(self)
+    }
+    fn reads_positions(&self) -> bool {
+        P::READS_POSITIONS
+    }
+    fn len(&self) -> usize {
+        Manager::len(self)
+    }
+    fn num_evictable(&self) -> usize {
+        Manager::num_evictable(self)
+    }
+    fn num_write_pending(&self) -> usize {
+        Manager::num_write_pending(self)
+    }
+    fn num_requests(&self) -> usize {
+        Manager::num_requests(self)
+    }
+    fn lookup(&self, key: Key<'_>) -> LookupResult {
+        Manager::lookup(self, key)
+    }
+    fn request(&mut self, current: Option<RequestToken>) -> RequestToken {
+        Manager::request(self, current)
+    }
+    fn is_live_request(&self, token: RequestToken) -> bool {
+        Manager::is_live_request(self, token)
+    }
+    fn check_request_call(&self, keys: &[Key<'_>], load: bool) -> CoreResult<()> {
+        Manager::check_request_call(self, keys, load)
+    }
+    fn release_request(&mut self, token: RequestToken) {
+        Manager::release_request(self, token);
+    }
+    fn prepare_load(
+        &mut self,
+        token: RequestToken,
+        keys: &[Key<'_>],
+        positions: &[Option<i64>],
+        observed: &mut Vec<usize>,
+    ) -> CoreResult<Vec<ChunkId>> {
+        Manager::prepare_load(self, token, keys, positions, observed)
+    }
+    fn touch(&mut self, keys: &[Key<'_>]) {
+        Manager::touch(self, keys);
+    }
+    fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
+        Manager::complete_load(self, keys)
+    }
+    fn prepare_store(
+        &mut self,
+        token: RequestToken,
+        keys: &[Key<'_>],
+        positions: &[Option<i64>],
+        observed: &mut Vec<usize>,
+    ) -> CoreResult<Option<StoreOutput>> {
+        Manager::prepare_store(self, token, keys, positions, observed)
+    }
+    fn complete_store(&mut self, keys: &[Key<'_>], success: bool) {
+        Manager::complete_store(self, keys, success);
+    }
+    fn unfinished_request_len(&self, token: RequestToken) -> Option<usize> {
+        Manager::unfinished_request_len(self, token)
+    }
+    fn unfinished_request_keys(&self, token: RequestToken) -> Option<Vec<&[u8]>> {
+        Manager::unfinished_request_keys(self, token)
+    }
+    fn finish_request(&mut self, token: RequestToken, positions: &[Option<i64>]) {
+        Manager::finish_request(self, token, positions);
+    }
+    fn take_events(&mut self) -> Vec<Event> {
+        Manager::take_events(self)
+    }
+    fn reset(&mut self) {
+        Manager::reset(self);
+    }
+    fn take_stats(&mut self) -> Stats {
+        Manager::take_stats(self)
+    }
+    fn memory_usage(&self) -> MemoryUsage {
+        Manager::memory_usage(self)
+    }
+    fn table(&self) -> &ChunkTable {
+        Manager::table(self)
+    }
+    fn inspect(&self) -> Inspection<'_> {
+        self.policy().inspect()
+    }
+    fn chunks(&self) -> Vec<(&[u8], ChunkId)> {
+        self.policy().resident().map(|(k, &c)| (k, c)).collect()
+    }
+    #[cfg(feature = "validate")]
+    fn validate(&self) -> Result<(), String> {
+        Manager::validate(self)
+    }
+}
