@@ -307,7 +307,7 @@ for name, call, builtin in [
     ("write_runs-negative-pieces", lambda p: p.write_runs(I64.copy(), -1), ValueError),
     ("write_block_table-negative", lambda p: p.write_block_table(-1, I64.copy()), ValueError),
     ("write_block_table-str", lambda p: p.write_block_table("0", I64.copy()), TypeError),
-    ("write_block_table-out-of-range", lambda p: p.write_block_table(5, I64.copy()), ValueError),
+    ("write_block_table-out-of-range", lambda p: p.write_block_table(5, I64.copy()), IndexError),
     ("write_block_table-list", lambda p: p.write_block_table(0, [0, 0, 0]), TypeError),
     (
         "write_block_table-short",
