@@ -29,3 +29,18 @@ def test_measure_times_both_methods_at_every_size() -> None:
     assert table == [(4 * KiB, 4.0, 16.0), (16 * KiB, 16.0, 16.0), (32 * KiB, 32.0, 16.0)]
     assert len(calls) == 6
     assert choose_cutoff(table) == 0
+
+
+def test_measure_stops_at_the_budget_but_keeps_what_it_measured() -> None:
+    now = [0.0]
+
+    def fake(method: str, page: int) -> float:
+        now[0] += 2.0  # each timed load "takes" two seconds of the start-up budget
+        return 10.0 if method == "kernel" else 5.0
+
+    sizes = [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB]
+    table = measure(fake, sizes, budget_s=5.0, clock=lambda: now[0])
+    assert [p for p, _k, _d in table] == [4 * KiB, 8 * KiB]
+    assert choose_cutoff(table) == 8 * KiB
+    # Without a budget every size is measured.
+    assert len(measure(fake, sizes)) == 4

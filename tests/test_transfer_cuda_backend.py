@@ -429,9 +429,16 @@ def test_kernel_needs_a_pinned_pool() -> None:
         planner.close()
 
 
-def test_stores_use_dma_and_small_loads_the_kernel() -> None:
-    """The method choice alone (no launch): with a kernel-ready pool, stores stay on DMA, loads
-    take the kernel when their pages are small and there are enough of them."""
+def spans(blocks: list[int]) -> Any:
+    from kvcache.transfer._engine import _Spans
+
+    return _Spans(np.asarray(blocks, dtype=np.int64), (len(blocks),), (0,))
+
+
+def test_stores_use_dma_and_loads_with_small_runs_the_kernel() -> None:
+    """The method choice alone (no launch): with a kernel-ready pool, stores stay on DMA; loads
+    take the kernel when their DMA runs after coalescing would be small and there are enough
+    pages, whatever the page size."""
     rt = FakeRuntime()
     _layers, pool, planner, backend, _cuda = setup(rt)
     backend._copy = "auto"
@@ -440,10 +447,152 @@ def test_stores_use_dma_and_small_loads_the_kernel() -> None:
     backend._kernel_min_runs = 2
     backend.kernel_max_run_bytes = 1024
     scattered = list(range(0, 16, 2))
-    assert not backend._use_kernel(plan(planner, True, scattered, [0, 1, 2, 3]))
-    assert backend._use_kernel(plan(planner, False, scattered, [0, 1, 2, 3]))
+    p = plan(planner, True, scattered, [0, 1, 2, 3])
+    assert not backend._use_kernel(p, spans(scattered))
+    p = plan(planner, False, scattered, [0, 1, 2, 3])
+    assert backend._use_kernel(p, spans(scattered))
+    # Consecutive ids: each chunk's two blocks coalesce per layer into 512-byte runs, still
+    # small; a cut-off of 256 bytes sends them to DMA, while scattered 256-byte pages would
+    # still take the kernel.
+    fresh = list(range(8))
+    assert (
+        backend._average_run_bytes(plan(planner, False, fresh, [0, 1, 2, 3]), spans(fresh)) == 512
+    )
+    assert backend._average_run_bytes(p, spans(scattered)) == 256
+    backend.kernel_max_run_bytes = 256
+    assert not backend._use_kernel(plan(planner, False, fresh, [0, 1, 2, 3]), spans(fresh))
+    assert backend._use_kernel(plan(planner, False, scattered, [0, 1, 2, 3]), spans(scattered))
     backend.kernel_max_run_bytes = 128  # pages of 256 bytes are now "large"
-    assert not backend._use_kernel(plan(planner, False, scattered, [0, 1, 2, 3]))
+    assert not backend._use_kernel(p, spans(scattered))
+    del p  # a plan holds the pool
     backend.close()
     planner.close()
     pool.close()
+
+
+def test_kernel_copy_waits_for_background_pinning() -> None:
+    """copy='kernel' with a pool still pinning in the background is accepted: jobs use DMA
+    until the pinning has finished, then the kernel. A pool never pinned is refused."""
+    pytest.importorskip("triton")
+    from kvcache.transfer import _cuda
+
+    gate = threading.Event()
+    rt = FakeRuntime()
+    registrar = NullRegistrar()
+    slow = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_size_t, C.c_uint)(
+        lambda p, n, f: 0 if gate.wait(10.0) else 1
+    )
+    registrar.host_register = C.cast(slow, C.c_void_p).value
+    layers = [torch.zeros(32, 256, dtype=torch.uint8) for _ in range(2)]
+    pool = HostChunkPool(16, 2 * 2 * 256, pin=False)
+    planner = TransferEngine(layers, pool, blocks_per_chunk=2)
+    assert _cuda.register_pool(pool, registrar, required=False, background=True, device=0)
+    assert pool.pin_status()["state"] == "pinning"
+    backend = _CudaBackend(
+        torch.device("cuda", 0),
+        pool,
+        planner._layout,
+        copy="kernel",
+        kernel_max_run_bytes=None,
+        kernel_min_runs=16,
+        kernel_programs=8,
+        runtime=rt,
+        cuda=FakeCuda(),
+    )
+    ids = list(range(0, 16, 2))
+    assert not backend._use_kernel(plan(planner, False, ids, [0, 1, 2, 3]), spans(ids))
+    gate.set()
+    assert pool.wait_pinned(10.0)["state"] == "pinned"
+    assert backend._use_kernel(plan(planner, False, ids, [0, 1, 2, 3]), spans(ids))
+    assert backend._use_kernel(plan(planner, True, ids, [0, 1, 2, 3]), spans(ids))
+    backend.close()
+    planner.close()
+    pool.close()
+    del slow
+
+
+class CorruptingRuntime(FakeRuntime):
+    """Copies every run, then flips one byte of the first run's destination: a DMA path
+    that reports success but moves wrong bytes."""
+
+    def _cudaMemcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> int:
+        rc = super()._cudaMemcpyAsync(dst, src, size, kind, stream)
+        if len(self.copies) == 1:
+            byte = C.c_uint8.from_address(dst)
+            byte.value ^= 0x5A
+        return rc
+
+
+def fake_cuda_engine(rt: FakeRuntime, layers: list[torch.Tensor], pool: Any, **kw: Any) -> Any:
+    """A TransferEngine whose jobs go through the CUDA backend over the fake runtime (its plans
+    address the CPU tensors, so the fake's memmoves are real copies)."""
+    engine = TransferEngine(layers, pool, log_failures=False, **kw)
+    engine._backend.close()
+    engine._backend = _CudaBackend(
+        torch.device("cuda", 0),
+        pool,
+        engine._layout,
+        copy="dma",
+        kernel_max_run_bytes=0,
+        kernel_min_runs=16,
+        kernel_programs=8,
+        runtime=rt,
+        cuda=FakeCuda(),
+        batch=None,
+    )
+    return engine
+
+
+def scratch_over(rt_factory: Any) -> Any:
+    """A ``TransferEngine._scratch_engine`` building fake-CUDA engines with ``rt_factory()``."""
+
+    def scratch(self: TransferEngine, layers: list[torch.Tensor], pool: Any, method: str) -> Any:
+        return fake_cuda_engine(
+            rt_factory(),
+            layers,
+            pool,
+            blocks_per_chunk=self._blocks_per_chunk,
+            groups=self._group_refs,
+            offsets=self._offsets,
+        )
+
+    return scratch
+
+
+@pytest.mark.parametrize("bpc", [1, 2, 4])
+def test_self_check_passes_on_honest_copies_and_names_corruption(
+    monkeypatch: pytest.MonkeyPatch, bpc: int
+) -> None:
+    """The start-up round trip through the DMA path: honest copies pass; one flipped byte is
+    found and named, with no live block or pool chunk touched."""
+    rng = np.random.default_rng(3)
+    # Two groups sharing tensor 1, a padded reference (200 of 256 bytes).
+    layers = [torch.from_numpy(rng.integers(0, 256, (16, 256), dtype=np.uint8)) for _ in range(3)]
+    groups = [[(0, 256), (1, 256)], [(1, 256), (2, 200)]]
+    chunk = 3 * 256 * bpc
+    pool = HostChunkPool(8, chunk, pin=False)
+    before = [t.clone() for t in layers]
+    engine = TransferEngine(layers, pool, blocks_per_chunk=bpc, groups=groups)
+    monkeypatch.setattr(TransferEngine, "_scratch_engine", scratch_over(FakeRuntime))
+    assert engine.self_check() is None
+    monkeypatch.setattr(TransferEngine, "_scratch_engine", scratch_over(CorruptingRuntime))
+    cause = engine.self_check()
+    assert cause is not None
+    assert "store wrote wrong bytes" in cause
+    assert all(torch.equal(a, b) for a, b in zip(layers, before, strict=True))
+    assert not any(bytes(memoryview(pool)))
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("no scratch memory")
+
+    monkeypatch.setattr(TransferEngine, "_scratch_engine", broken)
+    assert engine.self_check() == "RuntimeError: no scratch memory"
+    engine.close()
+    pool.close()
+
+
+def test_self_check_runs_on_the_cpu_copier() -> None:
+    layers = [torch.arange(8 * 64, dtype=torch.int32).reshape(8, 64)]
+    pool = HostChunkPool(4, 2 * 256, pin=False)
+    with pool, TransferEngine(layers, pool, blocks_per_chunk=2) as engine:
+        assert engine.self_check() is None

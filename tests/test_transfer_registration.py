@@ -217,3 +217,23 @@ def test_real_runtime_without_a_gpu_fails_cleanly(caplog: pytest.LogCaptureFixtu
         assert not pool.pinned
         assert any("staying pageable" in r.getMessage() for r in caplog.records)
         memoryview(pool)[0] = 3
+
+
+def test_a_failed_background_pin_is_logged_by_a_dma_only_engine(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The outcome of background pinning is reported whatever the copy method: an engine that
+    never asks about the kernel still logs the failure, once, when it collects results."""
+    import torch
+
+    rt = FakeRuntime(fail_on=1)
+    layer = torch.zeros(8, 512, dtype=torch.uint8)
+    with HostChunkPool(8, 512, pin=False) as pool, caplog.at_level("WARNING"):
+        assert _cuda.register_pool(pool, rt, required=False, background=True, device=0)
+        assert pool.wait_pinned(5.0)["state"] == "failed"
+        with TransferEngine([layer], pool, copy="dma") as engine:
+            assert engine.poll() == []
+            engine.wait([engine.store([1], [2])])
+            assert engine.poll() == [(0, True)]
+        warnings = [r for r in caplog.records if "stays pageable" in r.getMessage()]
+        assert len(warnings) == 1

@@ -14,6 +14,7 @@ in vLLM's shared region, so the bytes of a chunk are identical to vLLM's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from vllm.v1.kv_offload.base import (
@@ -23,8 +24,9 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvcache._core import InvalidArgumentError
+from kvcache._core import InvalidArgumentError, InvalidTypeError, TransferError
 from kvcache.transfer import HostChunkPool, TransferEngine
 
 if TYPE_CHECKING:
@@ -34,6 +36,34 @@ logger = logging.getLogger("kvcache.vllm")
 
 PinSetting = Literal["background", "blocking", "off"]
 _PIN_MODES: dict[str, Any] = {"background": "background", "blocking": "auto", "off": False}
+
+
+class SelfCheckError(TransferError):
+    """The worker's start-up self-check found a copy path that raised, failed or moved wrong
+    bytes (``cause`` says which); the worker was not built."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(f"start-up self-check failed: {cause}")
+        self.cause = cause
+
+
+def build_worker(
+    kv_caches: CanonicalKVCaches,
+    fallback: Callable[[], OffloadingWorker],
+    **kwargs: Any,
+) -> tuple[OffloadingWorker, str | None]:
+    """kvcache's worker, or, when its start-up self-check fails, ``fallback()`` (vLLM's
+    worker) after one WARNING naming the cause. Returns the worker and why it is vLLM's
+    (None: it is kvcache's)."""
+    try:
+        return CPUOffloadingWorker(kv_caches, **kwargs), None
+    except SelfCheckError as exc:
+        logger.warning(
+            "kvcache's worker failed its start-up self-check (%s); vLLM's worker moves the KV "
+            "bytes instead",
+            exc.cause,
+        )
+        return fallback(), f"kvcache's start-up self-check failed: {exc.cause}"
 
 
 def worker_layout(
@@ -59,6 +89,13 @@ def worker_layout(
     return views, groups, offsets, offset
 
 
+def _check_specs(gpu: object, cpu: object) -> None:
+    if not isinstance(gpu, GPULoadStoreSpec):
+        raise InvalidTypeError(f"the GPU side must be a GPULoadStoreSpec, got {type(gpu).__name__}")
+    if not isinstance(cpu, CPULoadStoreSpec):
+        raise InvalidTypeError(f"the CPU side must be a CPULoadStoreSpec, got {type(cpu).__name__}")
+
+
 class CPUOffloadingWorker(OffloadingWorker):
     """vLLM's ``OffloadingWorker`` on kvcache's transfer engine (see the module docs).
 
@@ -68,6 +105,12 @@ class CPUOffloadingWorker(OffloadingWorker):
     vLLM's ``transfer_size`` accounting and the copy time; a failed copy is reported as
     ``success=False`` (never as success) and logged with the job id, direction and cause.
     Regular loads, expedited loads and stores run on three queues.
+
+    Start-up self-check (``self_check=True``): before returning, random bytes make a round
+    trip through scratch memory by every copy method the worker's jobs may use
+    (:meth:`TransferEngine.self_check`); if any raises, fails or moves a wrong byte, the worker
+    releases what it built and raises :class:`SelfCheckError` (``kvcache.vllm`` then falls back
+    to vLLM's worker).
     """
 
     def __init__(
@@ -79,6 +122,7 @@ class CPUOffloadingWorker(OffloadingWorker):
         pin: PinSetting = "background",
         copy: Literal["auto", "kernel", "dma"] = "auto",
         kernel_max_run_bytes: int | None = None,
+        self_check: bool = True,
     ) -> None:
         if pin not in _PIN_MODES:
             raise InvalidArgumentError(
@@ -101,6 +145,11 @@ class CPUOffloadingWorker(OffloadingWorker):
         except BaseException:
             self.pool.close()
             raise
+        if self_check:
+            cause = self.engine.self_check()
+            if cause is not None:
+                self.shutdown()
+                raise SelfCheckError(cause)
         # engine job id -> (vLLM job id, direction); vLLM job id -> engine job id.
         self._jobs: dict[int, tuple[int, str]] = {}
         self._by_vllm: dict[int, int] = {}
@@ -110,6 +159,9 @@ class CPUOffloadingWorker(OffloadingWorker):
         self._by_vllm[job_id] = engine_job
 
     def _check_new(self, job_id: int) -> None:
+        # vLLM's connector numbers jobs with ints; anything else (None included) is a bug.
+        if isinstance(job_id, bool) or not isinstance(job_id, int):
+            raise InvalidTypeError(f"job_id must be an int, got {type(job_id).__name__}")
         if job_id in self._by_vllm:
             raise InvalidArgumentError(f"transfer job {job_id} is already in flight")
 
@@ -118,6 +170,7 @@ class CPUOffloadingWorker(OffloadingWorker):
     ) -> bool:
         """GPU blocks -> host chunks, asynchronously."""
         self._check_new(job_id)
+        _check_specs(src_spec, dst_spec)
         engine_job = self.engine.store(
             src_spec.block_ids,
             dst_spec.block_ids,  # type: ignore[attr-defined]
@@ -137,6 +190,7 @@ class CPUOffloadingWorker(OffloadingWorker):
         """Host chunks -> GPU blocks, asynchronously; an expedited load has a queue of its
         own."""
         self._check_new(job_id)
+        _check_specs(dst_spec, src_spec)
         engine_job = self.engine.load(
             src_spec.block_ids,  # type: ignore[attr-defined]
             dst_spec.block_ids,
@@ -181,6 +235,7 @@ class CPUOffloadingWorker(OffloadingWorker):
 
     def describe(self) -> dict[str, Any]:
         """What runs: pool size, pinning state, DMA method and the load cut-off."""
+        engine = self.engine.describe()  # first: reports a finished background pinning
         status = self.pool.pin_status()["state"]
         if self.pool.pinned:
             status = "pinned"
@@ -189,5 +244,5 @@ class CPUOffloadingWorker(OffloadingWorker):
             "num_chunks": self.pool.num_chunks,
             "chunk_bytes": self.chunk_bytes,
             "pinned": status,
-            **self.engine.describe(),
+            **engine,
         }

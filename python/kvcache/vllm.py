@@ -42,6 +42,7 @@ and returns vLLM's own result types.
 
 from __future__ import annotations
 
+import functools
 import logging
 from types import SimpleNamespace
 from typing import Any
@@ -83,7 +84,7 @@ from kvcache._core import (
 )
 from kvcache._core import OffloadingManager as _RustManager
 from kvcache._vllm_logging import route_to_vllm
-from kvcache._vllm_worker import CPUOffloadingWorker
+from kvcache._vllm_worker import CPUOffloadingWorker, build_worker
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -222,9 +223,10 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
     The manager: kvcache's Rust manager for ``lru``/``arc`` (by either name); vLLM's manager
     only for an out-of-tree Python policy, decided from the policy name and module before
     anything is built. The worker: :class:`CPUOffloadingWorker`, unless the configuration is
-    one it does not support (canonical layout, replicated MLA layout, devices other than
-    CUDA) or ``"kvcache_worker": false``; then vLLM's worker, with one log line naming the
-    reason. Bad settings raise (a ``KvCacheError`` subclass); nothing falls back silently.
+    one it does not support (replicated MLA layout, devices other than CUDA), its start-up
+    self-check fails, or ``"kvcache_worker": false``; then vLLM's worker, with the reason in
+    the one start-up line. Bad settings raise (a ``KvCacheError`` subclass); nothing falls
+    back silently.
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
@@ -324,8 +326,6 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
 
         if not self.use_kvcache_worker:
             return "kvcache_worker is false in kv_connector_extra_config"
-        if self.config.canonical_layout:
-            return "canonical_layout is set (kvcache keeps each rank's direct layout)"
         if self.replicated_layout:
             return "replicated (MLA) layout: ranks share one host copy, kvcache pools are per rank"
         if self.num_chunks <= 0:
@@ -351,18 +351,19 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
             return self._worker
         reason = self.worker_unsupported(kv_caches)
         if reason is not None:
-            logger.info("kvcache: vLLM's worker moves the KV bytes: %s", reason)
             worker = super().get_worker(kv_caches)
         else:
-            worker = CPUOffloadingWorker(
+            worker, reason = build_worker(
                 kv_caches,
+                functools.partial(super().get_worker, kv_caches),
                 blocks_per_chunk=self.blocks_per_chunk,
                 num_chunks=self.num_chunks,
                 pin=self.pin_setting,  # type: ignore[arg-type]
                 copy=self.copy_setting,  # type: ignore[arg-type]
                 kernel_max_run_bytes=self.kernel_max_run_bytes,
             )
-            self._worker = worker  # type: ignore[assignment]
+            if reason is None:
+                self._worker = worker  # type: ignore[assignment]
         self._announce("worker", reason)
         return worker
 

@@ -292,4 +292,4 @@ def finish_registration(pool: Registrable, rt: Runtime) -> None:
     dev = rt.device_pointer(pool.address)
     pool.device_can_use_host_pointer = dev == pool.address
     if not pool.device_can_use_host_pointer:
-        logger.info("registered host memory has a separate device address; kernel copies off")
+        logger.debug("registered host memory has a separate device address; kernel copies off")

@@ -33,8 +33,10 @@ CopyMode = Literal["auto", "kernel", "dma"]
 Queue = Literal["store", "load", "expedited"]
 QUEUES: tuple[Queue, ...] = ("store", "load", "expedited")
 
-# The kernel/DMA cut-off for loads (average bytes per run after coalescing) when it is not
-# calibrated: vLLM 0.33.0's fixed threshold, tuned on one H100.
+# The kernel/DMA cut-off for loads when it is not calibrated: vLLM 0.33.0's fixed threshold,
+# tuned on one H100. It is compared with the job's average bytes per DMA run after coalescing
+# (estimated from the block ids, see _CudaBackend._average_run_bytes): the number of runs,
+# not the page size, is what limits DMA.
 DEFAULT_KERNEL_MAX_RUN_BYTES = 28 * 1024
 # The smallest batch worth a kernel launch.
 DEFAULT_KERNEL_MIN_RUNS = 16
@@ -84,7 +86,9 @@ def _layer_spec(t: torch.Tensor, index: int, *, host: bool) -> tuple[Any, ...]:
 
 
 class _Backend(Protocol):
-    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None: ...
+    def submit(
+        self, job_id: int, plan: _core.Plan, queue: Queue, spans: _Spans | None = None
+    ) -> None: ...
 
     def collect(self) -> list[JobResult]: ...
 
@@ -96,6 +100,16 @@ class _Backend(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
+    def check_methods(self) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
+
+
+class _Spans(NamedTuple):
+    """A job's device block ids and, per group, its block count and first logical index."""
+
+    gpu_ids: Any  # 1-d int array
+    group_sizes: Sequence[int]
+    block_indices: Sequence[int]
+
 
 class _CpuBackend:
     """Copies in Rust on one worker thread per queue (GIL released), each in submission order."""
@@ -106,7 +120,9 @@ class _CpuBackend:
         self._copiers = {q: _core.CpuCopier(execute=execute) for q in QUEUES}
         self._plans: dict[int, tuple[int, bool]] = {}
 
-    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
+    def submit(
+        self, job_id: int, plan: _core.Plan, queue: Queue, spans: _Spans | None = None
+    ) -> None:
         self._copiers[queue].submit(job_id, plan)
         self._plans[job_id] = (plan.logical_nbytes, plan.store)
 
@@ -133,6 +149,9 @@ class _CpuBackend:
     def describe(self) -> dict[str, Any]:
         return {"backend": "cpu"}
 
+    def check_methods(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return ("cpu",), ("cpu",)
+
 
 @dataclass
 class _KernelJob:
@@ -149,8 +168,10 @@ class _CudaBackend:
     """Per queue (store, load, expedited load): a DMA stream fed by a Rust thread
     (``_core.CudaQueue``: the caller records an event on its current stream and returns; the
     thread builds the runs and enqueues one batched copy, or one copy per run), and a stream
-    for jobs the copy kernel runs (small-page loads), launched on the caller's thread from
-    per-block tables. Jobs of one queue and one method run in submission order."""
+    for jobs the copy kernel runs (loads whose DMA runs would be small), launched on the
+    caller's thread from per-block tables (the launch is the caller's CPU work: a pinned table,
+    its upload, the kernel launch and two events). Jobs of one queue and one method run in
+    submission order."""
 
     def __init__(
         self,
@@ -190,16 +211,26 @@ class _CudaBackend:
         # Per group: the copy kernel's tensor table (device int64), its largest page, and
         # whether every address and size is 8-byte aligned (the kernel moves words).
         self._refs: list[tuple[Any, int, bool]] = []
+        # Per group: references whose pages coalesce across consecutive blocks (one DMA run
+        # for a stretch of consecutive ids in one chunk) and references that never do.
+        self._merge: list[tuple[int, int]] = []
         for g in range(layout.num_groups):
             rows = layout.group_refs(g)
             aligned = all(v % 8 == 0 for row in rows for v in row)
             biggest = max((row[4] for row in rows), default=0)
             self._refs.append((rows, biggest, aligned))
+            merging = sum(1 for row in rows if row[1] == row[3] == row[4])
+            self._merge.append((merging, len(rows) - merging))
         self._refs_dev: dict[int, Any] = {}
-        if copy == "kernel" and not (self._triton and self._pool_kernel_ready()):
-            raise InvalidArgumentError(
-                "copy='kernel' needs Triton and a pool pinned with pin=True or 'auto'"
-            )
+        if copy == "kernel":
+            # A pool still pinning in the background is accepted: its jobs use DMA until the
+            # pinning has finished, then the kernel.
+            if not self._triton:
+                raise InvalidArgumentError("copy='kernel' needs Triton")
+            if not self._pool_kernel_ready() and self._pool_state() != "pinning":
+                raise InvalidArgumentError(
+                    "copy='kernel' needs a pool pinned with pin=True, 'auto' or 'background'"
+                )
         self.calibration: Calibration | None = None
         if kernel_max_run_bytes is None:
             kernel_max_run_bytes = DEFAULT_KERNEL_MAX_RUN_BYTES
@@ -230,6 +261,10 @@ class _CudaBackend:
         # job id -> (bytes as vLLM counts them, store?) for DMA jobs in flight.
         self._sizes: dict[int, tuple[int, bool]] = {}
 
+    def _pool_state(self) -> str:
+        status = getattr(self._pool, "pin_status", None)
+        return str(status()["state"]) if status is not None else "unpinned"
+
     def _pool_kernel_ready(self) -> bool:
         ready = getattr(self._pool, "kernel_ready", None)
         if ready is not None:
@@ -245,17 +280,58 @@ class _CudaBackend:
             return False
         return True
 
+    def _kernel_enabled(self) -> bool:
+        return (
+            self._triton
+            and all(aligned for _rows, _big, aligned in self._refs)
+            and (self._copy == "kernel" or self.kernel_max_run_bytes > 0)
+        )
+
     def describe(self) -> dict[str, Any]:
         return {
             "backend": "cuda",
             "dma": "batched" if self._batched else "per-run",
+            "copy": self._copy,
             "kernel_max_run_bytes": self.kernel_max_run_bytes if self._triton else 0,
             "calibrated": self.calibration is not None,
         }
 
-    def _use_kernel(self, plan: _core.Plan) -> bool:
+    def check_methods(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The copy methods jobs may use: (stores, loads)."""
+        kernel = self._kernel_enabled()
+        stores = ("dma", "kernel") if kernel and self._copy == "kernel" else ("dma",)
+        loads = ("dma", "kernel") if kernel else ("dma",)
+        return stores, loads
+
+    def _average_run_bytes(self, plan: _core.Plan, spans: _Spans) -> float:
+        """The job's bytes over its DMA runs after coalescing, estimated from the block ids
+        (vectorised, O(blocks), without building the runs on this thread): a reference that
+        can coalesce makes one run per stretch of consecutive block ids within one chunk,
+        any other reference one run per block."""
+        import numpy as np
+
+        bpc = self._layout.blocks_per_chunk
+        ids = spans.gpu_ids
+        runs = 0
+        first = 0
+        for g, (n, start) in enumerate(zip(spans.group_sizes, spans.block_indices, strict=True)):
+            if n == 0:
+                continue
+            merging, single = self._merge[g]
+            stretches = n
+            if merging and n > 1:
+                block = ids[first : first + n]
+                slots = (np.arange(1, n) + start) % bpc
+                stretches = 1 + int(np.count_nonzero((np.diff(block) != 1) | (slots == 0)))
+            runs += merging * stretches + single * n
+            first += n
+        return plan.nbytes / max(runs, 1)
+
+    def _use_kernel(self, plan: _core.Plan, spans: _Spans | None) -> bool:
         """Stores always use DMA (bandwidth-bound; the copy engine beats SMs and leaves them to
-        the model) unless ``copy='kernel'``; loads use the kernel when pages are small."""
+        the model) unless ``copy='kernel'``; loads use the kernel when their DMA runs would be
+        small: at least ``kernel_min_runs`` pages and an average run after coalescing of at
+        most ``kernel_max_run_bytes``."""
         if self._copy == "dma" or not self._triton or plan.num_pages == 0:
             return False
         groups = [g for g, n in enumerate(plan.group_blocks) if n]
@@ -265,12 +341,14 @@ class _CudaBackend:
             return False
         if self._copy == "kernel":
             return True
-        if plan.store:
+        if plan.store or plan.num_pages < self._kernel_min_runs:
             return False
-        return (
-            plan.num_pages >= self._kernel_min_runs
-            and plan.nbytes <= plan.num_pages * self.kernel_max_run_bytes
-        )
+        # Runs are never smaller than pages: the per-page average settles large pages cheaply.
+        if plan.nbytes > plan.num_pages * self.kernel_max_run_bytes:
+            return False
+        if spans is None:
+            return True
+        return self._average_run_bytes(plan, spans) <= self.kernel_max_run_bytes
 
     def _refs_on_device(self, group: int) -> Any:
         refs = self._refs_dev.get(group)
@@ -335,8 +413,10 @@ class _CudaBackend:
             _KernelJob(job_id, plan, start, end, error is None, error, keep)
         )
 
-    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
-        if self._use_kernel(plan):
+    def submit(
+        self, job_id: int, plan: _core.Plan, queue: Queue, spans: _Spans | None = None
+    ) -> None:
+        if self._use_kernel(plan, spans):
             self._submit_kernel(job_id, plan, queue)
             return
         order = SRC_ACCESS_ORDER_STREAM if plan.store else SRC_ACCESS_ORDER_ANY
@@ -436,7 +516,8 @@ class TransferEngine:
     submission order on their own queue, so an expedited load never waits behind regular
     loads. CUDA layers: one stream per queue, each job after the work already queued on the
     current stream. Pages contiguous on both sides are merged. Stores use DMA; loads use a
-    Triton kernel that reads pinned host memory directly when runs are small (average at most
+    Triton kernel that reads pinned host memory directly when the job's DMA runs would be
+    small (average bytes per run after coalescing, estimated from the block ids, at most
     ``kernel_max_run_bytes``, chosen per device by a short calibration unless given) and DMA
     otherwise; DMA is one ``cuMemcpyBatchAsync`` per job where the driver has it, else one
     ``cudaMemcpyAsync`` per run. ``copy="kernel"``/``"dma"`` forces one method. A pageable pool
@@ -501,6 +582,19 @@ class TransferEngine:
         # groups and offsets are checked in Rust (typed errors naming the bad entry).
         self._layout = _core.TransferLayout(pool, specs, blocks_per_chunk, groups, offsets)
         self._grouped = groups is not None or offsets is not None
+        # What a scratch copy of this engine needs (see self_check).
+        self._pages = [int(t[0].numel() * t.element_size()) for t in layers]
+        self._group_refs = (
+            [[(int(t), int(n)) for t, n in refs] for refs in groups]
+            if groups is not None
+            else [[(i, p) for i, p in enumerate(self._pages)]]
+        )
+        self._offsets = (
+            [int(o) for o in offsets]
+            if offsets is not None
+            else [blocks_per_chunk * sum(self._pages[:i]) for i in range(len(layers))]
+        )
+        self._copy = copy
         self._backend: _Backend
         if host:
             self._backend = _CpuBackend()
@@ -516,6 +610,7 @@ class TransferEngine:
             )
         self._layers = layers  # keeps device memory alive while jobs may use it
         self._pool = pool
+        self._report_pinning = getattr(pool, "report_pinning", None)
         self._device = device
         self._blocks_per_chunk = blocks_per_chunk
         self._log_failures = log_failures
@@ -553,7 +648,38 @@ class TransferEngine:
     def describe(self) -> dict[str, Any]:
         """How copies run: ``backend`` (cpu/cuda) and, on CUDA, the DMA method and the
         kernel/DMA cut-off for loads."""
+        if self._report_pinning is not None:
+            self._report_pinning()
         return self._backend.describe()
+
+    def self_check(self) -> str | None:
+        """Round trip of random bytes through scratch copies of this engine's layout, by
+        every copy method its jobs may use (on CUDA: DMA stores and loads, and kernel loads
+        when the kernel is enabled), each byte compared; live KV blocks and the pool are not
+        touched. Returns None when every byte came back, else the cause (a copy raised,
+        failed or moved wrong bytes). See ``kvcache.transfer._calibrate.round_trip``."""
+        from kvcache.transfer._calibrate import round_trip
+
+        self._check_open()
+        try:
+            return round_trip(self)
+        except Exception as exc:
+            logger.debug("the transfer self-check raised", exc_info=True)
+            return f"{type(exc).__name__}: {exc}"
+
+    def _scratch_engine(self, layers: list[torch.Tensor], pool: Any, method: str) -> TransferEngine:
+        """An engine like this one over scratch ``layers`` and ``pool``, forced to
+        ``method`` ("dma", "kernel", or "cpu" for CPU layers)."""
+        return TransferEngine(
+            layers,
+            pool,
+            blocks_per_chunk=self._blocks_per_chunk,
+            groups=self._group_refs,
+            offsets=self._offsets,
+            copy="auto" if method == "cpu" else method,  # type: ignore[arg-type]
+            kernel_max_run_bytes=0,
+            log_failures=False,
+        )
 
     def store(
         self,
@@ -592,12 +718,25 @@ class TransferEngine:
         """Validates a request and returns its copy plan without running it (diagnostics:
         ``len(plan)`` runs after coalescing, ``plan.num_pages`` before). The plan keeps the
         pool from closing until it is dropped."""
+        return self._plan(store, gpu_block_ids, chunk_ids, group_sizes, block_indices)[0]
+
+    def _plan(
+        self,
+        store: bool,
+        gpu_block_ids: object,
+        chunk_ids: object,
+        group_sizes: Sequence[int] | None,
+        block_indices: Sequence[int] | None,
+    ) -> tuple[_core.Plan, _Spans]:
         self._check_open()
         g = as_ids("gpu_block_ids", gpu_block_ids)
         c = as_ids("chunk_ids", chunk_ids)
         if group_sizes is None and block_indices is None and self._layout.num_groups > 1:
             raise InvalidArgumentError("this engine has several groups: give group_sizes")
-        return self._layout.plan(store, g, c, group_sizes, block_indices)
+        plan = self._layout.plan(store, g, c, group_sizes, block_indices)
+        if group_sizes is None or block_indices is None:
+            return plan, _Spans(g, (len(g),), (0,))
+        return plan, _Spans(g, group_sizes, block_indices)
 
     def _submit(
         self,
@@ -607,20 +746,18 @@ class TransferEngine:
         group_sizes: Sequence[int] | None,
         block_indices: Sequence[int] | None,
     ) -> int:
-        plan = self.plan(
-            store=queue == "store",
-            gpu_block_ids=gpu_block_ids,
-            chunk_ids=chunk_ids,
-            group_sizes=group_sizes,
-            block_indices=block_indices,
+        plan, spans = self._plan(
+            queue == "store", gpu_block_ids, chunk_ids, group_sizes, block_indices
         )
         job_id = next(self._next_id)
-        self._backend.submit(job_id, plan, queue)
+        self._backend.submit(job_id, plan, queue, spans)
         self._issued = job_id + 1
         self._unreported.add(job_id)
         return job_id
 
     def _collect(self) -> None:
+        if self._report_pinning is not None:
+            self._report_pinning()
         results = self._backend.collect()
         if self._log_failures:
             for r in results:

@@ -81,30 +81,39 @@ class HostChunkPool(_core.HostChunkPool):
             self.close()
             raise
 
+    def report_pinning(self) -> None:
+        """The first time a background registration is seen finished: completes its
+        bookkeeping and logs how it ended (INFO when pinned, WARNING when it failed), once.
+        The transfer engine calls this whenever it collects results, whatever its copy method;
+        after the report it costs one attribute test."""
+        if self._pin_reported:
+            return
+        status = self.pin_status()
+        state = status["state"]
+        if state == "pinning":
+            return
+        self._pin_reported = True
+        if state == "pinned" and self._pin_runtime is not None:
+            _cuda.finish_registration(self, self._pin_runtime)
+            logger.info(
+                "host chunk pool pinned in the background: %.1f GiB in %d piece(s), %.1f s",
+                self.nbytes / 2**30,
+                status["pieces"],
+                status["seconds"],
+            )
+        elif state == "failed":
+            logger.warning(
+                "pinning the host chunk pool failed (CUDA error %d at offset %d); it "
+                "stays pageable (slower)",
+                status["code"],
+                status["offset"],
+            )
+
     @property
     def kernel_ready(self) -> bool:
-        """Pinned, and GPU kernels may use the pool's host addresses. Finishes the bookkeeping
-        of a background registration the first time it is seen complete (and logs how it
-        ended, once)."""
-        if not self._pin_reported:
-            status = self.pin_status()
-            if status["state"] != "pinning":
-                self._pin_reported = True
-                if status["state"] == "pinned" and self._pin_runtime is not None:
-                    _cuda.finish_registration(self, self._pin_runtime)
-                    logger.info(
-                        "host chunk pool pinned in the background: %.1f GiB in %d piece(s), %.1f s",
-                        self.nbytes / 2**30,
-                        status["pieces"],
-                        status["seconds"],
-                    )
-                elif status["state"] == "failed":
-                    logger.warning(
-                        "pinning the host chunk pool failed (CUDA error %d at offset %d); it "
-                        "stays pageable (slower)",
-                        status["code"],
-                        status["offset"],
-                    )
+        """Pinned, and GPU kernels may use the pool's host addresses (see
+        :meth:`report_pinning`, which this calls)."""
+        self.report_pinning()
         return bool(self.pinned and self.device_can_use_host_pointer)
 
     def tensor(self) -> torch.Tensor:
