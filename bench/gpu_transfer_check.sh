@@ -3,7 +3,7 @@
 #
 # Build the abi3 wheel where Rust is available:   maturin build --release -o dist
 # then, on the GPU machine, from the repository root:
-#   bash bench/gpu_transfer_check.sh [dist/kvcache-*.whl] [worker|transfer|all] [extra options]
+#   bash bench/gpu_transfer_check.sh [dist/kvcache_offload-*.whl] [worker|transfer|all] [extra options]
 # The wheel is installed into a private directory (nothing else is touched) and run from there:
 #   worker   (default, < 5 min on an H200) bench/gpu_worker_check.py: kvcache's vLLM worker vs
 #            vLLM 0.33.0's (when vLLM is installed) on identical layouts, with byte checks;
@@ -16,11 +16,14 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 wheel="${1:-}"
 if [[ -z "$wheel" || "$wheel" == worker || "$wheel" == transfer || "$wheel" == all ]]; then
-    wheel="$(ls dist/kvcache-*.whl 2>/dev/null | head -n 1 || true)"
+    wheel="$(ls dist/kvcache_offload-*.whl 2>/dev/null | head -n 1 || true)"
 else
     shift
 fi
-[[ -f "$wheel" ]] || { echo "no kvcache wheel found (build one with maturin build -o dist)" >&2; exit 2; }
+if [[ ! -f "$wheel" ]]; then
+    echo "no kvcache_offload wheel found in dist/ (build one: maturin build --release -o dist)" >&2
+    exit 2
+fi
 mode="${1:-worker}"
 [[ $# -gt 0 ]] && shift
 

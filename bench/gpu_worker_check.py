@@ -8,15 +8,22 @@ ids, stores then loads (into other blocks). Every store's chunks are compared by
 between the two workers' host memory (vLLM's per-tensor host views vs kvcache's pool; the
 layouts are the same), every load's destination blocks on the GPU. Bandwidth is the job's
 bytes over submit-to-completion wall time (median of a few runs), also as a percentage of the
-same run's large single copy in each direction; submit time is the calling thread's CPU.
+same run's large single copy in each direction. Next to it, each worker's submit CPU per job:
+the calling thread's CPU time inside ``submit_*`` (what the model runner's step pays), and
+the whole process's CPU time over the same interval (copy threads included).
 Start-up is reported too: how long kvcache's worker takes to return (pinning runs in the
 background), how long pinning took, and the calibrated kernel/DMA cut-off for loads.
 
 Targets: kvcache >= vLLM bandwidth at every page size; kvcache >= 90 % of the large copy at
 >= 64 KiB pages. Prints a table and writes JSON (``--json``, else ``$OUT/gpu_worker_check.json``
-when ``OUT`` is set, else ``./gpu_worker_check.json``). A time budget (``--budget-s``) skips the
-remaining rows on a slower machine. Without vLLM installed the A/B columns are empty and the
-byte checks compare kvcache's result with torch indexing instead.
+when ``OUT`` is set, else ``./gpu_worker_check.json``), rewritten after every row so that a run
+cut short still leaves its rows. A time budget (``--budget-s``) skips the remaining rows on a
+slower machine.
+
+Before anything runs, it checks that the A/B can: vLLM 0.33.0 importable with its compiled
+ops (``vllm._C``), and enough free space in /dev/shm for vLLM's shared host region; if not, it
+says why and exits with status 3. ``--without-vllm`` runs kvcache's side alone instead (byte
+checks against torch indexing).
 
 ``--device cpu --quick`` is the dry run CI executes (small sizes, vLLM's worker on CPU tensors
 through ``tests/vllm_worker_oracle.py``), so the script cannot rot.
@@ -159,9 +166,25 @@ class Check:
         try:
             import vllm
         except Exception as exc:
-            return f"vLLM not importable ({type(exc).__name__})"
+            return f"vLLM not importable ({type(exc).__name__}: {exc})"
         if getattr(vllm, "__version__", "") != "0.33.0":
             return f"vLLM {getattr(vllm, '__version__', '?')} installed, not 0.33.0"
+        if self.cuda:
+            try:
+                import vllm._C  # the compiled ops its worker needs on a GPU
+            except Exception as exc:
+                return f"vllm._C (vLLM's compiled ops) not importable: {exc}"
+        need = self.num_chunks * self.layers * max(self.pages) * self.bpc
+        try:
+            free = os.statvfs("/dev/shm")
+            free_bytes = free.f_bavail * free.f_frsize
+        except OSError as exc:
+            return f"/dev/shm unusable ({exc}); vLLM's worker keeps its host memory there"
+        if free_bytes < need + (64 << 20):
+            return (
+                f"/dev/shm has {free_bytes / 2**30:.2f} GiB free, vLLM's worker needs "
+                f"{need / 2**30:.2f} GiB there (docker: --shm-size)"
+            )
         return None
 
     def elapsed(self) -> float:
@@ -201,7 +224,7 @@ class Check:
             groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("g",), group_id=0),),
             worker_kv_bytes_per_block=self.layers * page,
             enable_kv_cache_events=False,
-            extra_config={"cpu_bytes_to_use": self.num_chunks * -(-chunk // 4096) * 4096, **extra},
+            extra_config={"cpu_bytes_to_use": self.num_chunks * self.aligned(chunk), **extra},
             engine_id=f"kvcache-gpu-check-{uuid.uuid4().hex}",
             model=OffloadingModelConfig(name="m", dtype="bfloat16", max_model_len=4096),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=self.bpc),
@@ -218,6 +241,18 @@ class Check:
                 is_parallelism_agnostic=True,
             ),
         )
+
+    def aligned(self, chunk: int) -> int:
+        """A chunk's bytes as vLLM's spec sizes it (rounded to its block alignment)."""
+        align = 4096  # vLLM 0.33.0's CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+        if self.vllm is None or not self.cuda:
+            try:
+                from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VllmSpec
+
+                align = int(VllmSpec.BLOCK_SIZE_ALIGNMENT)
+            except (ImportError, AttributeError):
+                pass
+        return -(-chunk // align) * align
 
     def canonical(self, tensors: list[Any], page: int) -> Any:
         from vllm.v1.kv_offload.base import (
@@ -252,7 +287,13 @@ class Check:
             import kvcache.vllm
 
             spec = kvcache.vllm.CPUOffloadingSpec(self.config(page))
+            if spec.num_chunks < self.num_chunks:
+                raise RuntimeError(
+                    f"the spec bought {spec.num_chunks} chunks, the jobs need {self.num_chunks}"
+                )
             worker = spec.get_worker(self.canonical(ours_t, page))
+            if not isinstance(worker, kvcache.vllm.CPUOffloadingWorker):
+                raise RuntimeError(f"kvcache's spec handed over {type(worker).__name__}")
             ours: Runner = Runner(worker)
             pool, describe = worker.pool, worker.describe
         else:
@@ -325,15 +366,19 @@ class Check:
 
     def run(
         self, runner: Runner, store: bool, blocks: list[int], chunks: list[int]
-    ) -> tuple[float, float, bool]:
+    ) -> tuple[float, float, float, bool]:
+        """Wall time, the calling thread's submit CPU, the process's CPU over the submit call,
+        and success."""
         job_id = int(self.rng.integers(1 << 40))
         self.sync()
         t0 = time.perf_counter()
         c0 = time.thread_time()
+        p0 = time.process_time()
         runner.submit(job_id, store, blocks, chunks)
         submit_cpu = time.thread_time() - c0
+        submit_process = time.process_time() - p0
         ok = runner.finish(job_id)
-        return time.perf_counter() - t0, submit_cpu, ok
+        return time.perf_counter() - t0, submit_cpu, submit_process, ok
 
     def expected_chunk(self, tensors: list[Any], blocks: list[int], k: int, page: int) -> Any:
         """Chunk ``k`` of a store of ``blocks`` from ``tensors``, built with torch indexing."""
@@ -400,8 +445,10 @@ class Check:
             result[f"{name}_gbps"] = nbytes / min(times[1:]) / 1e9
         return result
 
-    def grid(self, baseline: dict[str, float]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        rows, startups = [], []
+    def grid(
+        self, baseline: dict[str, float], rows: list[dict[str, Any]], startups: list[dict[str, Any]]
+    ) -> None:
+        """Appends every row and start-up record, calling ``self.saved()`` after each."""
         with self.vllm_context():
             for page in self.pages:
                 if self.over_budget():
@@ -409,8 +456,11 @@ class Check:
                     continue
                 built = self.build(page)
                 startups.append(built["startup"])
+                self.saved()
                 try:
-                    rows += self.page_rows(built, page, baseline)
+                    for row in self.page_rows(built, page, baseline):
+                        rows.append(row)
+                        self.saved()
                 finally:
                     built["ours"].shutdown()
                     if "vllm" in built:
@@ -418,12 +468,13 @@ class Check:
                     built.clear()
                     if self.cuda:
                         self.torch.cuda.empty_cache()
-        return rows, startups
+
+    def saved(self) -> None:
+        """Rewrites the JSON report (set up by main)."""
 
     def page_rows(
         self, built: dict[str, Any], page: int, baseline: dict[str, float]
-    ) -> list[dict[str, Any]]:
-        rows = []
+    ) -> Iterator[dict[str, Any]]:
         workers = ["ours"] + (["vllm"] if "vllm" in built else [])
         cutoff = built["startup"].get("kernel_max_run_bytes") or 0
         for blocks in self.job_blocks:
@@ -447,16 +498,18 @@ class Check:
                         "bytes": nbytes,
                     }
                     for who in workers:
-                        walls, submits = [], []
+                        walls, submits, processes = [], [], []
                         for _ in range(self.reps):
                             ids = src if store else dst
-                            wall, submit, ok = self.run(built[who], store, ids, chunks)
+                            wall, submit, process, ok = self.run(built[who], store, ids, chunks)
                             if not ok:
                                 row[f"{who}_error"] = "job reported failure"
                             walls.append(wall)
                             submits.append(submit)
+                            processes.append(process)
                         row[f"{who}_gbps"] = nbytes / statistics.median(walls) / 1e9
                         row[f"{who}_submit_us"] = statistics.median(submits) * 1e6
+                        row[f"{who}_submit_process_us"] = statistics.median(processes) * 1e6
                     ref = baseline[f"{row['direction']}_gbps"]
                     row["ours_pct_of_large_copy"] = 100 * row["ours_gbps"] / ref
                     row["check"] = (
@@ -464,9 +517,8 @@ class Check:
                         if store
                         else self.check_load(built, dst, src)
                     ) or "ok"
-                    rows.append(row)
                     self.print_row(row)
-        return rows
+                    yield row
 
     def print_row(self, r: dict[str, Any]) -> None:
         vllm = (
@@ -525,11 +577,46 @@ def main(argv: list[str] | None = None) -> int:
         out("CUDA is not available (use --device cpu for the dry run)")
         return 2
     check = Check(args)
+    if check.vllm is not None and not args.without_vllm:
+        out(
+            f"the A/B against vLLM's worker cannot run: {check.vllm}. Fix that, or pass "
+            "--without-vllm to check kvcache's worker alone."
+        )
+        return 3
     name = torch.cuda.get_device_name(check.device) if check.cuda else "cpu"
     out(f"kvcache {kvcache.__version__} worker check on {name}; torch {torch.__version__}")
     if check.vllm is not None:
         out(f"A/B against vLLM skipped: {check.vllm}; byte checks use torch indexing")
+    path = args.json
+    if path is None:
+        out_dir = os.environ.get("OUT")
+        path = Path(out_dir) / "gpu_worker_check.json" if out_dir else Path("gpu_worker_check.json")
+    rows: list[dict[str, Any]] = []
+    startups: list[dict[str, Any]] = []
+    report: dict[str, Any] = {
+        "schema": 2,
+        "device": name,
+        "torch": torch.__version__,
+        "kvcache": kvcache.__version__,
+        "kvcache_path": str(Path(kvcache.__file__).resolve().parent),
+        "vllm": check.vllm or "0.33.0",
+        "ab": check.vllm is None,
+        "complete": False,
+        "startup": startups,
+        "rows": rows,
+    }
+
+    def saved() -> None:
+        report["skipped"] = check.skipped
+        report["elapsed_s"] = check.elapsed()
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1, default=str))
+        tmp.replace(path)
+
+    check.saved = saved  # type: ignore[method-assign]
     baseline = check.baseline()
+    report["baseline"] = baseline
+    saved()
     out(
         f"large single copy: store {baseline['store_gbps']:.1f} GB/s, "
         f"load {baseline['load_gbps']:.1f} GB/s"
@@ -538,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'page':>6} {'descr':>7} {'ids':<7} {'dir':<5} {'method':<6} {'GB/s':>7} "
         f"{'submit us':>9} {'vLLM':>7} {'submit us':>9} {'ratio':>5} {'%large':>7}  bytes"
     )
-    rows, startups = check.grid(baseline)
+    check.grid(baseline, rows, startups)
     for s in startups:
         out(
             f"start-up at {s['page_kib']} KiB: worker returned in {s['returned_s']:.2f} s, pool "
@@ -550,30 +637,34 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
         )
+    for line in submit_summary(rows):
+        out(line)
     for line in verdicts(rows, check.cuda):
         out(line)
     if check.skipped:
         out(f"time budget reached: {check.skipped} row(s) skipped")
-    report = {
-        "schema": 1,
-        "device": name,
-        "torch": torch.__version__,
-        "vllm": check.vllm or "0.33.0",
-        "ab": check.vllm is None,
-        "baseline": baseline,
-        "startup": startups,
-        "rows": rows,
-        "skipped": check.skipped,
-        "elapsed_s": check.elapsed(),
-    }
-    path = args.json
-    if path is None:
-        out_dir = os.environ.get("OUT")
-        path = Path(out_dir) / "gpu_worker_check.json" if out_dir else Path("gpu_worker_check.json")
-    path.write_text(json.dumps(report, indent=1, default=str))
+    report["complete"] = True
+    saved()
     out(f"wrote {path} ({check.elapsed():.0f} s)")
     failed = [r for r in rows if r["check"] != "ok" or any(k.endswith("_error") for k in r)]
     return 1 if failed else 0
+
+
+def submit_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Median submit CPU per job, per page size and worker: the calling thread's, and the
+    whole process's over the submit call."""
+    lines = []
+    for page in sorted({r["page_kib"] for r in rows}):
+        mine = [r for r in rows if r["page_kib"] == page]
+        parts = []
+        for who, label in (("ours", "kvcache"), ("vllm", "vLLM")):
+            if f"{who}_submit_us" not in mine[0]:
+                continue
+            thread = statistics.median(r[f"{who}_submit_us"] for r in mine)
+            process = statistics.median(r[f"{who}_submit_process_us"] for r in mine)
+            parts.append(f"{label} {thread:.0f} us (process {process:.0f} us)")
+        lines.append(f"{page} KiB submit CPU per job, median over rows: " + ", ".join(parts))
+    return lines
 
 
 if __name__ == "__main__":
