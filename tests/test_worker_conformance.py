@@ -4,11 +4,16 @@ vLLM's ``CPUOffloadingWorker`` runs as built by its ``CPUOffloadingSpec.get_work
 /dev/shm region, per-rank slots, its descriptor logic), with only its CUDA edges faked and its
 batch copy replaced by a byte copy (see ``tests/vllm_worker_oracle.py``). Ours runs through
 ``kvcache.vllm.CPUOffloadingSpec.get_worker`` on the same tensors (the Rust CPU copier).
-Random geometries (1-3 KV groups sharing tensors, padded pages, strided blocks, 1-16 blocks
-per chunk, 1-4 ranks) and random job sequences (partial first and last chunks, stores that
-skip leading null blocks, several jobs in flight, expedited loads); after every batch of
-stores, every host byte of each rank's slot is identical, after every batch of loads every
-device byte, and every job's result (success, transfer_size) is the same.
+Random geometries (1-3 KV groups sharing tensors, padded pages, strided blocks, any of 1-16
+blocks per chunk, 1-4 ranks) and random job sequences (partial first and last chunks, stores
+that skip leading null blocks, several jobs in flight, expedited loads, then batches with
+stores and loads in flight together); after every batch with a store, every host byte of each
+rank's slot is identical, after every batch with a load every device byte, and every job's
+result (success, transfer_size) is the same. The same sequences also run through our CUDA
+backend's DMA path (Rust queues, events, batched or per-run copies) over the ctypes fake CUDA
+runtime of tests/test_transfer_cuda_backend.py. Not covered here: pipeline-parallel ranks with
+different geometries per rank (every rank shares one geometry), the copy kernel (see
+tests/test_transfer_kernel.py), real streams and DMA (bench/gpu_worker_check.py).
 """
 
 from __future__ import annotations
@@ -98,8 +103,52 @@ def finish(pairs: list[RankPair], job_ids: list[int]) -> None:
         assert pair.our_worker.get_finished() == []
 
 
-def run_sequence(geometry: Geometry, seed: int, rounds: int = 3) -> int:
-    """Store/load rounds through every rank; returns the number of jobs checked per rank."""
+def through_fake_cuda(pair: RankPair, batched: bool) -> None:
+    """Routes our worker's jobs through the CUDA backend (its DMA queues, streams, events and
+    batched or per-run copies, all in Rust) over the ctypes fake CUDA runtime of
+    tests/test_transfer_cuda_backend.py, whose copies are memmoves: the plans address the CPU
+    tensors, so every byte still lands where a GPU copy would put it."""
+    import torch
+
+    from kvcache.transfer._engine import _CudaBackend
+    from tests.test_transfer_cuda_backend import FakeCuda, FakeRuntime
+
+    engine = pair.our_worker.engine
+    engine._backend.close()
+    engine._backend = _CudaBackend(
+        torch.device("cuda", 0),
+        engine.pool,
+        engine._layout,
+        copy="dma",
+        kernel_max_run_bytes=0,
+        kernel_min_runs=16,
+        kernel_programs=8,
+        runtime=FakeRuntime(),
+        cuda=FakeCuda(),
+        batch="auto" if batched else None,
+    )
+
+
+def draw_batch(
+    rng: np.random.Generator, geometry: Geometry, num_chunks: int, kinds: list[bool], next_id: int
+) -> list[tuple[int, Job]]:
+    """Jobs to have in flight together (``kinds``: store or not, per job). They never share a
+    destination, nor does a load read a chunk a store writes or write a block a store reads:
+    ids are drawn without replacement across the whole batch."""
+    blocks = [int(b) for b in rng.permutation(geometry.num_blocks)]
+    chunks = [int(c) for c in rng.permutation(num_chunks)]
+    batch = []
+    for store in kinds:
+        job = random_job(rng, geometry, store=store, blocks=blocks, chunks=chunks)
+        if job is not None:
+            batch.append((next_id + len(batch), job))
+    return batch
+
+
+def run_sequence(geometry: Geometry, seed: int, rounds: int = 3, *, backend: str = "cpu") -> int:
+    """Store/load rounds through every rank, then rounds with stores and loads in flight
+    together; returns the number of jobs checked per rank. ``backend``: "cpu" (the Rust CPU
+    copier) or "fake-cuda" (see :func:`through_fake_cuda`)."""
     rng = np.random.default_rng(seed)
     cpu_bytes = (
         24
@@ -116,30 +165,30 @@ def run_sequence(geometry: Geometry, seed: int, rounds: int = 3) -> int:
         try:
             num_chunks = pairs[0].vllm_spec.num_chunks
             assert num_chunks == pairs[0].our_spec.num_chunks == 24
+            if backend == "fake-cuda":
+                for pair in pairs:
+                    through_fake_cuda(pair, batched=bool(seed % 2))
             next_id = 0
+            plan: list[list[bool]] = []
             for _ in range(rounds):
                 for store in (True, False):
-                    # Jobs in flight together never share a destination (or, for loads, a
-                    # block): ids are drawn without replacement within a batch.
-                    blocks = [int(b) for b in rng.permutation(geometry.num_blocks)]
-                    chunks = [int(c) for c in rng.permutation(num_chunks)]
-                    batch = []
-                    for _ in range(int(rng.integers(1, 4))):
-                        job = random_job(rng, geometry, store=store, blocks=blocks, chunks=chunks)
-                        if job is not None:
-                            batch.append((next_id, job))
-                            next_id += 1
-                    for pair in pairs:
-                        for job_id, job in batch:
-                            submit(pair, job_id, job)
-                    finish(pairs, [job_id for job_id, _ in batch])
-                    for pair in pairs:
-                        if store:
-                            assert pair.our_host().numpy().tobytes() == (
-                                pair.vllm_host_slot().contiguous().numpy().tobytes()
-                            )
-                        else:
-                            assert device_bytes(pair.our_tensors) == device_bytes(pair.vllm_tensors)
+                    plan.append([store] * int(rng.integers(1, 4)))
+            for _ in range(2):  # mixed: stores and loads in flight together
+                plan.append([bool(rng.integers(0, 2)) for _ in range(int(rng.integers(2, 5)))])
+            for kinds in plan:
+                batch = draw_batch(rng, geometry, num_chunks, kinds, next_id)
+                next_id += len(batch)
+                for pair in pairs:
+                    for job_id, job in batch:
+                        submit(pair, job_id, job)
+                finish(pairs, [job_id for job_id, _ in batch])
+                for pair in pairs:
+                    if any(job.store for _, job in batch):
+                        assert pair.our_host().numpy().tobytes() == (
+                            pair.vllm_host_slot().contiguous().numpy().tobytes()
+                        )
+                    if not all(job.store for _, job in batch):
+                        assert device_bytes(pair.our_tensors) == device_bytes(pair.vllm_tensors)
             return next_id
         finally:
             for pair in pairs:
@@ -170,7 +219,7 @@ def geometries(draw: st.DrawFn) -> Geometry:
         tensors=tuple(tensors),
         groups=tuple(groups),
         num_blocks=96,
-        blocks_per_chunk=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
+        blocks_per_chunk=draw(st.integers(1, 16)),
         world_size=draw(st.integers(1, 4)),
         slack=draw(st.sampled_from([0, 0, 64])),
     )
@@ -202,10 +251,26 @@ CORNERS = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["cpu", "fake-cuda"])
 @pytest.mark.parametrize("geometry", CORNERS, ids=["plain", "groups-bpc16", "tp4", "padded"])
-def test_corner_geometries_match_vllms_worker(geometry: Geometry) -> None:
+def test_corner_geometries_match_vllms_worker(geometry: Geometry, backend: str) -> None:
     require_oracle()
-    assert run_sequence(geometry, seed=7, rounds=4) > 0
+    assert run_sequence(geometry, seed=7 + (backend == "fake-cuda"), rounds=4, backend=backend) > 0
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(geometry=geometries(), seed=st.integers(0, 2**31 - 1))
+def test_random_jobs_through_the_cuda_backend_match_vllms_worker(
+    geometry: Geometry, seed: int
+) -> None:
+    """The same random sequences through our CUDA backend's DMA path (over the fake runtime:
+    batched copies for odd seeds, one copy per run for even ones)."""
+    require_oracle()
+    run_sequence(geometry, seed, backend="fake-cuda")
 
 
 def test_our_spec_builds_our_worker_and_vllm_spec_builds_vllms() -> None:
