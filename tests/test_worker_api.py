@@ -181,8 +181,8 @@ def test_submission_errors_are_typed_and_change_nothing() -> None:
             worker.submit_store(1, gpu_spec([0, 1], [2], [0]), cpu_spec([10_000]))
         with pytest.raises(kvcache.InvalidArgumentError):  # 3 blocks from slot 0 need 2 chunks
             worker.submit_store(1, gpu_spec([0, 1, 2], [3], [0]), cpu_spec([0]))
-        with pytest.raises(kvcache.InvalidArgumentError):  # a load writes each block once
-            worker.submit_load(1, cpu_spec([0, 1]), gpu_spec([5, 6, 5, 7], [4], [0]))
+        with pytest.raises(kvcache.OutOfRangeError):  # a repeat does not excuse a bad id
+            worker.submit_load(1, cpu_spec([0, 1]), gpu_spec([5, 6, 5, 700], [4], [0]))
         with pytest.raises(kvcache.InvalidTypeError):  # vLLM numbers jobs with ints
             worker.submit_store(None, gpu_spec([0, 1], [2], [0]), cpu_spec([0]))  # type: ignore[arg-type]
         with pytest.raises(kvcache.InvalidTypeError):  # the host side must be CPU chunks
@@ -253,3 +253,33 @@ def test_queues_and_shutdown() -> None:
     assert sorted(r.job_id for r in worker.get_finished()) == [1, 2, 3]
     assert worker.pool.closed
     pair.vllm_worker.shutdown()
+
+
+def test_a_load_naming_a_block_twice_matches_vllms_worker() -> None:
+    """vLLM's scheduler can repeat a destination (a Mamba group's null block); vLLM's worker
+    writes it twice. Ours splits the load around the repeat: same bytes, one result with
+    vLLM's transfer_size."""
+    require_oracle()
+    from tests.vllm_worker_oracle import device_bytes
+
+    with vllm_on_cpu():
+        (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=6)
+        try:
+            for worker in (pair.vllm_worker, pair.our_worker):
+                assert worker.submit_store(
+                    1, gpu_spec(list(range(8)), [8], [0]), cpu_spec([0, 1, 2, 3])
+                )
+                worker.wait({1})
+                worker.get_finished()
+            results = []
+            for worker in (pair.vllm_worker, pair.our_worker):
+                spec = gpu_spec([20, 21, 20, 0, 22, 0, 0], [7], [1])
+                assert worker.submit_load(2, cpu_spec([0, 1, 2, 3]), spec)
+                worker.wait({2})
+                (r,) = worker.get_finished()
+                results.append((r.job_id, r.success, r.transfer_size))
+            assert results[0] == results[1] == (2, True, 7 * 2 * 256)
+            assert device_bytes(pair.our_tensors) == device_bytes(pair.vllm_tensors)
+            assert pair.our_worker.get_finished() == []
+        finally:
+            pair.shutdown()

@@ -6,9 +6,9 @@ batch copy replaced by a byte copy (see ``tests/vllm_worker_oracle.py``). Ours r
 ``kvcache.vllm.CPUOffloadingSpec.get_worker`` on the same tensors (the Rust CPU copier).
 Random geometries (1-3 KV groups sharing tensors, padded pages, strided blocks, any of 1-16
 blocks per chunk, 1-4 ranks) and random job sequences (partial first and last chunks, stores
-that skip leading null blocks, several jobs in flight, expedited loads, then batches with
-stores and loads in flight together); after every batch with a store, every host byte of each
-rank's slot is identical, after every batch with a load every device byte, and every job's
+that skip leading null blocks, loads naming a block twice, several jobs in flight, expedited
+loads, then batches with stores and loads in flight together); after every batch with a
+store, every host byte of each rank's slot is identical, after every batch with a load every device byte, and every job's
 result (success, transfer_size) is the same. The same sequences also run through our CUDA
 backend's DMA path (Rust queues, events, batched or per-run copies) over the ctypes fake CUDA
 runtime of tests/test_transfer_cuda_backend.py. Not covered here: pipeline-parallel ranks with
@@ -71,6 +71,11 @@ def random_job(
         cpu += [chunks.pop() for _ in range(need)]
     if not gpu:
         return None
+    if not store and len(gpu) > 1 and rng.integers(0, 3) == 0:
+        # A destination named twice (vLLM's scheduler repeats the null block in a Mamba
+        # group's gaps): vLLM's worker writes it twice, the later occurrence last.
+        p = int(rng.integers(1, len(gpu)))
+        gpu[p] = gpu[int(rng.integers(0, p))]
     return Job(
         store, gpu, sizes, starts, cpu, expedited=not store and bool(rng.integers(0, 3) == 0)
     )

@@ -89,6 +89,66 @@ def worker_layout(
     return views, groups, offsets, offset
 
 
+def _split_repeats(
+    blocks_per_chunk: int,
+    chunk_ids: Any,
+    block_ids: Any,
+    group_sizes: Any,
+    block_indices: Any,
+) -> list[dict[str, Any]] | None:
+    """A load that names a destination block more than once (vLLM's scheduler can: a Mamba
+    group's null block fills the gaps between states), as engine loads that each name every
+    destination once: per group, consecutive stretches without a repeat, in order, so a
+    block named twice is written twice, the later occurrence last (on one queue and copy
+    method; vLLM's worker gives no order either). None when nothing repeats (the load was
+    refused for another reason) or the spec does not parse."""
+    import numpy as np
+
+    try:
+        ids = [int(b) for b in np.asarray(block_ids).reshape(-1).tolist()]
+        chunks = [int(c) for c in np.asarray(chunk_ids).reshape(-1).tolist()]
+        sizes = [int(n) for n in group_sizes]
+        starts = [int(i) for i in block_indices]
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if len(set(ids)) == len(ids) or len(sizes) != len(starts) or min(sizes, default=0) < 0:
+        return None
+    bpc = blocks_per_chunk
+    parts = []
+    b_off = c_off = 0
+    for g, (n, start) in enumerate(zip(sizes, starts, strict=True)):
+        group_ids = ids[b_off : b_off + n]
+        num_chunks = 0 if n == 0 else -(-(start % bpc + n) // bpc)
+        group_chunks = chunks[c_off : c_off + num_chunks]
+        b_off += n
+        c_off += num_chunks
+        a = 0
+        while a < n:
+            seen: set[int] = set()
+            b = a
+            while b < n and group_ids[b] not in seen:
+                seen.add(group_ids[b])
+                b += 1
+            first = (start + a) // bpc - start // bpc
+            last = (start + b - 1) // bpc - start // bpc
+            part_sizes = [0] * len(sizes)
+            part_starts = [0] * len(sizes)
+            part_sizes[g] = b - a
+            part_starts[g] = start + a
+            parts.append(
+                {
+                    "chunk_ids": group_chunks[first : last + 1],
+                    "gpu_block_ids": group_ids[a:b],
+                    "group_sizes": part_sizes,
+                    "block_indices": part_starts,
+                }
+            )
+            a = b
+    if b_off != len(ids) or c_off != len(chunks):
+        return None
+    return parts
+
+
 def _check_specs(gpu: object, cpu: object) -> None:
     if not isinstance(gpu, GPULoadStoreSpec):
         raise InvalidTypeError(f"the GPU side must be a GPULoadStoreSpec, got {type(gpu).__name__}")
@@ -150,13 +210,19 @@ class CPUOffloadingWorker(OffloadingWorker):
             if cause is not None:
                 self.shutdown()
                 raise SelfCheckError(cause)
-        # engine job id -> (vLLM job id, direction); vLLM job id -> engine job id.
+        # engine job id -> (vLLM job id, direction); vLLM job id -> its engine job ids (one,
+        # or several for a load split around repeated destinations); a split job's results
+        # so far: [engine jobs left, success, bytes, seconds or None, first error].
         self._jobs: dict[int, tuple[int, str]] = {}
-        self._by_vllm: dict[int, int] = {}
+        self._by_vllm: dict[int, list[int]] = {}
+        self._partial: dict[int, list[Any]] = {}
 
-    def _track(self, job_id: int, engine_job: int, direction: str) -> None:
-        self._jobs[engine_job] = (job_id, direction)
-        self._by_vllm[job_id] = engine_job
+    def _track(self, job_id: int, engine_jobs: list[int], direction: str) -> None:
+        for engine_job in engine_jobs:
+            self._jobs[engine_job] = (job_id, direction)
+        self._by_vllm[job_id] = engine_jobs
+        if len(engine_jobs) > 1:
+            self._partial[job_id] = [len(engine_jobs), True, 0, 0.0, None]
 
     def _check_new(self, job_id: int) -> None:
         # vLLM's connector numbers jobs with ints; anything else (None included) is a bug.
@@ -177,7 +243,7 @@ class CPUOffloadingWorker(OffloadingWorker):
             group_sizes=src_spec.group_sizes,
             block_indices=src_spec.block_indices,
         )
-        self._track(job_id, engine_job, "store, GPU -> CPU")
+        self._track(job_id, [engine_job], "store, GPU -> CPU")
         return True
 
     def submit_load(
@@ -191,30 +257,59 @@ class CPUOffloadingWorker(OffloadingWorker):
         own."""
         self._check_new(job_id)
         _check_specs(dst_spec, src_spec)
-        engine_job = self.engine.load(
-            src_spec.block_ids,  # type: ignore[attr-defined]
-            dst_spec.block_ids,
-            group_sizes=dst_spec.group_sizes,
-            block_indices=dst_spec.block_indices,
-            expedited=expedited,
-        )
+        chunks = src_spec.block_ids  # type: ignore[attr-defined]
+        try:
+            engine_jobs = [
+                self.engine.load(
+                    chunks,
+                    dst_spec.block_ids,
+                    group_sizes=dst_spec.group_sizes,
+                    block_indices=dst_spec.block_indices,
+                    expedited=expedited,
+                )
+            ]
+        except InvalidArgumentError:
+            parts = _split_repeats(
+                self.engine.blocks_per_chunk,
+                chunks,
+                dst_spec.block_ids,
+                dst_spec.group_sizes,
+                dst_spec.block_indices,
+            )
+            if parts is None:
+                raise
+            for part in parts:  # all of them valid before any is queued
+                self.engine.plan(store=False, **part)
+            engine_jobs = [self.engine.load(**part, expedited=expedited) for part in parts]
         direction = "expedited load, CPU -> GPU" if expedited else "load, CPU -> GPU"
-        self._track(job_id, engine_job, direction)
+        self._track(job_id, engine_jobs, direction)
         return True
 
     def get_finished(self) -> list[TransferResult]:
         out = []
         for r in self.engine.poll_results():
             job_id, direction = self._jobs.pop(r.job_id)
+            ok, nbytes, seconds, error = r.success, r.nbytes, r.seconds, r.error
+            partial = self._partial.get(job_id)
+            if partial is not None:  # one part of a split load: report the whole once
+                partial[0] -= 1
+                partial[1] = partial[1] and ok
+                partial[2] += nbytes
+                partial[3] = None if partial[3] is None or seconds is None else partial[3] + seconds
+                partial[4] = partial[4] or error
+                if partial[0]:
+                    continue
+                del self._partial[job_id]
+                _left, ok, nbytes, seconds, error = partial
             del self._by_vllm[job_id]
-            if not r.success:
-                logger.error("kvcache transfer job %d (%s) failed: %s", job_id, direction, r.error)
+            if not ok:
+                logger.error("kvcache transfer job %d (%s) failed: %s", job_id, direction, error)
             out.append(
                 TransferResult(
                     job_id=job_id,
-                    success=r.success,
-                    transfer_size=r.nbytes,
-                    transfer_time=r.seconds,
+                    success=ok,
+                    transfer_size=nbytes,
+                    transfer_time=seconds,
                 )
             )
         return out
@@ -222,7 +317,7 @@ class CPUOffloadingWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         """Blocks until the given jobs have finished (ids this worker does not own are
         ignored); :meth:`get_finished` still reports them."""
-        mine = [self._by_vllm[j] for j in job_ids if j in self._by_vllm]
+        mine = [e for j in job_ids if j in self._by_vllm for e in self._by_vllm[j]]
         if mine:
             self.engine.wait(mine)
 
