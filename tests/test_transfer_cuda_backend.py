@@ -582,6 +582,21 @@ def test_self_check_passes_on_honest_copies_and_names_corruption(
     assert all(torch.equal(a, b) for a, b in zip(layers, before, strict=True))
     assert not any(bytes(memoryview(pool)))
 
+    class DroppingRuntime(FakeRuntime):
+        """Reports success but copies nothing."""
+
+        def _cudaMemcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> int:
+            with self.lock:
+                self.copies.append((dst, src, size, stream))
+                self._enqueue(stream)
+            return 0
+
+    runtimes = iter([FakeRuntime(), DroppingRuntime()])  # the store's engine, then the load's
+    monkeypatch.setattr(TransferEngine, "_scratch_engine", scratch_over(lambda: next(runtimes)))
+    cause = engine.self_check()
+    assert cause is not None
+    assert "load wrote wrong bytes" in cause
+
     def broken(*args: Any) -> Any:
         raise RuntimeError("no scratch memory")
 

@@ -7,13 +7,13 @@ batch copy replaced by a byte copy (see ``tests/vllm_worker_oracle.py``). Ours r
 Random geometries (1-3 KV groups sharing tensors, padded pages, strided blocks, any of 1-16
 blocks per chunk, 1-4 ranks) and random job sequences (partial first and last chunks, stores
 that skip leading null blocks, loads naming a block twice, several jobs in flight, expedited
-loads, then batches with stores and loads in flight together); after every batch with a
-store, every host byte of each rank's slot is identical, after every batch with a load every device byte, and every job's
-result (success, transfer_size) is the same. The same sequences also run through our CUDA
-backend's DMA path (Rust queues, events, batched or per-run copies) over the ctypes fake CUDA
-runtime of tests/test_transfer_cuda_backend.py. Not covered here: pipeline-parallel ranks with
-different geometries per rank (every rank shares one geometry), the copy kernel (see
-tests/test_transfer_kernel.py), real streams and DMA (bench/gpu_worker_check.py).
+loads, then batches with stores and loads in flight together); after every batch with a store,
+every host byte of each rank's slot is identical, after every batch with a load every device
+byte, and every job's result (success, transfer_size) is the same. The same sequences also run
+through our CUDA backend's DMA path (Rust queues, events, batched or per-run copies) over the
+ctypes fake CUDA runtime of tests/test_transfer_cuda_backend.py. Not covered here: pipeline-
+parallel ranks with different geometries per rank (every rank shares one geometry), the copy
+kernel (see tests/test_transfer_kernel.py), real streams and DMA (bench/gpu_worker_check.py).
 """
 
 from __future__ import annotations

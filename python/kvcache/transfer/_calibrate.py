@@ -191,7 +191,6 @@ def round_trip(engine: Any) -> str | None:
     device tensor per KV tensor with ``CHECK_BLOCKS`` blocks per group and use, and a host
     pool of a few chunks, pinned when the engine's pool is (or is being) pinned. Returns None
     when every byte matched, else the cause; exceptions propagate to the caller."""
-    import numpy as np
     import torch
 
     from kvcache.transfer._pool import HostChunkPool
@@ -200,7 +199,6 @@ def round_trip(engine: Any) -> str | None:
     bpc = engine.blocks_per_chunk
     groups = engine._group_refs
     pages = engine._pages
-    offsets = engine._offsets
     k = CHECK_BLOCKS
     start = 1 if bpc > 1 else 0
     per_group_chunks = -(-(start + k) // bpc)
@@ -224,65 +222,120 @@ def round_trip(engine: Any) -> str | None:
     chunks = list(range(num_groups * per_group_chunks))
     sizes = [k] * num_groups
     starts = [start] * num_groups
+    # The pool modes jobs meet: pinned (or being pinned), and pageable (before or without
+    # pinning); the kernel runs on a pinned pool only.
     state = engine.pool.pin_status()["state"] if device.type == "cuda" else "unpinned"
-    pin: Any = "auto" if engine.pool.pinned or state in ("pinning", "pinned") else False
-    with HostChunkPool(len(chunks), engine.pool.chunk_bytes, pin=pin) as pool:
-        host = pool.tensor().view(torch.int8)
+    modes: list[Any] = []
+    if engine.pool.pinned or state in ("pinning", "pinned"):
+        modes.append("auto")
+    if not engine.pool.pinned:
+        modes.append(False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    cpu_layers = [t.cpu() for t in layers]
+    for pin in modes:
+        with HostChunkPool(len(chunks), engine.pool.chunk_bytes, pin=pin) as pool:
+            kernel_ok = device.type != "cuda" or pool.kernel_ready
+            if not kernel_ok:
+                logger.debug("self-check: the scratch pool is not kernel-ready; kernel skipped")
+            cause = _round_trip_on(
+                engine,
+                pool,
+                [m for m in stores if kernel_ok or m != "kernel"],
+                [m for m in loads if kernel_ok or m != "kernel"],
+                layers,
+                cpu_layers,
+                src,
+                dst,
+                chunks,
+                sizes,
+                starts,
+            )
+            if cause is not None:
+                return cause if pin is False or len(modes) == 1 else f"{cause} (pinned pool)"
+    return None
 
-        def run(method: str, store: bool, blocks: list[list[int]]) -> str | None:
-            scratch = engine._scratch_engine(layers, pool, method)
-            try:
-                ids = np.asarray([b for group in blocks for b in group], dtype=np.int64)
-                if store:
-                    job = scratch.store(ids, chunks, group_sizes=sizes, block_indices=starts)
-                else:
-                    job = scratch.load(chunks, ids, group_sizes=sizes, block_indices=starts)
-                scratch.wait([job])
-                results = scratch.poll_results()
-            finally:
-                scratch.close()
-            bad = [r for r in results if not r.success]
-            if bad or not results:
-                return f"{method} {'store' if store else 'load'} failed: " + (
-                    str(bad[0].error) if bad else "no result"
-                )
-            return None
 
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        cpu_layers = [t.cpu() for t in layers]
-        for method in stores:
-            host.zero_()
-            cause = run(method, True, src)
-            if cause:
-                return cause
-            for g, refs in enumerate(groups):
-                for j, block in enumerate(src[g]):
-                    chunk = g * per_group_chunks + (start + j) // bpc
-                    slot = (start + j) % bpc
-                    for t, nbytes in refs:
-                        at = offsets[t] + slot * pages[t]
-                        if not torch.equal(
-                            host[chunk, at : at + nbytes], cpu_layers[t][block, :nbytes]
-                        ):
-                            return (
-                                f"{method} store wrote wrong bytes (group {g}, tensor {t}, "
-                                f"block {block} -> chunk {chunk} slot {slot})"
-                            )
-        for i, method in enumerate(loads):
-            targets = [dst(i, g) for g in range(num_groups)]
-            cause = run(method, False, targets)
-            if cause:
-                return cause
-            after = [t.cpu() for t in layers]
-            for g, refs in enumerate(groups):
-                for block, source in zip(targets[g], src[g], strict=True):
-                    for t, nbytes in refs:
-                        if not torch.equal(
-                            after[t][block, :nbytes], cpu_layers[t][source, :nbytes]
-                        ):
-                            return (
-                                f"{method} load wrote wrong bytes (group {g}, tensor {t}, "
-                                f"block {source} -> {block})"
-                            )
+def _round_trip_on(
+    engine: Any,
+    pool: Any,
+    stores: list[str],
+    loads: list[str],
+    layers: list[Any],
+    cpu_layers: list[Any],
+    src: list[list[int]],
+    dst: Callable[[int, int], list[int]],
+    chunks: list[int],
+    sizes: list[int],
+    starts: list[int],
+) -> str | None:
+    import numpy as np
+    import torch
+
+    bpc = engine.blocks_per_chunk
+    groups = engine._group_refs
+    pages = engine._pages
+    offsets = engine._offsets
+    per_group_chunks = len(chunks) // len(groups)
+    start = starts[0]
+    host = pool.tensor().view(torch.int8)
+
+    def run(method: str, store: bool, blocks: list[list[int]]) -> str | None:
+        scratch = engine._scratch_engine(layers, pool, method)
+        try:
+            ids = np.asarray([b for group in blocks for b in group], dtype=np.int64)
+            if store:
+                job = scratch.store(ids, chunks, group_sizes=sizes, block_indices=starts)
+            else:
+                job = scratch.load(chunks, ids, group_sizes=sizes, block_indices=starts)
+            scratch.wait([job])
+            results = scratch.poll_results()
+        finally:
+            scratch.close()
+        bad = [r for r in results if not r.success]
+        if bad or not results:
+            return f"{method} {'store' if store else 'load'} failed: " + (
+                str(bad[0].error) if bad else "no result"
+            )
+        return None
+
+    for method in stores:
+        host.zero_()
+        cause = run(method, True, src)
+        if cause:
+            return cause
+        for g, refs in enumerate(groups):
+            for j, block in enumerate(src[g]):
+                chunk = g * per_group_chunks + (start + j) // bpc
+                slot = (start + j) % bpc
+                for t, nbytes in refs:
+                    at = offsets[t] + slot * pages[t]
+                    expected = cpu_layers[t][block, :nbytes]
+                    if not torch.equal(host[chunk, at : at + nbytes], expected):
+                        return (
+                            f"{method} store wrote wrong bytes (group {g}, tensor {t}, "
+                            f"block {block} -> chunk {chunk} slot {slot})"
+                        )
+    for i, method in enumerate(loads):
+        targets = [dst(i, g) for g in range(len(groups))]
+        # Every destination byte differs from its source before the load.
+        for g, refs in enumerate(groups):
+            to = torch.as_tensor(targets[g], device=layers[0].device)
+            source = torch.as_tensor(src[g], device=layers[0].device)
+            for t, _nbytes in refs:
+                layers[t][to] = torch.bitwise_xor(layers[t][source], 0x5A)
+        cause = run(method, False, targets)
+        if cause:
+            return cause
+        after = [t.cpu() for t in layers]
+        for g, refs in enumerate(groups):
+            for block, source_block in zip(targets[g], src[g], strict=True):
+                for t, nbytes in refs:
+                    if not torch.equal(
+                        after[t][block, :nbytes], cpu_layers[t][source_block, :nbytes]
+                    ):
+                        return (
+                            f"{method} load wrote wrong bytes (group {g}, tensor {t}, "
+                            f"block {source_block} -> {block})"
+                        )
     return None
