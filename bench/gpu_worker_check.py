@@ -310,6 +310,10 @@ class Check:
                 log_failures=False,
             )
             ours = EngineRunner({"engine": engine, "pool": pool, "jobs": {}})
+            # What the worker runs at start-up (through the spec it is part of get_worker).
+            cause = engine.self_check()
+            if cause is not None:
+                raise RuntimeError(f"kvcache's start-up self-check failed: {cause}")
 
             def describe() -> dict[str, Any]:
                 return {"pool_bytes": pool.nbytes, **engine.describe()}
