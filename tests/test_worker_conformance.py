@@ -5,14 +5,14 @@ vLLM's ``CPUOffloadingWorker`` runs as built by its ``CPUOffloadingSpec.get_work
 batch copy replaced by a byte copy (see ``tests/vllm_worker_oracle.py``). Ours runs through
 ``kvcache.vllm.CPUOffloadingSpec.get_worker`` on the same tensors (the Rust CPU copier).
 Random geometries (1-3 KV groups sharing tensors, padded pages, strided blocks, any of 1-16
-blocks per chunk, 1-4 ranks) and random job sequences (partial first and last chunks, stores
+blocks per chunk, 1-4 ranks, tensor and pipeline parallel: each stage's ranks hold their own
+tensors) and random job sequences (partial first and last chunks, stores
 that skip leading null blocks, loads naming a block twice, several jobs in flight, expedited
 loads, then batches with stores and loads in flight together); after every batch with a store,
 every host byte of each rank's slot is identical, after every batch with a load every device
 byte, and every job's result (success, transfer_size) is the same. The same sequences also run
 through our CUDA backend's DMA path (Rust queues, events, batched or per-run copies) over the
-ctypes fake CUDA runtime of tests/test_transfer_cuda_backend.py. Not covered here: pipeline-
-parallel ranks with different geometries per rank (every rank shares one geometry), the copy
+ctypes fake CUDA runtime of tests/test_transfer_cuda_backend.py. Not covered here: the copy
 kernel (see tests/test_transfer_kernel.py), real streams and DMA (bench/gpu_worker_check.py).
 """
 
@@ -28,7 +28,9 @@ from hypothesis import strategies as st
 from tests.conftest import require_oracle
 from tests.vllm_worker_oracle import (
     Geometry,
+    Groups,
     RankPair,
+    Tensors,
     build_pairs,
     device_bytes,
     vllm_on_cpu,
@@ -200,15 +202,15 @@ def run_sequence(geometry: Geometry, seed: int, rounds: int = 3, *, backend: str
                 pair.shutdown()
 
 
-@st.composite
-def geometries(draw: st.DrawFn) -> Geometry:
+def _draw_stage(draw: st.DrawFn, num_groups: int) -> tuple[Tensors, Groups]:
+    """One pipeline stage's tensors (padded pages, strided blocks) and its groups' references
+    to them (shared tensors, unpadded payloads)."""
     num_tensors = draw(st.integers(1, 5))
     tensors = []
     for _ in range(num_tensors):
         page = 8 * draw(st.integers(1, 48))
         stride = page + 8 * draw(st.sampled_from([0, 0, 1, 5]))  # strided (packed) blocks
         tensors.append((page, stride))
-    num_groups = draw(st.integers(1, 3))
     groups = []
     for _ in range(num_groups):
         chosen = draw(st.lists(st.integers(0, num_tensors - 1), min_size=1, max_size=4))
@@ -220,13 +222,25 @@ def geometries(draw: st.DrawFn) -> Geometry:
             )
             refs.append((t, max(1, payload)))
         groups.append(tuple(refs))
+    return tuple(tensors), tuple(groups)
+
+
+@st.composite
+def geometries(draw: st.DrawFn) -> Geometry:
+    num_groups = draw(st.integers(1, 3))
+    tensors, groups = _draw_stage(draw, num_groups)
+    world_size = draw(st.integers(1, 4))
+    # Pipeline parallelism: each stage's ranks hold their own layers, so their own tensors.
+    pp_size = draw(st.sampled_from([p for p in (1, 1, 2, 4) if world_size % p == 0]))
     return Geometry(
-        tensors=tuple(tensors),
-        groups=tuple(groups),
+        tensors=tensors,
+        groups=groups,
         num_blocks=96,
         blocks_per_chunk=draw(st.integers(1, 16)),
-        world_size=draw(st.integers(1, 4)),
+        world_size=world_size,
         slack=draw(st.sampled_from([0, 0, 64])),
+        pp_size=pp_size,
+        later_stages=tuple(_draw_stage(draw, num_groups) for _ in range(pp_size - 1)),
     )
 
 
@@ -253,11 +267,24 @@ CORNERS = [
     ),
     Geometry(((64, 64), (64, 64)), (((0, 64),), ((1, 64),)), 96, 4, world_size=4),
     Geometry(((96, 160),), (((0, 80), (0, 88)),), 96, 3, world_size=2, slack=64),
+    # Two tensor-parallel ranks per stage, two stages; the second stage's ranks hold fewer
+    # bytes per block than their slot (one tensor shared by both groups).
+    Geometry(
+        ((64, 64), (64, 64)),
+        (((0, 64),), ((1, 64),)),
+        96,
+        5,
+        world_size=4,
+        pp_size=2,
+        later_stages=((((96, 104),), (((0, 96),), ((0, 48),))),),
+    ),
 ]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "fake-cuda"])
-@pytest.mark.parametrize("geometry", CORNERS, ids=["plain", "groups-bpc16", "tp4", "padded"])
+@pytest.mark.parametrize(
+    "geometry", CORNERS, ids=["plain", "groups-bpc16", "tp4", "padded", "tp2-pp2"]
+)
 def test_corner_geometries_match_vllms_worker(geometry: Geometry, backend: str) -> None:
     require_oracle()
     assert run_sequence(geometry, seed=7 + (backend == "fake-cuda"), rounds=4, backend=backend) > 0

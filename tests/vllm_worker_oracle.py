@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import ctypes
+import dataclasses
 import inspect
 import textwrap
 import uuid
@@ -170,23 +171,49 @@ def vllm_on_cpu(*, copy: bool = True) -> Iterator[None]:
 # --- KV geometry --------------------------------------------------------------------------
 
 
+Tensors = tuple[tuple[int, int], ...]
+Groups = tuple[tuple[tuple[int, int], ...], ...]
+
+
 @dataclass(frozen=True)
 class Geometry:
-    """A rank's KV caches as vLLM's connector canonicalises them."""
+    """The ranks' KV caches as vLLM's connector canonicalises them: ``world_size`` ranks,
+    ``pp_size`` pipeline stages of ``world_size // pp_size`` tensor-parallel ranks each. The
+    first stage's ranks hold ``tensors``/``groups``; a later stage's ranks hold their own
+    layers (``later_stages``), with the same KV groups and block count."""
 
     #: Per tensor: (padded page bytes, block stride bytes).
-    tensors: tuple[tuple[int, int], ...]
+    tensors: Tensors
     #: Per group: (tensor index, unpadded page bytes) references.
-    groups: tuple[tuple[tuple[int, int], ...], ...]
+    groups: Groups
     num_blocks: int
     blocks_per_chunk: int
     world_size: int = 1
     #: Extra bytes per block in vLLM's per-worker accounting (row slack).
     slack: int = 0
+    pp_size: int = 1
+    #: Stages 1.. of the pipeline: (tensors, groups) each.
+    later_stages: tuple[tuple[Tensors, Groups], ...] = ()
+
+    def __post_init__(self) -> None:
+        assert self.world_size % self.pp_size == 0
+        assert len(self.later_stages) == self.pp_size - 1
+        assert all(len(groups) == len(self.groups) for _, groups in self.later_stages)
 
     @property
     def worker_kv_bytes_per_block(self) -> int:
-        return sum(page for page, _ in self.tensors) + self.slack
+        """The scheduler's figure, one for every rank: the largest stage's bytes per block
+        (a smaller stage fills only part of its slot)."""
+        stages = [self.tensors, *(tensors for tensors, _ in self.later_stages)]
+        return max(sum(page for page, _ in tensors) for tensors in stages) + self.slack
+
+    def of_rank(self, rank: int) -> Geometry:
+        """The tensors and groups ``rank`` holds (its stage's)."""
+        stage = rank // (self.world_size // self.pp_size)
+        if stage == 0:
+            return self
+        tensors, groups = self.later_stages[stage - 1]
+        return dataclasses.replace(self, tensors=tensors, groups=groups, later_stages=(), pp_size=1)
 
 
 def make_tensors(geometry: Geometry, seed: int) -> list[torch.Tensor]:
@@ -246,8 +273,8 @@ def offloading_config(
         parallel=OffloadingParallelConfig(
             rank=rank,
             world_size=geometry.world_size,
-            tp_size=geometry.world_size,
-            pp_size=1,
+            tp_size=geometry.world_size // geometry.pp_size,
+            pp_size=geometry.pp_size,
             pcp_size=1,
             dcp_size=1,
             data_parallel_index=0,
@@ -301,7 +328,8 @@ def build_pairs(
         config = offloading_config(
             geometry, rank=rank, cpu_bytes_to_use=cpu_bytes_to_use, engine_id=engine_id, **extra
         )
-        base = make_tensors(geometry, seed * 100 + rank)
+        local = geometry.of_rank(rank)
+        base = make_tensors(local, seed * 100 + rank)
         vllm_tensors = _fresh_copies(base)
         our_tensors = _fresh_copies(base)
         vllm_spec = VllmSpec(config)
@@ -313,8 +341,8 @@ def build_pairs(
                 our_tensors=our_tensors,
                 vllm_spec=vllm_spec,
                 our_spec=our_spec,
-                vllm_worker=vllm_spec.get_worker(canonical(geometry, vllm_tensors)),
-                our_worker=our_spec.get_worker(canonical(geometry, our_tensors)),
+                vllm_worker=vllm_spec.get_worker(canonical(local, vllm_tensors)),
+                our_worker=our_spec.get_worker(canonical(local, our_tensors)),
             )
         )
     return pairs
