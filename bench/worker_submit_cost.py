@@ -23,7 +23,9 @@ coalesces each layer's pages of a chunk into one run); ``churned`` = random dist
 steady-state block pool: nothing coalesces, one run per page on both sides).
 
 Run: ``python bench/worker_submit_cost.py [--quick] [--json PATH]``. Prints a table (median
-microseconds of CPU per job, both directions, and vLLM/ours) and the timer floor.
+microseconds of CPU per job, both directions, and vLLM/ours), the timer floor, and the
+descriptor floor: the CPU to write one (src, dst, size) triple per page with numpy, about the
+least any DMA worker spends per job when nothing coalesces.
 """
 
 from __future__ import annotations
@@ -170,6 +172,25 @@ def timer_floor() -> float:
     return statistics.median(reads) / 1e3
 
 
+def descriptor_floor(num_pages: int, page: int) -> float:
+    """CPU microseconds (median) to write one ``(src, dst, size)`` int64 triple per page from
+    shuffled page ids with vectorised numpy: about the least any DMA worker does per job when
+    nothing coalesces, since the batched copy API takes these arrays. Compare it with the
+    ``total`` figures of the churned rows."""
+    ids = np.random.default_rng(0).permutation(num_pages).astype(np.int64)
+    src, dst, size = (np.empty(num_pages, np.int64) for _ in range(3))
+    reads = []
+    for _ in range(50):
+        t0 = time.thread_time_ns()
+        np.multiply(ids, page, out=src)
+        src += 1 << 40
+        np.multiply(ids, page, out=dst)
+        dst += 1 << 41
+        size.fill(page)
+        reads.append(time.thread_time_ns() - t0)
+    return statistics.median(reads) / 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
@@ -220,8 +241,22 @@ def main(argv: list[str] | None = None) -> int:
     floor = timer_floor()
     worst = min(min(r["ratio_store"], r["ratio_load"]) for r in rows)
     print(f"timer floor (empty body): {floor:.2f} us; smallest vLLM/ours ratio: {worst:.1f}x")
+    descriptors = {
+        f"{layers}x{blocks}": descriptor_floor(layers * blocks, PAGES[0])
+        for layers in LAYERS
+        for blocks in JOB_BLOCKS
+    }
+    print(
+        "descriptor floor (numpy writes of one src/dst/size triple per page, layers x blocks): "
+        + ", ".join(f"{k}: {v:.1f} us" for k, v in descriptors.items())
+    )
     if args.json is not None:
-        args.json.write_text(json.dumps({"rows": rows, "timer_floor_us": floor}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"rows": rows, "timer_floor_us": floor, "descriptor_floor_us": descriptors},
+                indent=1,
+            )
+        )
     return 0
 
 
