@@ -136,6 +136,40 @@ def test_version(clean_venv: Path) -> None:
     assert _kvcache(clean_venv, "--version").stdout == f"kvcache {kvcache.__version__}\n"
 
 
+def test_stubs_describe_the_wheel(clean_venv: Path) -> None:
+    """The wheel's own ``_core.pyi`` against the wheel's own extension (a release build: no
+    test-only methods), by stubtest from the development venv importing only the clean venv's
+    kvcache. ``make lint`` checks the same stubs against the test build."""
+    [site] = (clean_venv.parent / "lib").glob("python3*/site-packages")
+    env = _clean_env()
+    env["PYTHONPATH"] = str(site)
+    proc = _sh(
+        sys.executable,
+        "-c",
+        "import kvcache._core as c, sys; print(c.__file__); "
+        "sys.exit(hasattr(c.BaseCachePolicy, 'validate'))",
+        env=env,
+        cwd=clean_venv.parent,
+    )
+    assert proc.stdout.strip().startswith(str(site))
+    # The allowlist less the test build's `validate` entries: the stubs must not declare them.
+    allowlist = clean_venv.parent / "stubtest-allowlist-wheel.txt"
+    lines = (ROOT / "python" / "stubtest-allowlist.txt").read_text().splitlines()
+    allowlist.write_text("\n".join(x for x in lines if not x.endswith(".validate")) + "\n")
+    proc = _sh(
+        sys.executable,
+        "-m",
+        "mypy.stubtest",
+        "kvcache._core",
+        "--allowlist",
+        allowlist,
+        env=env,
+        cwd=clean_venv.parent,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_replay_json_from_the_wheel(clean_venv: Path) -> None:
     proc = _kvcache(clean_venv, "replay", "--requests", "200", "--json")
     document = json.loads(proc.stdout)
