@@ -327,3 +327,22 @@ def test_copier_guards_finish_on_shutdown_and_refuse_misuse() -> None:
         assert torch.equal(pool.tensor()[:2], layer[[3, 2]].view(torch.uint8))
         del plan, device_plan
         engine.close()
+
+
+def test_groups_and_offsets_given_as_iterators_are_read_once() -> None:
+    """Rust checks ``groups``/``offsets`` and the self-check's scratch copy reads them again:
+    generators must not arrive empty the second time."""
+    layers = [torch.zeros(16, 128, dtype=torch.uint8) for _ in range(2)]
+    with HostChunkPool(8, 2 * 2 * 128, pin=False) as pool:
+        engine = TransferEngine(
+            layers,
+            pool,
+            blocks_per_chunk=2,
+            groups=(iter([(i, 128)]) for i in (0, 1)),
+            offsets=iter([0, 256]),
+        )
+        try:
+            assert engine.self_check() is None
+            assert engine.num_groups == 2
+        finally:
+            engine.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, Self
 
@@ -57,6 +57,18 @@ class JobResult(NamedTuple):
     store: bool
     #: Why the job failed (None on success).
     error: str | None
+
+
+def _reusable(value: Any, depth: int) -> Any:
+    """``value`` with its one-shot iterators (generators, ``iter(...)``) turned into lists, down
+    to ``depth`` levels of nesting: the engine reads ``groups``/``offsets`` twice (Rust checks
+    them, then the scratch copy for the self-check is built from them). Anything else is left
+    as given, so Rust still names a bad entry."""
+    if isinstance(value, Iterator):
+        value = list(value)
+    if depth > 1 and isinstance(value, list | tuple):
+        return [_reusable(item, depth - 1) for item in value]
+    return value
 
 
 def _layer_spec(t: torch.Tensor, index: int, *, host: bool) -> tuple[Any, ...]:
@@ -580,6 +592,7 @@ class TransferEngine:
         host = device.type == "cpu"
         specs = [_layer_spec(t, i, host=host) for i, t in enumerate(layers)]
         # groups and offsets are checked in Rust (typed errors naming the bad entry).
+        groups, offsets = _reusable(groups, 3), _reusable(offsets, 1)
         self._layout = _core.TransferLayout(pool, specs, blocks_per_chunk, groups, offsets)
         self._grouped = groups is not None or offsets is not None
         # What a scratch copy of this engine needs (see self_check).
