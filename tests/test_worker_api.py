@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+import kvcache
 from tests.conftest import require_oracle
 from tests.vllm_worker_oracle import (
     Geometry,
@@ -281,5 +282,36 @@ def test_a_load_naming_a_block_twice_matches_vllms_worker() -> None:
             assert results[0] == results[1] == (2, True, 7 * 2 * 256)
             assert device_bytes(pair.our_tensors) == device_bytes(pair.vllm_tensors)
             assert pair.our_worker.get_finished() == []
+        finally:
+            pair.shutdown()
+
+
+def test_a_split_load_that_fails_part_way_leaves_no_stray_result() -> None:
+    """If queueing a later part of a split load raises, the parts already queued still run:
+    their results belong to no job, and get_finished must neither report nor trip on them."""
+    require_oracle()
+    with vllm_on_cpu():
+        (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=8)
+        try:
+            worker = pair.our_worker
+            real_load = worker.engine.load
+            calls = []
+
+            def load_then_fail(*args: object, **kwargs: object) -> int:
+                calls.append(1)
+                if len(calls) > 2:  # the first call is the unsplit attempt
+                    raise kvcache.TransferError("queue refused")
+                return real_load(*args, **kwargs)
+
+            worker.engine.load = load_then_fail
+            spec = gpu_spec([20, 21, 20, 0, 22, 0, 0], [7], [1])
+            with pytest.raises(kvcache.TransferError):
+                worker.submit_load(2, cpu_spec([0, 1, 2, 3]), spec)
+            worker.engine.load = real_load
+            worker.engine.wait(None)
+            assert worker.get_finished() == []
+            assert worker.submit_load(3, cpu_spec([0]), gpu_spec([5, 6], [2], [0]))
+            worker.wait({3})
+            assert [(r.job_id, r.success) for r in worker.get_finished()] == [(3, True)]
         finally:
             pair.shutdown()

@@ -216,6 +216,8 @@ class CPUOffloadingWorker(OffloadingWorker):
         self._jobs: dict[int, tuple[int, str]] = {}
         self._by_vllm: dict[int, list[int]] = {}
         self._partial: dict[int, list[Any]] = {}
+        # Engine jobs of a split load whose submission failed part-way (dropped when done).
+        self._orphans: set[int] = set()
 
     def _track(self, job_id: int, engine_jobs: list[int], direction: str) -> None:
         for engine_job in engine_jobs:
@@ -280,7 +282,14 @@ class CPUOffloadingWorker(OffloadingWorker):
                 raise
             for part in parts:  # all of them valid before any is queued
                 self.engine.plan(store=False, **part)
-            engine_jobs = [self.engine.load(**part, expedited=expedited) for part in parts]
+            engine_jobs = []
+            try:
+                for part in parts:
+                    engine_jobs.append(self.engine.load(**part, expedited=expedited))
+            except BaseException:
+                # Parts already queued still finish; their results then belong to no job.
+                self._orphans.update(engine_jobs)
+                raise
         direction = "expedited load, CPU -> GPU" if expedited else "load, CPU -> GPU"
         self._track(job_id, engine_jobs, direction)
         return True
@@ -288,6 +297,9 @@ class CPUOffloadingWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         out = []
         for r in self.engine.poll_results():
+            if r.job_id in self._orphans:
+                self._orphans.discard(r.job_id)
+                continue
             job_id, direction = self._jobs.pop(r.job_id)
             ok, nbytes, seconds, error = r.success, r.nbytes, r.seconds, r.error
             partial = self._partial.get(job_id)
