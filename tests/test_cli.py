@@ -684,10 +684,10 @@ def test_transfer_bench_torch_missing_inside_the_bench(
     """torch found by name but failing to import inside the bench: still one line."""
     from kvcache.transfer import _bench
 
-    def needs_torch(argv: list[str] | None = None) -> int:
+    def needs_torch(args: object) -> int:
         raise ModuleNotFoundError("No module named 'torch._C'", name="torch._C")
 
-    monkeypatch.setattr(_bench, "main", needs_torch)
+    monkeypatch.setattr(_bench, "run", needs_torch)
     assert_one_line_error(*run(["transfer", "bench"], capsys), "needs torch")
 
 

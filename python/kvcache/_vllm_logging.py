@@ -23,11 +23,8 @@ class _ToVllmHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         vllm_logger = logging.getLogger(VLLM_LOGGER)
-        if record.levelno < vllm_logger.getEffectiveLevel():
-            return
-        for handler in vllm_logger.handlers:
-            if record.levelno >= handler.level:
-                handler.handle(record)
+        if vllm_logger.isEnabledFor(record.levelno):
+            vllm_logger.handle(record)  # its filters, handlers and levels, as vLLM set them
 
 
 def vllm_logging_configured() -> bool:

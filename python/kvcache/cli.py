@@ -440,18 +440,12 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
     return 1 if diverged else 0
 
 
-def _transfer_bench(argv: list[str], stderr: TextIO) -> int:
+def _transfer_bench(argv: list[str]) -> int:
     # The bench parses its own options, answers --help and checks its paths without torch,
-    # and reports a missing torch itself; this also catches torch failing to import later on.
+    # and reports a missing torch (up front or on a later import) in one line itself.
     from kvcache.transfer import _bench
 
-    try:
-        return _bench.main(argv)
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").partition(".")[0] != "torch":
-            raise
-        print(_bench.MISSING_TORCH, file=stderr)
-        return 2
+    return _bench.main(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -466,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.transfer_command is None:
             print(args.transfer_help(), file=sys.stderr, end="")
             return 2
-        return _transfer_bench(extra, sys.stderr)
+        return _transfer_bench(extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
