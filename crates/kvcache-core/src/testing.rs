@@ -445,7 +445,10 @@ pub enum ManagerOp {
         keys: Vec<u8>,
     },
     Reset,
-    TakeEvents,
+    /// Take the events; with `requeue`, put them back and check the next take returns them.
+    TakeEvents {
+        requeue: bool,
+    },
 }
 
 impl<'a> Arbitrary<'a> for ManagerOp {
@@ -473,7 +476,9 @@ impl<'a> Arbitrary<'a> for ManagerOp {
             12 => ManagerOp::Release { req: req(u)? },
             13 => ManagerOp::Touch { keys: keys(u)? },
             14 => ManagerOp::Reset,
-            _ => ManagerOp::TakeEvents,
+            _ => ManagerOp::TakeEvents {
+                requeue: u.ratio(1, 3)?,
+            },
         })
     }
 }
@@ -726,8 +731,15 @@ impl<P: Policy<ChunkId>> ManagerHarness<P> {
                     r.stores.clear();
                 }
             }
-            ManagerOp::TakeEvents => {
-                m.take_events();
+            ManagerOp::TakeEvents { requeue } => {
+                let events = m.take_events();
+                if *requeue {
+                    m.requeue_events(events.clone());
+                    let again = m.take_events();
+                    if again != events {
+                        return Err(format!("requeued {events:?}, took back {again:?}"));
+                    }
+                }
             }
         }
         self.validate()

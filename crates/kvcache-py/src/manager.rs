@@ -10,7 +10,7 @@
 use std::ffi::c_int;
 use std::ptr;
 
-use kvcache_core::manager::{ChunkRecord, Event, LookupResult, ManagerConfig, StoreOutput, FREE};
+use kvcache_core::manager::{ChunkRecord, Event, ManagerConfig, StoreOutput, FREE};
 use kvcache_core::{CoreError, Key, KeyHasher, RequestToken};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
@@ -66,8 +66,6 @@ struct State {
     hasher: KeyHasher,
     /// Per live request (by token id): its key objects and position-walk cursor.
     observed: hashbrown::HashMap<u64, Observed, foldhash::fast::RandomState>,
-    /// Events taken from the core that a failed `take_events` could not hand out.
-    unreported: Vec<Event>,
 }
 
 /// Offloading manager for host-memory KV chunks: vLLM 0.33.0's `CPUOffloadingManager`
@@ -207,23 +205,6 @@ impl State {
         let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k.as_slice())))?;
         self.types.event(py, keys, e.removed, e.metadata_only)
     }
-
-    /// Events a failed `take_events` kept back. A failed store's cleanup names only keys no
-    /// store has made resident again since, as the core's own queue does.
-    fn take_unreported(&mut self) -> Vec<Event> {
-        let mut events = std::mem::take(&mut self.unreported);
-        if events.is_empty() {
-            return events;
-        }
-        for e in events.iter_mut().filter(|e| e.metadata_only) {
-            e.keys.retain(|k| {
-                let key = Key::new(&self.hasher, k.as_slice());
-                self.ops.lookup(key) == LookupResult::Miss
-            });
-        }
-        events.retain(|e| !e.keys.is_empty());
-        events
-    }
 }
 
 #[pymethods]
@@ -285,7 +266,6 @@ impl PyManager {
                     contexts: ContextTypeCache::positions(),
                     hasher: KeyHasher::global(),
                     observed: Default::default(),
-                    unreported: Vec::new(),
                 },
                 "offloading manager",
             ),
@@ -538,17 +518,16 @@ impl PyManager {
     /// Events (stored / removed keys) since the last call.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut state = self.inner.lock(py)?;
-        let mut events = state.take_unreported();
-        events.extend(state.ops.take_events());
+        let events = state.ops.take_events();
         // All or nothing: every event is built before any is handed out; if one cannot be,
-        // they all wait for the next call.
+        // they all go back to the manager for the next call.
         let built = events
             .iter()
             .map(|e| state.event(py, e))
             .collect::<PyResult<Vec<_>>>()
             .and_then(|objects| PyList::new(py, objects));
         if built.is_err() {
-            state.unreported = events;
+            state.ops.requeue_events(events);
         }
         built
     }

@@ -42,6 +42,7 @@ pub trait ManagerOps: Send {
     /// Finishes the request; `positions[i]` is the token position of its `i`-th observed key.
     fn finish_request(&mut self, token: RequestToken, positions: &[Option<i64>]);
     fn take_events(&mut self) -> Vec<Event>;
+    fn requeue_events(&mut self, events: Vec<Event>);
     fn reset(&mut self);
     fn take_stats(&mut self) -> Stats;
     fn memory_usage(&self) -> MemoryUsage;
@@ -128,6 +129,9 @@ where
     }
     fn take_events(&mut self) -> Vec<Event> {
         Manager::take_events(self)
+    }
+    fn requeue_events(&mut self, events: Vec<Event>) {
+        Manager::requeue_events(self, events);
     }
     fn reset(&mut self) {
         Manager::reset(self);

@@ -692,6 +692,16 @@ impl<P: Policy<ChunkId>> Manager<P> {
             .collect()
     }
 
+    /// Puts back events a caller took but could not deliver, in front of those collected
+    /// since: the next [`take_events`](Self::take_events) returns them first (and filters a
+    /// failed store's cleanup again).
+    pub fn requeue_events(&mut self, mut events: Vec<Event>) {
+        if let Some(queue) = &mut self.events {
+            events.append(queue);
+            *queue = events;
+        }
+    }
+
     /// Drops every chunk and request state (vLLM's `reset_cache`); events, the access tracker
     /// and pending stats survive, as in vLLM.
     pub fn reset(&mut self) {
