@@ -114,12 +114,7 @@ impl CpuCopier {
                 "the CPU copier only runs plans over host-memory layers",
             ));
         }
-        if !data.has_lease() {
-            return Err(typed(
-                |e| &e.invalid_state,
-                "this plan was already executed",
-            ));
-        }
+        data.check_not_executed()?;
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let tx = tx
             .as_ref()

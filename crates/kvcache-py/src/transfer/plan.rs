@@ -502,6 +502,19 @@ impl PlanData {
             .unwrap_or_else(|e| e.into_inner())
             .is_some()
     }
+
+    /// Refuses a plan that already ran (its lease is gone): what every executor checks before
+    /// queueing one.
+    pub(crate) fn check_not_executed(&self) -> PyResult<()> {
+        if self.has_lease() {
+            Ok(())
+        } else {
+            Err(typed(
+                |e| &e.invalid_state,
+                "this plan was already executed",
+            ))
+        }
+    }
 }
 
 /// The runs of one job, plus what keeps their memory valid.

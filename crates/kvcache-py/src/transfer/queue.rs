@@ -425,12 +425,7 @@ impl CudaQueue {
         // Host-layer plans are accepted too (cudaMemcpyDefault copies host to host): the tests
         // drive a queue with them.
         let data = plan.get().data();
-        if !data.has_lease() {
-            return Err(typed(
-                |e| &e.invalid_state,
-                "this plan was already executed",
-            ));
-        }
+        data.check_not_executed()?;
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let tx = tx
             .as_ref()
