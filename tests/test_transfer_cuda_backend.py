@@ -429,12 +429,6 @@ def test_kernel_needs_a_pinned_pool() -> None:
         planner.close()
 
 
-def spans(blocks: list[int]) -> Any:
-    from kvcache.transfer._engine import _Spans
-
-    return _Spans(np.asarray(blocks, dtype=np.int64), (len(blocks),), (0,))
-
-
 def test_stores_use_dma_and_loads_with_small_runs_the_kernel() -> None:
     """The method choice alone (no launch): with a kernel-ready pool, stores stay on DMA; loads
     take the kernel when their DMA runs after coalescing would be small and there are enough
@@ -448,23 +442,23 @@ def test_stores_use_dma_and_loads_with_small_runs_the_kernel() -> None:
     backend.kernel_max_run_bytes = 1024
     scattered = list(range(0, 16, 2))
     p = plan(planner, True, scattered, [0, 1, 2, 3])
-    assert not backend._use_kernel(p, spans(scattered))
+    assert not backend._use_kernel(p)
     p = plan(planner, False, scattered, [0, 1, 2, 3])
-    assert backend._use_kernel(p, spans(scattered))
+    assert backend._use_kernel(p)
     # Consecutive ids: each chunk's two blocks coalesce per layer into 512-byte runs, still
     # small; a cut-off of 256 bytes sends them to DMA, while scattered 256-byte pages would
     # still take the kernel.
     fresh = list(range(8))
-    assert (
-        backend._average_run_bytes(plan(planner, False, fresh, [0, 1, 2, 3]), spans(fresh)) == 512
-    )
-    assert backend._average_run_bytes(p, spans(scattered)) == 256
+    fresh_plan = plan(planner, False, fresh, [0, 1, 2, 3])
+    assert fresh_plan.nbytes / fresh_plan.max_runs == 512
+    assert fresh_plan.max_runs == len(fresh_plan)
+    assert p.nbytes / p.max_runs == 256
     backend.kernel_max_run_bytes = 256
-    assert not backend._use_kernel(plan(planner, False, fresh, [0, 1, 2, 3]), spans(fresh))
-    assert backend._use_kernel(plan(planner, False, scattered, [0, 1, 2, 3]), spans(scattered))
+    assert not backend._use_kernel(fresh_plan)
+    assert backend._use_kernel(plan(planner, False, scattered, [0, 1, 2, 3]))
     backend.kernel_max_run_bytes = 128  # pages of 256 bytes are now "large"
-    assert not backend._use_kernel(p, spans(scattered))
-    del p  # a plan holds the pool
+    assert not backend._use_kernel(p)
+    del p, fresh_plan  # a plan holds the pool
     backend.close()
     planner.close()
     pool.close()
@@ -500,11 +494,11 @@ def test_kernel_copy_waits_for_background_pinning() -> None:
         cuda=FakeCuda(),
     )
     ids = list(range(0, 16, 2))
-    assert not backend._use_kernel(plan(planner, False, ids, [0, 1, 2, 3]), spans(ids))
+    assert not backend._use_kernel(plan(planner, False, ids, [0, 1, 2, 3]))
     gate.set()
     assert pool.wait_pinned(10.0)["state"] == "pinned"
-    assert backend._use_kernel(plan(planner, False, ids, [0, 1, 2, 3]), spans(ids))
-    assert backend._use_kernel(plan(planner, True, ids, [0, 1, 2, 3]), spans(ids))
+    assert backend._use_kernel(plan(planner, False, ids, [0, 1, 2, 3]))
+    assert backend._use_kernel(plan(planner, True, ids, [0, 1, 2, 3]))
     backend.close()
     planner.close()
     pool.close()

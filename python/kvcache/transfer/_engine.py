@@ -35,7 +35,7 @@ QUEUES: tuple[Queue, ...] = ("store", "load", "expedited")
 
 # The kernel/DMA cut-off for loads when it is not calibrated: vLLM 0.33.0's fixed threshold,
 # tuned on one H100. It is compared with the job's average bytes per DMA run after coalescing
-# (estimated from the block ids, see _CudaBackend._average_run_bytes): the number of runs,
+# (counted from the block ids, see _CudaBackend._use_kernel): the number of runs,
 # not the page size, is what limits DMA.
 DEFAULT_KERNEL_MAX_RUN_BYTES = 28 * 1024
 # The smallest batch worth a kernel launch.
@@ -98,9 +98,7 @@ def _layer_spec(t: torch.Tensor, index: int, *, host: bool) -> tuple[Any, ...]:
 
 
 class _Backend(Protocol):
-    def submit(
-        self, job_id: int, plan: _core.Plan, queue: Queue, spans: _Spans | None = None
-    ) -> None: ...
+    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None: ...
 
     def collect(self) -> list[JobResult]: ...
 
@@ -115,14 +113,6 @@ class _Backend(Protocol):
     def check_methods(self) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
 
 
-class _Spans(NamedTuple):
-    """A job's device block ids and, per group, its block count and first logical index."""
-
-    gpu_ids: Any  # 1-d int array
-    group_sizes: Sequence[int]
-    block_indices: Sequence[int]
-
-
 class _CpuBackend:
     """Copies in Rust on one worker thread per queue (GIL released), each in submission order."""
 
@@ -132,9 +122,7 @@ class _CpuBackend:
         self._copiers = {q: _core.CpuCopier(execute=execute) for q in QUEUES}
         self._plans: dict[int, tuple[int, bool]] = {}
 
-    def submit(
-        self, job_id: int, plan: _core.Plan, queue: Queue, spans: _Spans | None = None
-    ) -> None:
+    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
         self._copiers[queue].submit(job_id, plan)
         self._plans[job_id] = (plan.logical_nbytes, plan.store)
 
@@ -315,31 +303,7 @@ class _CudaBackend:
         loads = ("dma", "kernel") if kernel else ("dma",)
         return stores, loads
 
-    def _average_run_bytes(self, plan: _core.Plan, spans: _Spans) -> float:
-        """The job's bytes over its DMA runs after coalescing, estimated from the block ids
-        (vectorised, O(blocks), without building the runs on this thread): a reference that
-        can coalesce makes one run per stretch of consecutive block ids within one chunk,
-        any other reference one run per block."""
-        import numpy as np
-
-        bpc = self._layout.blocks_per_chunk
-        ids = spans.gpu_ids
-        runs = 0
-        first = 0
-        for g, (n, start) in enumerate(zip(spans.group_sizes, spans.block_indices, strict=True)):
-            if n == 0:
-                continue
-            merging, single = self._merge[g]
-            stretches = n
-            if merging and n > 1:
-                block = ids[first : first + n]
-                slots = (np.arange(1, n) + start) % bpc
-                stretches = 1 + int(np.count_nonzero((np.diff(block) != 1) | (slots == 0)))
-            runs += merging * stretches + single * n
-            first += n
-        return plan.nbytes / max(runs, 1)
-
-    def _use_kernel(self, plan: _core.Plan, spans: _Spans | None) -> bool:
+    def _use_kernel(self, plan: _core.Plan) -> bool:
         """Stores always use DMA (bandwidth-bound; the copy engine beats SMs and leaves them to
         the model) unless ``copy='kernel'``; loads use the kernel when their DMA runs would be
         small: at least ``kernel_min_runs`` pages and an average run after coalescing of at
@@ -358,9 +322,9 @@ class _CudaBackend:
         # Runs are never smaller than pages: the per-page average settles large pages cheaply.
         if plan.nbytes > plan.num_pages * self.kernel_max_run_bytes:
             return False
-        if spans is None:
-            return True
-        return self._average_run_bytes(plan, spans) <= self.kernel_max_run_bytes
+        # Average bytes per DMA run after coalescing (at least, as max_runs is an upper bound):
+        # counted from the block ids in Rust, without building the runs on this thread.
+        return plan.nbytes <= plan.max_runs * self.kernel_max_run_bytes
 
     def _refs_on_device(self, group: int) -> Any:
         refs = self._refs_dev.get(group)
@@ -425,10 +389,8 @@ class _CudaBackend:
             _KernelJob(job_id, plan, start, end, error is None, error, keep)
         )
 
-    def submit(
-        self, job_id: int, plan: _core.Plan, queue: Queue, spans: _Spans | None = None
-    ) -> None:
-        if self._use_kernel(plan, spans):
+    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
+        if self._use_kernel(plan):
             self._submit_kernel(job_id, plan, queue)
             return
         order = SRC_ACCESS_ORDER_STREAM if plan.store else SRC_ACCESS_ORDER_ANY
@@ -529,7 +491,7 @@ class TransferEngine:
     loads. CUDA layers: one stream per queue, each job after the work already queued on the
     current stream. Pages contiguous on both sides are merged. Stores use DMA; loads use a
     Triton kernel that reads pinned host memory directly when the job's DMA runs would be
-    small (average bytes per run after coalescing, estimated from the block ids, at most
+    small (average bytes per run after coalescing, counted from the block ids, at most
     ``kernel_max_run_bytes``, chosen per device by a short calibration unless given) and DMA
     otherwise; DMA is one ``cuMemcpyBatchAsync`` per job where the driver has it, else one
     ``cudaMemcpyAsync`` per run. ``copy="kernel"``/``"dma"`` forces one method. A pageable pool
@@ -731,7 +693,7 @@ class TransferEngine:
         """Validates a request and returns its copy plan without running it (diagnostics:
         ``len(plan)`` runs after coalescing, ``plan.num_pages`` before). The plan keeps the
         pool from closing until it is dropped."""
-        return self._plan(store, gpu_block_ids, chunk_ids, group_sizes, block_indices)[0]
+        return self._plan(store, gpu_block_ids, chunk_ids, group_sizes, block_indices)
 
     def _plan(
         self,
@@ -740,16 +702,13 @@ class TransferEngine:
         chunk_ids: object,
         group_sizes: Sequence[int] | None,
         block_indices: Sequence[int] | None,
-    ) -> tuple[_core.Plan, _Spans]:
+    ) -> _core.Plan:
         self._check_open()
         g = as_ids("gpu_block_ids", gpu_block_ids)
         c = as_ids("chunk_ids", chunk_ids)
         if group_sizes is None and block_indices is None and self._layout.num_groups > 1:
             raise InvalidArgumentError("this engine has several groups: give group_sizes")
-        plan = self._layout.plan(store, g, c, group_sizes, block_indices)
-        if group_sizes is None or block_indices is None:
-            return plan, _Spans(g, (len(g),), (0,))
-        return plan, _Spans(g, group_sizes, block_indices)
+        return self._layout.plan(store, g, c, group_sizes, block_indices)
 
     def _submit(
         self,
@@ -759,11 +718,9 @@ class TransferEngine:
         group_sizes: Sequence[int] | None,
         block_indices: Sequence[int] | None,
     ) -> int:
-        plan, spans = self._plan(
-            queue == "store", gpu_block_ids, chunk_ids, group_sizes, block_indices
-        )
+        plan = self._plan(queue == "store", gpu_block_ids, chunk_ids, group_sizes, block_indices)
         job_id = next(self._next_id)
-        self._backend.submit(job_id, plan, queue, spans)
+        self._backend.submit(job_id, plan, queue)
         self._issued = job_id + 1
         self._unreported.add(job_id)
         return job_id

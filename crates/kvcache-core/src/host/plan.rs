@@ -807,9 +807,7 @@ impl TransferLayout {
                     let mut host = chunk_host + self.host_offsets[r.tensor] + to_u64(lo) * page;
                     let mut mergeable =
                         prev_segment == Some(layer.segment) && !(first_of_chunk && at_boundary);
-                    // Whole pages of densely packed blocks: a streak is one contiguous range on
-                    // both sides.
-                    let dense = r.bytes == page && layer.block_stride == page;
+                    let dense = self.is_dense(r);
                     let mut i = 0;
                     for &len in &streaks {
                         if dense {
@@ -842,6 +840,40 @@ impl TransferLayout {
             }
         }
         b.finish(req.pages, req.bytes, req.logical_bytes)
+    }
+
+    /// Whole pages of densely packed blocks: a streak of consecutive block ids is one
+    /// contiguous range on both sides, hence one run.
+    fn is_dense(&self, r: &GroupRef) -> bool {
+        let layer = &self.layers[r.tensor];
+        r.bytes == layer.page_bytes && layer.block_stride == layer.page_bytes
+    }
+
+    /// How many runs [`Self::build`] makes when none joins two tensors, two chunks or two
+    /// groups: an upper bound, exact for most layouts (a single tensor, or tensors in one
+    /// allocation, can merge further). Linear in the blocks and independent of the number of
+    /// tensors, so the thread that submits a job can choose between DMA and a copy kernel
+    /// without building the runs.
+    pub fn max_runs(&self, req: &Request) -> u64 {
+        let bpc = self.blocks_per_chunk;
+        let mut runs = 0u64;
+        for (group, p) in self.groups.iter().zip(&req.parts) {
+            if p.blocks == 0 {
+                continue;
+            }
+            let dense = to_u64(group.refs.iter().filter(|r| self.is_dense(r)).count());
+            let others = to_u64(group.refs.len()) - dense;
+            let blocks = &req.gpu_ids[p.gpu..p.gpu + p.blocks];
+            // A streak ends where the ids stop being consecutive or a new chunk begins.
+            let mut streaks = 1u64;
+            for (k, pair) in blocks.windows(2).enumerate() {
+                if pair[1] != pair[0].wrapping_add(1) || (p.skip + k + 1) % bpc == 0 {
+                    streaks += 1;
+                }
+            }
+            runs += dense * streaks + others * to_u64(p.blocks);
+        }
+        runs
     }
 
     /// Per-block addressing for a copy kernel that computes page addresses itself: for each

@@ -596,6 +596,13 @@ impl Plan {
         out.copy_from_slice(py, &table)
     }
 
+    /// Runs the plan makes at most, counted from its block ids without building them (exact
+    /// unless runs join tensors or chunks); what the engine weighs DMA against a kernel with.
+    #[getter]
+    fn max_runs(&self) -> u64 {
+        self.data.shared.layout.max_runs(&self.data.req)
+    }
+
     #[getter]
     fn max_run_bytes(&self) -> u64 {
         self.data.runs().max_run_bytes()

@@ -573,6 +573,16 @@ proptest! {
         let req = lay.validate(dir, g.clone(), c.clone(), spans.clone(), &mut PlanScratch::default())
             .unwrap();
         let runs = lay.build(&req);
+        // The bound the submitting thread reads; exact when no run can join two tensors: every
+        // group has two distinct tensors and no two groups meet on one.
+        let bound = lay.max_runs(&req);
+        prop_assert!(w(runs.len()) <= bound);
+        let distinct = |g: &[GroupRef]| g.iter().map(|r| r.tensor).collect::<std::collections::BTreeSet<_>>();
+        let exact = groups.iter().all(|g| distinct(g).len() >= 2)
+            && groups.windows(2).all(|p| distinct(&p[0]).is_disjoint(&distinct(&p[1])));
+        if exact {
+            prop_assert_eq!(w(runs.len()), bound);
+        }
         let arena_len = ARENA_DEV + us(num_chunks * chunk);
         let init: Vec<u8> = (0..arena_len).map(|k| u8::try_from((k * 31 + k / 256) % 251).unwrap()).collect();
         let init_copy = init.clone();
