@@ -162,7 +162,8 @@ impl State {
         let keys = collect_keys(keys)?;
         let (positions, cursor) = self.positions(ctx, &keys)?;
         self.bury_dead();
-        if let Some(token) = self.cached_live(ctx) {
+        let ops = &self.ops;
+        if let Some(token) = self.owner.cached_live(ctx, |t| ops.is_live_request(t)) {
             return Ok((keys, positions, cursor, token));
         }
         let live = self
@@ -173,7 +174,8 @@ impl State {
             let ks = self.keys(&keys);
             self.ops.check_request_call(&ks, load).py_err()?;
         }
-        let token = self.token_on(ctx)?;
+        let ops = &mut self.ops;
+        let token = self.owner.token(ctx, |current| ops.request(current))?;
         Ok((keys, positions, cursor, token))
     }
 
@@ -186,19 +188,6 @@ impl State {
             |ops, token| ops.is_live_request(token),
             |ops, current| ops.request(current),
         )
-    }
-
-    /// The token of a recently seen context, if its request state is still live.
-    fn cached_live(&self, ctx: &Bound<'_, PyAny>) -> Option<RequestToken> {
-        self.owner
-            .cached(ctx)
-            .filter(|&token| self.ops.is_live_request(token))
-    }
-
-    /// The token stored on `ctx`, made valid (a new request state if it has none).
-    fn token_on(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<RequestToken> {
-        let ops = &mut self.ops;
-        self.owner.token(ctx, |current| ops.request(current))
     }
 
     fn event<'py>(&self, py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyAny>> {

@@ -220,10 +220,20 @@ impl Owner {
         is_live: impl FnOnce(&S, Token) -> bool,
         validate: impl FnOnce(&mut S, Option<Token>) -> Token,
     ) -> PyResult<Token> {
-        if let Some(token) = self.cached(ctx).filter(|&t| is_live(states, t)) {
+        if let Some(token) = self.cached_live(ctx, |t| is_live(states, t)) {
             return Ok(token);
         }
         self.token(ctx, |current| validate(states, current))
+    }
+
+    /// The first half of [`live_token`](Self::live_token), for callers that must check
+    /// something before a state is created: a recently seen context's token if `is_live`.
+    pub fn cached_live(
+        &self,
+        ctx: &Bound<'_, PyAny>,
+        is_live: impl FnOnce(Token) -> bool,
+    ) -> Option<Token> {
+        self.cached(ctx).filter(|&t| is_live(t))
     }
 
     /// The owner's token on `ctx` if it has one (no state is created).
