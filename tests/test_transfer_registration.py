@@ -197,8 +197,12 @@ def test_failed_background_registration_is_reported_once(
         assert not pool.kernel_ready
         warnings = [r for r in caplog.records if "stays pageable" in r.getMessage()]
         assert len(warnings) == 1
-        assert rt.unregistered == [rt.registered[0][0]]
+        # The piece registered before the failure may be under a copy: it stays registered
+        # until the pool closes.
+        assert rt.unregistered == []
+        assert pool.registration_pieces == 1
         assert rt.last_error == 0
+    assert rt.unregistered == [rt.registered[0][0]]
 
 
 def test_real_runtime_without_a_gpu_fails_cleanly(caplog: pytest.LogCaptureFixture) -> None:

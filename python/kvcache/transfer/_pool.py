@@ -102,11 +102,14 @@ class HostChunkPool(_core.HostChunkPool):
                 status["seconds"],
             )
         elif state == "failed":
+            # The pieces already registered stay so until close(): copies may be using them.
             logger.warning(
-                "pinning the host chunk pool failed (CUDA error %d at offset %d); it "
-                "stays pageable (slower)",
+                "pinning the host chunk pool failed (CUDA error %d at offset %d); the "
+                "%.1f GiB before it stay pinned until the pool is closed, the rest stays "
+                "pageable (slower)",
                 status["code"],
                 status["offset"],
+                status["offset"] / 2**30,
             )
 
     @property

@@ -64,7 +64,9 @@ pub enum PinStatus {
     Pinning { done: usize, total: usize },
     /// Registered in `pieces` pieces; `seconds` is how long it took (prefault included).
     Pinned { pieces: usize, seconds: f64 },
-    /// The last background registration failed and was rolled back (the region is pageable).
+    /// The background registration failed at `offset`: the pieces before it stay registered
+    /// until `close()` (copies may be using them), the rest is pageable. The region is not
+    /// "registered": kernels that need every byte pinned must not use it.
     Failed {
         code: i32,
         offset: usize,
@@ -175,28 +177,40 @@ fn lcm(a: usize, b: usize) -> Option<usize> {
     (a / gcd(a, b)).checked_mul(b)
 }
 
+/// `(address, length)` of registered pieces, in registration order.
+type Pieces = Vec<(usize, usize)>;
+
 struct Registration {
     registrar: Box<dyn HostRegistrar>,
-    /// `(address, length)` of every registered piece, in registration order.
-    pieces: Vec<(usize, usize)>,
+    pieces: Pieces,
 }
 
 impl Registration {
     /// Unregisters every piece (last first); returns how many calls failed.
     fn undo(mut self) -> usize {
-        let mut failures = 0;
-        while let Some((addr, _)) = self.pieces.pop() {
-            if self.registrar.unregister(addr).is_err() {
-                self.registrar.clear_error();
-                failures += 1;
-            }
-        }
-        failures
+        unregister_all(&mut *self.registrar, self.pieces)
     }
+}
+
+/// Unregisters `pieces` (last first), clearing the error of each failed call; returns how
+/// many failed.
+fn unregister_all(registrar: &mut dyn HostRegistrar, mut pieces: Pieces) -> usize {
+    let mut failures = 0;
+    while let Some((addr, _)) = pieces.pop() {
+        if registrar.unregister(addr).is_err() {
+            registrar.clear_error();
+            failures += 1;
+        }
+    }
+    failures
 }
 
 struct State {
     registration: Option<Registration>,
+    /// The pieces a failed background registration had registered. Copies submitted while it
+    /// ran may still be using them (pinned memory is not safe to unpin under a DMA in flight),
+    /// so they stay registered until `close()`, which waits for every lease.
+    partial: Option<Registration>,
     leases: usize,
     closed: bool,
     /// Piece size and count of the registration in place or under way (layouts built while
@@ -263,6 +277,7 @@ impl HostRegion {
             map_len,
             state: Mutex::new(State {
                 registration: None,
+                partial: None,
                 leases: 0,
                 closed: false,
                 planned: None,
@@ -323,11 +338,13 @@ impl HostRegion {
         self.lock().planned.map_or(0, |(_, count)| count)
     }
 
-    /// Number of registered pieces (0 when not registered).
+    /// Number of registered pieces: of the registration in place, or those a failed
+    /// background registration left registered (0 when none).
     pub fn registered_pieces(&self) -> usize {
-        self.lock()
-            .registration
+        let st = self.lock();
+        st.registration
             .as_ref()
+            .or(st.partial.as_ref())
             .map_or(0, |r| r.pieces.len())
     }
 
@@ -375,7 +392,13 @@ impl HostRegion {
             piece
         };
         let started = Instant::now();
-        let outcome = self.register_pieces(&mut *registrar, piece, None);
+        // Nothing can copy from the region before this returns: a failure is undone at once.
+        let outcome = self
+            .register_pieces(&mut *registrar, piece, None)
+            .map_err(|(e, pieces)| {
+                unregister_all(&mut *registrar, pieces);
+                e
+            });
         let mut st = self.lock();
         match outcome {
             Ok(pieces) if st.closed => {
@@ -427,11 +450,12 @@ impl HostRegion {
                     Ok(()) => region.register_pieces(&mut *registrar, piece, Some(&region.cancel)),
                     Err(code) => {
                         registrar.clear_error();
-                        Err(HostError::Register {
+                        let e = HostError::Register {
                             code,
                             offset: 0,
                             len: 0,
-                        })
+                        };
+                        Err((e, Vec::new()))
                     }
                 };
                 let mut st = region.lock();
@@ -451,13 +475,19 @@ impl HostRegion {
                         st.planned = None;
                         st.status = PinStatus::Unpinned;
                     }
-                    Err(HostError::Register { code, offset, len }) => {
-                        st.planned = None;
-                        st.status = PinStatus::Failed { code, offset, len };
-                    }
-                    Err(_) => {
-                        st.planned = None;
-                        st.status = PinStatus::Unpinned;
+                    Err((e, pieces)) => {
+                        st.status = match e {
+                            HostError::Register { code, offset, len } => {
+                                PinStatus::Failed { code, offset, len }
+                            }
+                            _ => PinStatus::Unpinned,
+                        };
+                        if pieces.is_empty() {
+                            st.planned = None;
+                        } else {
+                            // Copies may be using them: kept (boundaries included) until close.
+                            st.partial = Some(Registration { registrar, pieces });
+                        }
                     }
                 }
             })
@@ -484,20 +514,22 @@ impl HostRegion {
         if st.closed {
             return Err(HostError::Closed);
         }
-        if st.registration.is_some() || st.pin_thread.is_some() {
+        if st.registration.is_some() || st.partial.is_some() || st.pin_thread.is_some() {
             return Err(HostError::AlreadyRegistered);
         }
         registration_piece_bytes(self.map_len, unit, page_size(), max_piece)
     }
 
-    /// Prefaults and registers every piece in address order; on failure (or when `cancel` is
-    /// set) undoes the pieces it registered. The state lock is not held meanwhile.
+    /// Prefaults and registers every piece in address order, stopping early when `cancel` is
+    /// set. On failure, clears the registrar's error and returns the error with the pieces
+    /// registered so far, still registered: whether they can be given back at once depends
+    /// on whether copies may be using them. The state lock is not held meanwhile.
     fn register_pieces(
         &self,
         registrar: &mut dyn HostRegistrar,
         piece: usize,
         cancel: Option<&AtomicBool>,
-    ) -> HostResult<Vec<(usize, usize)>> {
+    ) -> Result<Pieces, (HostError, Pieces)> {
         let total = self.map_len.div_ceil(piece);
         let mut pieces = Vec::with_capacity(total);
         let base = self.addr();
@@ -516,12 +548,7 @@ impl HostRegion {
             };
             if let Err(code) = rc {
                 registrar.clear_error();
-                while let Some((addr, _)) = pieces.pop() {
-                    if registrar.unregister(addr).is_err() {
-                        registrar.clear_error();
-                    }
-                }
-                return Err(HostError::Register { code, offset, len });
+                return Err((HostError::Register { code, offset, len }, pieces));
             }
             pieces.push((base + offset, len));
             let mut st = self.lock();
@@ -581,7 +608,8 @@ impl HostRegion {
             let _ = thread.join();
             st = self.lock();
         }
-        let failures = st.registration.take().map_or(0, Registration::undo);
+        let failures = st.registration.take().map_or(0, Registration::undo)
+            + st.partial.take().map_or(0, Registration::undo);
         st.planned = None;
         st.status = PinStatus::Unpinned;
         // SAFETY: the range is exactly our own private anonymous mapping. MADV_DONTNEED only
@@ -626,7 +654,10 @@ impl HostRegion {
 impl Drop for HostRegion {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        if let Some(reg) = st.registration.take() {
+        for reg in [st.registration.take(), st.partial.take()]
+            .into_iter()
+            .flatten()
+        {
             reg.undo();
         }
         // SAFETY: we own the mapping and this is its only unmap; no `Arc` (hence no lease,
@@ -754,11 +785,13 @@ mod tests {
     }
 
     #[test]
-    fn background_pinning_failure_rolls_back_and_close_cancels() {
+    fn a_failed_background_registration_keeps_its_pieces_until_close() {
         let page = page_size();
         let r = Arc::new(HostRegion::new(8 * page).unwrap());
         let (m, log) = mock(Some(3));
         r.register_background(m, page, 2 * page).unwrap();
+        // A transfer started while pinning ran: its copies may use the registered pieces.
+        let lease = r.lease().unwrap();
         let status = r.wait_pinned(Duration::from_secs(5));
         assert_eq!(
             status,
@@ -768,11 +801,51 @@ mod tests {
                 len: 2 * page
             }
         );
-        assert!(!r.is_registered());
-        assert_eq!(r.registration_piece_bytes(), None);
-        assert_eq!(log.unregistered.lock().unwrap().len(), 2);
+        assert!(!r.is_registered(), "not every byte is pinned");
         assert_eq!(log.cleared.load(Ordering::Relaxed), 1);
-        // A second attempt may follow a failure; close() stops it and rolls back.
+        assert_eq!(log.unregistered.lock().unwrap().len(), 0);
+        assert_eq!(r.registered_pieces(), 2);
+        // Layouts must keep respecting the boundaries of the pieces still registered.
+        assert_eq!(r.registration_piece_bytes(), Some(2 * page));
+        assert!(matches!(
+            r.register_background(mock(None).0, page, 2 * page),
+            Err(HostError::AlreadyRegistered)
+        ));
+        assert!(matches!(r.close(), Err(HostError::Busy { leases: 1 })));
+        assert_eq!(log.unregistered.lock().unwrap().len(), 0);
+        drop(lease);
+        assert_eq!(r.close().unwrap(), 0);
+        assert_eq!(log.unregistered.lock().unwrap().len(), 2);
+        assert_eq!(r.registered_pieces(), 0);
+        assert_eq!(r.pin_status(), PinStatus::Unpinned);
+    }
+
+    #[test]
+    fn a_failed_first_piece_leaves_nothing_to_give_back() {
+        let page = page_size();
+        let r = Arc::new(HostRegion::new(4 * page).unwrap());
+        let (m, log) = mock(Some(1));
+        r.register_background(m, page, page).unwrap();
+        assert!(matches!(
+            r.wait_pinned(Duration::from_secs(5)),
+            PinStatus::Failed { offset: 0, .. }
+        ));
+        assert_eq!(r.registered_pieces(), 0);
+        assert_eq!(r.registration_piece_bytes(), None);
+        // Nothing is registered: another attempt may follow.
+        r.register_background(mock(None).0, page, page).unwrap();
+        assert!(matches!(
+            r.wait_pinned(Duration::from_secs(5)),
+            PinStatus::Pinned { pieces: 4, .. }
+        ));
+        r.close().unwrap();
+        assert_eq!(log.unregistered.lock().unwrap().len(), 0);
+    }
+
+    #[test]
+    fn close_cancels_a_background_registration_and_rolls_it_back() {
+        let page = page_size();
+        let r = Arc::new(HostRegion::new(8 * page).unwrap());
         let (mut m, log) = mock(None);
         m.delay = Duration::from_millis(50); // 8 pieces: 400 ms unless close() stops it
         r.register_background(m, page, page).unwrap();

@@ -108,6 +108,8 @@ impl PyHostChunkPool {
         self.region.is_registered()
     }
 
+    /// Pieces registered now: every piece when `pinned`, or those a failed background
+    /// registration left pinned until `close()`.
     #[getter]
     fn registration_pieces(&self) -> usize {
         self.region.registered_pieces()
