@@ -359,13 +359,12 @@ def test_failed_batch_falls_back_to_per_run_copies(
     assert len(rt.copies) == runs == 8  # re-issued run by run
     backend.submit(1, plan(planner, True, [5, 6], [1]), "store")
     backend.wait(None)
-    # On a pinned pool the queue stops batching; on a pageable one (e.g. still pinning in the
-    # background) only the failed job went run by run, and the next one tries again.
-    assert len(rt.batches) == (1 if pinned else 2)
+    # Pinned or pageable, the memory will not change (no background pinning is running): the
+    # queue stops batching. (Only while pinning runs does the next job try again.)
+    assert len(rt.batches) == 1
     with caplog.at_level(logging.WARNING):
         assert ids_ok(backend.collect()) == [(0, True), (1, True)]
-    warned = any("cuMemcpyBatchAsync failed" in r.getMessage() for r in caplog.records)
-    assert warned == pinned
+    assert any("cuMemcpyBatchAsync failed" in r.getMessage() for r in caplog.records)
     assert torch.equal(pool.tensor()[7][:256], layers[0][1])
     backend.close()
     planner.close()

@@ -26,6 +26,8 @@ use std::thread::JoinHandle;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use kvcache_core::host::PinStatus;
+
 use super::cuda::{memcpy_each_run, MemcpyAsyncFn, RunFailure};
 use super::plan::{Plan, PlanData};
 use super::registrar::nonzero;
@@ -232,10 +234,11 @@ fn enqueue_copies(shared: &Shared, plan: &PlanData, order: i32) -> Option<String
             (rc, _failed_at) => {
                 // Every run is re-issued one by one below (same bytes, same stream order).
                 shared.fns.describe("cuMemcpyBatchAsync", rc);
-                if plan.region().is_registered() {
-                    // On pinned memory a failure means the driver cannot batch these copies:
-                    // stop trying. While a background registration is still running, pageable
-                    // ranges may be the cause, so only this job goes run by run.
+                if !matches!(plan.region().pin_status(), PinStatus::Pinning { .. }) {
+                    // Once pinning is over (done, failed or never asked for), the memory will
+                    // not change: the driver cannot batch these copies, stop trying. While a
+                    // background registration is still running, ranges not yet pinned may be
+                    // the cause, so only this job goes run by run.
                     shared.batch_failed.store(true, Ordering::Release);
                     *shared.batch.lock().unwrap_or_else(|e| e.into_inner()) = None;
                 }
