@@ -27,4 +27,6 @@ pub use plan::{
     CopyRuns, Direction, GroupRef, GroupSpan, HostGeometry, LayerGeometry, PlanScratch, Request,
     TransferLayout,
 };
-pub use region::{page_size, HostRegion, HostRegistrar, Lease, PinStatus, BACKGROUND_PIECE_BYTES};
+pub use region::{
+    page_size, CopyGuard, HostRegion, HostRegistrar, Lease, PinStatus, BACKGROUND_PIECE_BYTES,
+};

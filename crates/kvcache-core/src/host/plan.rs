@@ -876,6 +876,18 @@ impl TransferLayout {
         runs
     }
 
+    /// The host memory a request touches: `(address, chunk bytes)` of each of its chunks (what
+    /// a copy must keep a background registration away from).
+    pub fn chunk_ranges<'a>(&'a self, req: &'a Request) -> impl Iterator<Item = (u64, u64)> + 'a {
+        req.chunk_ids.iter().map(|&c| {
+            let c = u64::try_from(c).unwrap_or(0);
+            (
+                self.host.base + c * self.host.chunk_stride,
+                self.host.chunk_stride,
+            )
+        })
+    }
+
     /// Per-block addressing for a copy kernel that computes page addresses itself: for each
     /// group, its blocks' device ids, the host address of the chunk holding each block, and
     /// the block's slot in that chunk (three arrays of the group's length, appended to `out`

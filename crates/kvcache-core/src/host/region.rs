@@ -18,7 +18,7 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -52,8 +52,18 @@ pub trait HostRegistrar: Send {
 }
 
 /// Background pieces are at most this large: a copy submitted while a piece is being
-/// registered waits for that piece (about 0.1 s per GiB), never for the whole pool.
+/// registered waits for that piece (cited at about 0.1 s per GiB), never for the whole pool.
 pub const BACKGROUND_PIECE_BYTES: usize = 1 << 30;
+
+/// Copies and registrations exclude each other per stripe of this many bytes of the region:
+/// a copy waits only when a chunk it touches shares a stripe with the piece being registered.
+const COPY_STRIPE_BYTES: usize = BACKGROUND_PIECE_BYTES;
+
+/// Held while a DMA is submitted on the region ([`HostRegion::copy_guard_for`]): the
+/// stripes it covers cannot start registering meanwhile.
+pub struct CopyGuard<'a> {
+    _stripes: Vec<RwLockReadGuard<'a, ()>>,
+}
 
 /// Where pinning stands (see [`HostRegion::pin_status`]).
 #[derive(Clone, Debug, PartialEq)]
@@ -227,10 +237,12 @@ pub struct HostRegion {
     len: usize,
     map_len: usize,
     state: Mutex<State>,
-    /// Held for writing while one piece is being registered, for reading by whoever submits
-    /// DMA on the region ([`HostRegion::copy_guard`]): a copy never runs on a range whose
-    /// registration is half done.
-    pin_lock: RwLock<()>,
+    /// One lock per `stripe_bytes` of the mapping, held for writing while a piece overlapping
+    /// it is being registered, for reading by whoever submits DMA on a range overlapping it
+    /// ([`HostRegion::copy_guard_for`]): a copy never runs on a range whose registration is
+    /// half done, and copies elsewhere never wait. Taken in ascending order by everyone.
+    stripes: Box<[RwLock<()>]>,
+    stripe_bytes: usize,
     cancel: AtomicBool,
 }
 
@@ -245,6 +257,10 @@ unsafe impl Sync for HostRegion {}
 impl HostRegion {
     /// Maps `len` bytes (> 0) of zeroed, non-resident, read-write memory.
     pub fn new(len: usize) -> HostResult<Self> {
+        Self::with_stripes(len, COPY_STRIPE_BYTES)
+    }
+
+    fn with_stripes(len: usize, stripe_bytes: usize) -> HostResult<Self> {
         if len == 0 {
             return Err(HostError::Geometry(
                 "a host region needs at least one byte".into(),
@@ -271,6 +287,10 @@ impl HostRegion {
         }
         let ptr = NonNull::new(raw.cast::<u8>())
             .ok_or_else(|| HostError::Map(std::io::Error::other("mmap returned NULL")))?;
+        // At most 2^47 / 2^30 stripes for any mapping the system granted.
+        let stripes = (0..map_len.div_ceil(stripe_bytes))
+            .map(|_| RwLock::new(()))
+            .collect();
         Ok(HostRegion {
             ptr,
             len,
@@ -284,7 +304,8 @@ impl HostRegion {
                 status: PinStatus::Unpinned,
                 pin_thread: None,
             }),
-            pin_lock: RwLock::new(()),
+            stripes,
+            stripe_bytes,
             cancel: AtomicBool::new(false),
         })
     }
@@ -352,10 +373,55 @@ impl HostRegion {
         self.lock().status.clone()
     }
 
-    /// Taken around every DMA submission on the region: waits while a background
-    /// registration is registering a piece (never longer than one piece takes).
-    pub fn copy_guard(&self) -> RwLockReadGuard<'_, ()> {
-        self.pin_lock.read().unwrap_or_else(|e| e.into_inner())
+    /// Taken around every DMA submission on the region, naming the `(address, length)`
+    /// ranges the copies touch: waits while a background registration is registering a piece
+    /// that shares a stripe with one of them (never longer than one piece takes). Ranges
+    /// outside the region are clamped to it.
+    pub fn copy_guard_for(
+        &self,
+        ranges: impl IntoIterator<Item = (usize, usize)>,
+    ) -> CopyGuard<'_> {
+        CopyGuard {
+            _stripes: self
+                .stripes_of(ranges)
+                .into_iter()
+                .map(|i| self.stripes[i].read().unwrap_or_else(|e| e.into_inner()))
+                .collect(),
+        }
+    }
+
+    /// The stripes overlapping `ranges`, ascending, each once.
+    fn stripes_of(&self, ranges: impl IntoIterator<Item = (usize, usize)>) -> Vec<usize> {
+        let mut wanted = Vec::new();
+        for (addr, len) in ranges {
+            if let Some((first, last)) = self.stripe_span(addr, len) {
+                wanted.extend(first..=last);
+            }
+        }
+        wanted.sort_unstable();
+        wanted.dedup();
+        wanted
+    }
+
+    /// The first and last stripe overlapping `len > 0` bytes at address `addr`, clamped to
+    /// the region.
+    fn stripe_span(&self, addr: usize, len: usize) -> Option<(usize, usize)> {
+        let last_byte = addr.saturating_add(len.checked_sub(1)?);
+        let stripe = |a: usize| {
+            (a.saturating_sub(self.addr()) / self.stripe_bytes).min(self.stripes.len() - 1)
+        };
+        Some((stripe(addr), stripe(last_byte)))
+    }
+
+    /// Write-locks the stripes of `len` bytes at `offset` into the region, in ascending order.
+    fn lock_stripes(&self, offset: usize, len: usize) -> Vec<RwLockWriteGuard<'_, ()>> {
+        self.stripe_span(self.addr() + offset, len)
+            .map(|(first, last)| {
+                (first..=last)
+                    .map(|i| self.stripes[i].write().unwrap_or_else(|e| e.into_inner()))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Prefaults the whole mapping with `threads` threads, at most the available parallelism
@@ -428,8 +494,8 @@ impl HostRegion {
     /// `min(max_piece, BACKGROUND_PIECE_BYTES)`, each prefaulted by several threads first.
     /// Returns at once with the number of pieces planned; [`Self::pin_status`] reports the
     /// progress and the outcome. Copies may run meanwhile (on pageable memory); a DMA
-    /// submission holding [`Self::copy_guard`] waits while a piece is being registered.
-    /// `close()` stops the thread after its current piece and rolls back.
+    /// submission holding [`Self::copy_guard_for`] waits while a piece overlapping its stripes
+    /// is being registered. `close()` stops the thread after its current piece and rolls back.
     pub fn register_background(
         self: &Arc<Self>,
         mut registrar: Box<dyn HostRegistrar>,
@@ -543,7 +609,7 @@ impl HostRegion {
             // so a refused thread or an old kernel is no reason to fail.
             let _prefaulted = populate(base + offset, len, threads);
             let rc = {
-                let _exclusive = self.pin_lock.write().unwrap_or_else(|e| e.into_inner());
+                let _exclusive = self.lock_stripes(offset, len);
                 registrar.register(base + offset, len)
             };
             if let Err(code) = rc {
@@ -689,6 +755,7 @@ impl Drop for Lease {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::mpsc;
 
     #[derive(Default)]
     struct Log {
@@ -704,6 +771,8 @@ mod tests {
         /// Time each registration takes, and a flag raised while one is in progress.
         delay: Duration,
         inside: Arc<AtomicBool>,
+        /// The call that announces itself, then blocks until released.
+        gate: Option<(usize, mpsc::Sender<()>, mpsc::Receiver<()>)>,
     }
 
     impl HostRegistrar for Mock {
@@ -713,6 +782,12 @@ mod tests {
                 return Err(2);
             }
             self.inside.store(true, Ordering::SeqCst);
+            if let Some((call, entered, release)) = &self.gate {
+                if *call == self.calls {
+                    entered.send(()).unwrap();
+                    release.recv().unwrap();
+                }
+            }
             std::thread::sleep(self.delay);
             self.inside.store(false, Ordering::SeqCst);
             self.log.registered.lock().unwrap().push((addr, len));
@@ -735,8 +810,55 @@ mod tests {
             calls: 0,
             delay: Duration::ZERO,
             inside: Arc::new(AtomicBool::new(false)),
+            gate: None,
         });
         (m, log)
+    }
+
+    impl HostRegion {
+        /// [`Self::copy_guard_for`] the whole region.
+        fn copy_guard(&self) -> CopyGuard<'_> {
+            self.copy_guard_for([(self.addr(), self.map_len)])
+        }
+
+        /// Whether a copy on `ranges` could start now without waiting.
+        fn copy_could_start(&self, ranges: impl IntoIterator<Item = (usize, usize)>) -> bool {
+            let stripes = self.stripes_of(ranges);
+            let held: Vec<_> = stripes
+                .iter()
+                .filter_map(|&i| self.stripes[i].try_read().ok())
+                .collect();
+            held.len() == stripes.len()
+        }
+    }
+
+    #[test]
+    fn copies_wait_only_for_the_stripe_being_registered() {
+        let page = page_size();
+        let r = Arc::new(HostRegion::with_stripes(4 * page, page).unwrap());
+        let (mut m, log) = mock(None);
+        let (entered_tx, entered) = mpsc::channel();
+        let (release, release_rx) = mpsc::channel();
+        m.gate = Some((3, entered_tx, release_rx));
+        r.register_background(m, page, page).unwrap();
+        entered.recv().unwrap(); // the third piece, [2 pages, 3 pages), is being registered
+        let base = r.addr();
+        assert!(r.copy_could_start([(base, page), (base + 3 * page, 8)]));
+        assert!(!r.copy_could_start([(base + 2 * page + 100, 8)]));
+        // A range reaching into the piece, and the whole region, wait for it.
+        assert!(!r.copy_could_start([(base, page), (base + 2 * page - 1, 2)]));
+        assert!(!r.copy_could_start([(base, 4 * page)]));
+        // Ranges outside the region are clamped to its first and last stripes.
+        assert!(r.copy_could_start([(base - 64, 8), (base + 9 * page, 8)]));
+        assert!(r.copy_could_start([(base, 0)]));
+        release.send(()).unwrap();
+        assert!(matches!(
+            r.wait_pinned(Duration::from_secs(5)),
+            PinStatus::Pinned { pieces: 4, .. }
+        ));
+        assert!(r.copy_could_start([(base, 4 * page)]));
+        drop(r.copy_guard());
+        assert_eq!(log.registered.lock().unwrap().len(), 4);
     }
 
     #[test]

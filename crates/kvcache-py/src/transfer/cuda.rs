@@ -134,7 +134,7 @@ pub(crate) fn cuda_memcpy_runs(
     let memcpy = unsafe { std::mem::transmute::<usize, MemcpyAsyncFn>(f) };
     let data = plan.get().data();
     Ok(py.detach(move || {
-        let _guard = data.region().copy_guard();
+        let _guard = data.copy_guard();
         let runs = data.runs();
         // SAFETY: `memcpy` is cudaMemcpyAsync (above); the plan's runs lie inside the pool and
         // the device layers it was validated against; the plan (held by `data`) keeps the pool
@@ -173,7 +173,7 @@ pub(crate) fn cuda_memcpy_batch(
     }
     let data = plan.get().data();
     Ok(py.detach(move || {
-        let _guard = data.region().copy_guard();
+        let _guard = data.copy_guard();
         batch_copy(data.runs(), f, v2, stream, src_access_order)
     }))
 }

@@ -3,8 +3,8 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use kvcache_core::host::{
-    CopyRuns, Direction, GroupRef, GroupSpan, HostError, HostGeometry, HostRegion, LayerGeometry,
-    Lease, PlanScratch, Request, TransferLayout,
+    CopyGuard, CopyRuns, Direction, GroupRef, GroupSpan, HostError, HostGeometry, HostRegion,
+    LayerGeometry, Lease, PlanScratch, Request, TransferLayout,
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::ffi;
@@ -491,6 +491,22 @@ impl PlanData {
     }
     pub(crate) fn region(&self) -> &HostRegion {
         &self.shared.region
+    }
+    /// Held while this plan's copies are submitted: keeps a background registration off the
+    /// chunks they touch (and only those).
+    pub(crate) fn copy_guard(&self) -> CopyGuard<'_> {
+        let ranges = self
+            .shared
+            .layout
+            .chunk_ranges(&self.req)
+            .map(|(addr, len)| {
+                // Inside the mapping, hence addressable (validated against the pool).
+                (
+                    usize::try_from(addr).unwrap_or(usize::MAX),
+                    usize::try_from(len).unwrap_or(usize::MAX),
+                )
+            });
+        self.shared.region.copy_guard_for(ranges)
     }
     /// Marks the plan executed; false if it already was.
     pub(crate) fn take_lease(&self) -> Option<Lease> {

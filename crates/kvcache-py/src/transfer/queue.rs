@@ -222,7 +222,7 @@ fn ev(handle: usize) -> Event {
 /// Enqueues every run of `plan` on the stream (one batched call, or one call per run after a
 /// batch failure); the cause of a failure, if any.
 fn enqueue_copies(shared: &Shared, plan: &PlanData, order: i32) -> Option<String> {
-    let _guard = plan.region().copy_guard();
+    let _guard = plan.copy_guard();
     let runs = plan.runs();
     if runs.is_empty() {
         return None;
