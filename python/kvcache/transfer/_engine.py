@@ -343,7 +343,10 @@ class _CudaBackend:
         for group, n in enumerate(plan.group_blocks):
             if n == 0:
                 continue
-            host = torch.empty(3 * n, dtype=torch.int64, pin_memory=True)
+            # Pinned so that the upload below is asynchronous; a host device (tests under
+            # Triton's interpreter) reads the table in place and has nothing to pin with.
+            pinned = self._device.type == "cuda"
+            host = torch.empty(3 * n, dtype=torch.int64, pin_memory=pinned)
             plan.write_block_table(group, host.numpy())
             table = host.to(self._device, non_blocking=True)
             _kernel.launch(
