@@ -12,12 +12,15 @@ loads, then batches with stores and loads in flight together); after every batch
 every host byte of each rank's slot is identical, after every batch with a load every device
 byte, and every job's result (success, transfer_size) is the same. The same sequences also run
 through our CUDA backend's DMA path (Rust queues, events, batched or per-run copies) over the
-ctypes fake CUDA runtime of tests/test_transfer_cuda_backend.py. Not covered here: the copy
-kernel (see tests/test_transfer_kernel.py), real streams and DMA (bench/gpu_worker_check.py).
+ctypes fake CUDA runtime of tests/test_transfer_cuda_backend.py, and (fewer of them, see
+tests/test_worker_kernel_conformance.py) through its Triton copy kernel under Triton's
+interpreter. Not covered here: real streams, DMA and the kernel on a GPU
+(bench/gpu_worker_check.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,10 +155,17 @@ def draw_batch(
     return batch
 
 
-def run_sequence(geometry: Geometry, seed: int, rounds: int = 3, *, backend: str = "cpu") -> int:
+def run_sequence(
+    geometry: Geometry,
+    seed: int,
+    rounds: int = 3,
+    *,
+    backend: str | Callable[[RankPair], None] = "cpu",
+) -> int:
     """Store/load rounds through every rank, then rounds with stores and loads in flight
     together; returns the number of jobs checked per rank. ``backend``: "cpu" (the Rust CPU
-    copier) or "fake-cuda" (see :func:`through_fake_cuda`)."""
+    copier), "fake-cuda" (see :func:`through_fake_cuda`), or a function that gives one rank's
+    engine another backend."""
     rng = np.random.default_rng(seed)
     cpu_bytes = (
         24
@@ -172,8 +182,10 @@ def run_sequence(geometry: Geometry, seed: int, rounds: int = 3, *, backend: str
         try:
             num_chunks = pairs[0].vllm_spec.num_chunks
             assert num_chunks == pairs[0].our_spec.num_chunks == 24
-            if backend == "fake-cuda":
-                for pair in pairs:
+            for pair in pairs:
+                if callable(backend):
+                    backend(pair)
+                elif backend == "fake-cuda":
                     through_fake_cuda(pair, batched=bool(seed % 2))
             next_id = 0
             plan: list[list[bool]] = []

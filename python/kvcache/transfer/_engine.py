@@ -170,8 +170,12 @@ class _CudaBackend:
     thread builds the runs and enqueues one batched copy, or one copy per run), and a stream
     for jobs the copy kernel runs (loads whose DMA runs would be small), launched on the
     caller's thread from per-block tables (the launch is the caller's CPU work: a pinned table,
-    its upload, the kernel launch and two events). Jobs of one queue and one method run in
-    submission order."""
+    its upload, the kernel launch and two events). Jobs of one queue run in submission order
+    whichever method runs them: a DMA job after kernel jobs makes its stream wait for the
+    kernel stream; a job the kernel would run while DMA jobs of its queue are still waiting
+    for the queue's thread goes to DMA too (its copies could not be ordered after theirs
+    without waiting for the thread), and otherwise the kernel stream waits for the DMA
+    stream."""
 
     def __init__(
         self,
@@ -343,7 +347,10 @@ class _CudaBackend:
         for group, n in enumerate(plan.group_blocks):
             if n == 0:
                 continue
-            host = torch.empty(3 * n, dtype=torch.int64, pin_memory=True)
+            # Pinned so that the upload below is asynchronous; a host device (tests under
+            # Triton's interpreter) reads the table in place and has nothing to pin with.
+            pinned = self._device.type == "cuda"
+            host = torch.empty(3 * n, dtype=torch.int64, pin_memory=pinned)
             plan.write_block_table(group, host.numpy())
             table = host.to(self._device, non_blocking=True)
             _kernel.launch(
@@ -366,6 +373,9 @@ class _CudaBackend:
         try:
             with cuda.device(self._device):
                 stream.wait_stream(cuda.current_stream(self._device))
+                if self._dma[queue].in_flight():
+                    # After this queue's DMA jobs (all on their stream: see submit).
+                    stream.wait_stream(self._streams[queue])
                 with cuda.stream(stream):
                     start = cuda.Event(enable_timing=True)
                     end = cuda.Event(enable_timing=True)
@@ -390,9 +400,14 @@ class _CudaBackend:
         )
 
     def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
-        if self._use_kernel(plan):
+        # A load split around a repeated destination relies on its parts' order even when
+        # they pick different methods.
+        if self._use_kernel(plan) and self._dma[queue].queued() == 0:
             self._submit_kernel(job_id, plan, queue)
             return
+        if self._kernel_jobs[queue]:
+            with self._cuda.device(self._device):
+                self._streams[queue].wait_stream(self._kernel_streams[queue])
         order = SRC_ACCESS_ORDER_STREAM if plan.store else SRC_ACCESS_ORDER_ANY
         current = self._cuda.current_stream(self._device).cuda_stream
         self._sizes[job_id] = (plan.logical_nbytes, plan.store)
