@@ -99,8 +99,9 @@ def _split_repeats(
     """A load that names a destination block more than once (vLLM's scheduler can: a Mamba
     group's null block fills the gaps between states), as engine loads that each name every
     destination once: per group, consecutive stretches without a repeat, in order, so a
-    block named twice is written twice, the later occurrence last (on one queue and copy
-    method; vLLM's worker gives no order either). None when nothing repeats (the load was
+    block named twice is written twice, the later occurrence last (the jobs of one engine
+    queue run in submission order, whichever copy method runs them; vLLM's worker, whose
+    batched copies have no order among themselves, gives no order either). None when nothing repeats (the load was
     refused for another reason) or the spec does not parse."""
     import numpy as np
 
