@@ -101,8 +101,8 @@ def _split_repeats(
     destination once: per group, consecutive stretches without a repeat, in order, so a
     block named twice is written twice, the later occurrence last (the jobs of one engine
     queue run in submission order, whichever copy method runs them; vLLM's worker, whose
-    batched copies have no order among themselves, gives no order either). None when nothing repeats (the load was
-    refused for another reason) or the spec does not parse."""
+    batched copies have no order among themselves, gives no order either). None when
+    nothing repeats (the load was refused for another reason) or the spec does not parse."""
     import numpy as np
 
     try:
