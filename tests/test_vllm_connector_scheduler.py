@@ -1,0 +1,542 @@
+"""vLLM 0.33.0's own scheduler drives kvcache's manager, against vLLM's manager.
+
+For each KV cache configuration and eviction policy, two engines' ``Scheduler`` objects run
+side by side, each with the scheduler-role ``OffloadingConnector`` vLLM builds from its
+configuration: one engine configured for vLLM's spec, the other with
+``spec_name="KvCacheOffloadingSpec"``, ``spec_module_path="kvcache.vllm"`` in
+``kv_connector_extra_config`` (kvcache's Rust manager, selected by configuration alone).
+The same requests (prompts sharing prefixes, so that the offloaded chunks are looked up and
+loaded back; a GPU cache and a host pool small enough that both evict) arrive at the same
+steps, and after every step the two engines must agree on everything the connector decided
+or reported: every connector call with its arguments and result (the matched tokens of
+``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``request_finished``), the
+connector metadata (load and store jobs: GPU block ids, group sizes, block indices, host
+chunk ids; the jobs to flush), the worker reports it consumed, its stats (manager gauges and
+histograms, config facts), the requests and jobs it still tracks, the schedule that follows
+from its answers (scheduled, preempted and finished requests, their block tables and
+computed tokens), the engine's outputs and the KV events published (the GPU cache's and the
+connector's). Each run must also have reached loads, stores, offload hits, host evictions
+and aborts, and both engines must drain.
+
+Real (vLLM's code as installed):
+
+- ``VllmConfig`` and its parts, as in ``tests/test_vllm_connector_worker.py`` (its
+  ``vllm_config`` and ``kv_cache_config`` build them here), with ``KVEventsConfig``
+  enabling KV events;
+- ``vllm.v1.core.sched.scheduler.Scheduler``: admission, prefix caching and block allocation
+  by its ``KVCacheManager`` (full-attention, sliding-window and Mamba "align" managers),
+  preemption, asynchronous loads (``WAITING_FOR_REMOTE_KVS``), aborts
+  (``finish_requests``), ``update_from_output`` with its KV event and stats collection,
+  ``shutdown``;
+- ``OffloadingConnector`` built by ``KVConnectorFactory`` in the scheduler role, so
+  ``OffloadingConnectorScheduler`` with every call the scheduler makes on it
+  (``on_new_request``, ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
+  ``get_external_cache_hit_sources``, ``build_connector_meta``,
+  ``update_connector_output``, ``request_finished_all_groups``, ``take_events``,
+  ``get_kv_connector_stats``, ``has_pending_push_work``, ``shutdown``), watched by
+  wrappers that record and pass through;
+- ``vllm.v1.request.Request`` objects hashed by vLLM's ``get_request_block_hasher`` after
+  ``init_none_hash``, as the engine core does; both specs and both managers.
+
+Faked or replaced:
+
+- ``model_config``: the worker test's namespace plus the few attributes the scheduler
+  reads (no multimodal inputs, no M-RoPE, a generating runner, ``skip_tokenizer_init``
+  so that vLLM's ``StructuredOutputManager`` needs no tokenizer: no request asks for
+  structured output);
+- the model runner: every scheduled request whose prompt is complete samples one token
+  drawn from a seeded generator per request (the scheduler's ``StructuredOutputManager``
+  accepts it);
+- the connector's worker side: a load job completes in the step that submitted it (an
+  asynchronous one reports its request in ``finished_recving``), a store job one step
+  later (the worker submits it at the start of the next step), both reported through
+  ``OffloadingWorkerMetadata``; it reports no transfer sizes (the worker test checks the
+  bytes);
+- the event publisher: the scheduler's ``kv_event_publisher`` is replaced by a recorder.
+
+Not exercised: cache resets (``reset_prefix_cache``), sync loads
+(``sync_load_budget_bytes``), partial-tail stores (Mamba blocks here are one hash block
+long, so there are none), speculative decoding (EAGLE groups), asynchronous scheduling
+and pipeline/context/tensor parallelism (one worker reports each job), failed or
+delayed-past-one-step transfers, ``store_threshold`` above 1 and the transfer-size stats
+the worker reports (the worker test's business).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.conftest import require_oracle
+from tests.test_vllm_connector_worker import (
+    CASES,
+    OURS,
+    TOKENS_PER_BLOCK,
+    Case,
+    _full,
+    kv_cache_config,
+)
+from tests.test_vllm_connector_worker import vllm_config as worker_vllm_config
+
+pytestmark = pytest.mark.oracle
+
+#: GPU blocks (per KV cache tensor, shared by the groups): few enough that the GPU prefix
+#: cache evicts and offloaded chunks are loaded back.
+GPU_BLOCKS = 40
+#: Host pool: 40 chunks (80 for the Mamba layout), fewer than the workload's distinct ones,
+#: so that the manager evicts.
+CPU_BYTES = 320 << 10
+MAX_BATCHED_TOKENS = 256
+
+
+# --- configurations -----------------------------------------------------------------------
+
+
+def _mamba_align() -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(
+        block_size=TOKENS_PER_BLOCK,
+        shapes=((3, 16), (2, 8, 16)),
+        dtypes=(torch.float16, torch.float16),
+        mamba_cache_mode="align",
+    )
+
+
+#: The worker test's layouts, plus full attention + Mamba in "align" mode (vLLM's prefix
+#: caching over Mamba needs it; the worker test's Mamba caches every block instead). Only
+#: ``specs``, ``layout`` and ``blocks_per_chunk`` matter to the scheduler side.
+SCHEDULER_CASES = {
+    **{name: CASES[name] for name in ("full", "full+sliding")},
+    "full+mamba": Case(
+        lambda: {
+            "full.0": _full(),
+            "mamba.0": _mamba_align(),
+            "full.1": _full(),
+            "mamba.1": _mamba_align(),
+        },
+        "LBHNC",
+        1,
+        tensor_pages=(1024, 1024),
+        group_refs=(((0, 1024), (1, 1024)), ((0, 608), (1, 608))),
+        null_prefix=(False, True),
+        block_sizes=(TOKENS_PER_BLOCK, TOKENS_PER_BLOCK),
+    ),
+}
+# --- one engine ---------------------------------------------------------------------------
+
+
+def engine_config(case: Case, extra: dict[str, Any]) -> tuple[Any, Any]:
+    from vllm.config import KVEventsConfig
+
+    config = worker_vllm_config(case, {"cpu_bytes_to_use": CPU_BYTES, **extra}, 0, "engine")
+    config.cache_config.num_gpu_blocks_override = GPU_BLOCKS
+    if any(getattr(spec, "mamba_cache_mode", None) == "align" for spec in case.specs().values()):
+        config.cache_config.mamba_cache_mode = "align"
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    config.scheduler_config.max_num_batched_tokens = MAX_BATCHED_TOKENS
+    config.scheduler_config.max_num_seqs = 8
+    model = config.model_config
+    model.uses_mrope = False
+    model.is_encoder_decoder = False
+    model.runner_type = "generate"
+    model.is_diffusion = False
+    model.supports_multimodal_inputs = False
+    model.return_sampling_mask = False
+    model.multimodal_config = None
+    model.skip_tokenizer_init = True  # the structured output manager then needs no tokenizer
+    kcc = kv_cache_config(config, case)
+    config.cache_config.num_gpu_blocks = kcc.num_blocks
+    return config, kcc
+
+
+class Recorder:
+    """Every call the scheduler makes on the connector (arguments and result, reduced to
+    plain values), every event batch it publishes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.events: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def spy(connector: Any, recorder: Recorder) -> None:
+    """Wrap the connector's scheduler-facing methods (instance attributes shadow the
+    class's, which is where the scheduler looks them up)."""
+
+    def wrap(name: str, args_of: Any, result_of: Any = lambda r: r) -> None:
+        method = getattr(connector, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            if name == "take_events":
+                # A generator: drained once here, handed on as the list it yielded.
+                result = list(result)
+            recorder.calls.append((name, args_of(*args, **kwargs), result_of(result)))
+            return result
+
+        setattr(connector, name, wrapped)
+
+    def req(request: Any, *rest: Any) -> tuple[Any, ...]:
+        return (request.request_id, request.num_computed_tokens, *rest)
+
+    wrap("get_num_new_matched_tokens", req)
+    wrap(
+        "update_state_after_alloc",
+        lambda request, blocks, num_external: (
+            request.request_id,
+            tuple(map(tuple, blocks.get_block_ids())),
+            num_external,
+        ),
+    )
+    wrap(
+        "request_finished_all_groups",
+        lambda request, block_ids: (*req(request), tuple(map(tuple, block_ids))),
+    )
+    wrap("on_new_request", req)
+    wrap("get_external_cache_hit_sources", lambda request, *a: (*req(request), *a), repr)
+    wrap("has_pending_push_work", lambda: None)
+    wrap("build_connector_meta", lambda out: None, describe_metadata)
+    wrap("update_connector_output", lambda out: describe_kv_output(out))
+    wrap("take_events", lambda: None)
+    wrap("get_kv_connector_stats", lambda: None, describe_stats)
+
+
+def describe_spec(spec: Any) -> tuple[Any, ...]:
+    import numpy as np
+
+    fields = sorted(vars(spec).items()) if hasattr(spec, "__dict__") else []
+    if not fields:
+        fields = [(s, getattr(spec, s)) for s in type(spec).__slots__]
+    return (
+        type(spec).__name__,
+        tuple(
+            (k, v.tolist() if isinstance(v, np.ndarray) else v)
+            for k, v in fields
+            if not k.startswith("_")
+        ),
+    )
+
+
+def describe_job(job: Any) -> tuple[Any, ...]:
+    return (job.req_id, describe_spec(job.src_spec), describe_spec(job.dst_spec), job.sync)
+
+
+def describe_metadata(meta: Any) -> tuple[Any, ...]:
+    return (
+        sorted((j, describe_job(job)) for j, job in meta.load_jobs.items()),
+        sorted((j, describe_job(job)) for j, job in meta.store_jobs.items()),
+        sorted(meta.jobs_to_flush or ()),
+    )
+
+
+def describe_kv_output(out: Any) -> tuple[Any, ...]:
+    meta = out.kv_connector_worker_meta
+    return (
+        sorted(out.finished_recving or ()),
+        sorted(meta.completed_jobs.items()) if meta is not None else None,
+    )
+
+
+#: Metrics whose samples are wall-clock durations: compared by their number of samples.
+TIMED = ("vllm:kv_offload_lookup_sync_delay_seconds", "vllm:kv_offload_lookup_async_delay_seconds")
+
+
+def describe_stats(stats: Any) -> Any:
+    if stats is None:
+        return None
+    data = {}
+    for name, series in stats.data["data"].items():
+        if name in TIMED:
+            series = {labels: len(samples) for labels, samples in series.items()}
+        data[name] = series
+    return repr(sorted(data.items())), repr(stats.data.get("info"))
+
+
+@dataclass
+class Engine:
+    scheduler: Any
+    recorder: Recorder
+    #: Store jobs the fake worker completes at the next step.
+    pending_stores: list[int] = field(default_factory=list)
+
+    @property
+    def manager(self) -> Any:
+        return self.scheduler.connector.connector_scheduler.manager
+
+
+def build_engine(case: Case, extra: dict[str, Any]) -> Engine:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config, kcc = engine_config(case, extra)
+    scheduler = Scheduler(
+        config,
+        kcc,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=TOKENS_PER_BLOCK,
+        log_stats=True,
+    )
+    recorder = Recorder()
+    scheduler.kv_event_publisher = recorder
+    spy(scheduler.connector, recorder)
+    return Engine(scheduler, recorder)
+
+
+# --- the workload -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int
+    req_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+def workload(seed: int) -> list[Arrival]:
+    """Requests over a few shared prefixes (some of several chunks, some shorter than one),
+    in waves, some repeating an earlier prompt outright."""
+    rng = random.Random(seed)
+    prefixes = [
+        tuple(rng.randrange(1, 30_000) for _ in range(rng.randrange(24, 160))) for _ in range(4)
+    ]
+    arrivals = []
+    step = 0
+    for i in range(36):
+        step += rng.choice((0, 0, 1, 2, 4))
+        if i > 4 and rng.random() < 0.15:
+            prompt = rng.choice(arrivals).prompt
+        else:
+            suffix = tuple(rng.randrange(1, 30_000) for _ in range(rng.randrange(1, 90)))
+            prompt = rng.choice(prefixes) + suffix
+        arrivals.append(Arrival(step, f"req-{i}", prompt, rng.randrange(1, 24)))
+    return arrivals
+
+
+def make_request(arrival: Arrival, config: Any) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return Request(
+        arrival.req_id,
+        list(arrival.prompt),
+        SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True),
+        None,
+        block_hasher=get_request_block_hasher(
+            TOKENS_PER_BLOCK, hash_fn, config.num_hash_lookahead_tokens
+        ),
+    )
+
+
+def token(req_id: str, index: int) -> int:
+    return random.Random(f"{req_id}/{index}").randrange(1, 30_000)
+
+
+def model_output(engine: Engine, out: Any) -> Any:
+    """What the model runner and the connector's worker side would return for ``out``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    requests = engine.scheduler.requests
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = requests[req_id]
+        done = request.num_computed_tokens >= request.num_tokens
+        sampled.append([token(req_id, request.num_output_tokens)] if done else [])
+
+    meta = out.kv_connector_metadata
+    completed = dict.fromkeys(engine.pending_stores, 1)
+    engine.pending_stores = sorted(meta.store_jobs)
+    recving = set()
+    for job_id, job in meta.load_jobs.items():
+        completed[job_id] = 1
+        if not job.sync:
+            recving.add(job.req_id)
+    kv_output = KVConnectorOutput(
+        finished_recving=recving or None,
+        kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed)
+        if completed
+        else None,
+    )
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=kv_output,
+    )
+
+
+def describe_schedule(out: Any) -> tuple[Any, ...]:
+    cached = out.scheduled_cached_reqs
+    return (
+        sorted(out.num_scheduled_tokens.items()),
+        [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
+        list(zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True)),
+        sorted(cached.resumed_req_ids),
+        sorted(out.finished_req_ids),
+        sorted(out.preempted_req_ids or ()),
+    )
+
+
+def describe_outputs(outputs: dict[int, Any]) -> list[Any]:
+    described = []
+    for client, eco in sorted(outputs.items()):
+        described.append(
+            (
+                client,
+                [
+                    (o.request_id, o.new_token_ids, o.finish_reason, o.prefill_stats)
+                    for o in eco.outputs
+                ],
+                sorted(eco.finished_requests or ()),
+            )
+        )
+    return described
+
+
+def step(engine: Engine) -> tuple[Any, ...]:
+    out = engine.scheduler.schedule()
+    outputs = engine.scheduler.update_from_output(out, model_output(engine, out))
+    calls = engine.recorder.calls
+    events = engine.recorder.events
+    engine.recorder.calls, engine.recorder.events = [], []
+    connector = engine.scheduler.connector.connector_scheduler
+    # The connector's bookkeeping: requests it still tracks, jobs it waits for.
+    state = (sorted(connector._req_status), sorted(connector._jobs))
+    return describe_schedule(out), calls, describe_outputs(outputs), events, state
+
+
+# --- the test -----------------------------------------------------------------------------
+
+
+SEEDS = (20260, 11)
+PARTS = (
+    "schedule",
+    "connector calls",
+    "engine outputs",
+    "published KV events",
+    "connector's tracked requests and jobs",
+)
+
+
+def tally(counts: Counter[str], described: tuple[Any, ...]) -> None:
+    """What a step exercised: jobs, hits, preemptions, aborts, events by kind and medium."""
+    schedule, calls, _, events, _ = described
+    for name, _, result in calls:
+        counts[name] += 1
+        if name == "build_connector_meta":
+            counts["load jobs"] += len(result[0])
+            counts["store jobs"] += len(result[1])
+            counts["jobs flushed"] += len(result[2])
+        elif name == "get_num_new_matched_tokens" and result[0]:
+            counts["offload hits"] += 1
+    counts["preemptions"] += len(schedule[5])
+    for event in events:
+        counts[f"{type(event).__name__} {event.medium}"] += 1
+
+
+#: Manager settings (``kv_connector_extra_config``): each policy; ARC admitting a chunk
+#: only on its second offer (the manager's store tracker, its skipped-store stats).
+SETTINGS = {
+    "lru": {"eviction_policy": "lru"},
+    "arc": {"eviction_policy": "arc"},
+    # Fewer chunks are stored: a smaller pool keeps evictions coming.
+    "arc-threshold2": {
+        "eviction_policy": "arc",
+        "store_threshold": 2,
+        "cpu_bytes_to_use": 64 << 10,
+    },
+}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("case_name", list(SCHEDULER_CASES))
+def test_scheduler_decisions_match_vllm(case_name: str, setting: str, seed: int) -> None:
+    require_oracle()
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager
+    from vllm.v1.request import RequestStatus
+
+    import kvcache.vllm
+
+    case = SCHEDULER_CASES[case_name]
+    extra = SETTINGS[setting]
+    policy = extra["eviction_policy"]
+    theirs = build_engine(case, extra)
+    ours = build_engine(case, {**OURS, **extra})
+    for engine in (theirs, ours):
+        assert type(engine.scheduler.connector) is OffloadingConnector
+        assert engine.scheduler.connector.connector_scheduler is not None
+    assert type(theirs.manager) is VllmManager
+    assert type(theirs.manager._policy).__name__ == f"{policy.upper()}CachePolicy"
+    assert isinstance(ours.manager, kvcache.vllm.CPUOffloadingManager)
+    assert ours.manager.cache_policy == policy
+    assert ours.manager.store_threshold == theirs.manager.store_threshold
+
+    arrivals = workload(seed)
+    last_arrival = arrivals[-1].step
+    # Aborted once they have produced a token (some will be running, some waiting).
+    to_abort = {a.req_id for a in arrivals[3::11]}
+    counts: Counter[str] = Counter()
+    n = 0
+    while True:
+        # Both engines, always: the connector's has_pending_push_work is one of the calls
+        # compared.
+        busy = [engine.scheduler.has_requests() for engine in (theirs, ours)]
+        assert busy[0] == busy[1], f"step {n}: one engine has work left, the other not"
+        if n > last_arrival and not busy[0]:
+            break
+        assert n < 1000, "the engines did not drain"
+        for engine in (theirs, ours):
+            config = engine.scheduler.vllm_config
+            for arrival in arrivals:
+                if arrival.step == n:
+                    engine.scheduler.add_request(make_request(arrival, config))
+        a, b = step(theirs), step(ours)
+        for part, x, y in zip(PARTS, a, b, strict=True):
+            assert x == y, f"step {n}: the {part} differ"
+        tally(counts, a)
+        for req_id in sorted(to_abort):
+            request = theirs.scheduler.requests.get(req_id)
+            if request is not None and request.num_output_tokens >= 1:
+                for engine in (theirs, ours):
+                    engine.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+                to_abort.discard(req_id)
+                counts["aborts"] += 1
+        n += 1
+
+    # The workload reached what it is meant to compare.
+    for what in (
+        "load jobs",
+        "store jobs",
+        "offload hits",
+        "BlockStored CPU",
+        "BlockRemoved CPU",
+        "request_finished_all_groups",
+        "aborts",
+    ):
+        assert counts[what] > 0, (what, dict(counts))
+    for engine in (theirs, ours):
+        engine.scheduler.shutdown()
+    assert theirs.recorder.calls == ours.recorder.calls
