@@ -1,6 +1,6 @@
 """vLLM 0.33.0's own scheduler drives kvcache's manager, against vLLM's manager.
 
-For each KV cache configuration and eviction policy, two engines' ``Scheduler`` objects run
+For each KV cache configuration and manager setting, two engines' ``Scheduler`` objects run
 side by side, each with the scheduler-role ``OffloadingConnector`` vLLM builds from its
 configuration: one engine configured for vLLM's spec, the other with
 ``spec_name="KvCacheOffloadingSpec"``, ``spec_module_path="kvcache.vllm"`` in
@@ -9,14 +9,16 @@ The same requests (prompts sharing prefixes, so that the offloaded chunks are lo
 loaded back; a GPU cache and a host pool small enough that both evict) arrive at the same
 steps, and after every step the two engines must agree on everything the connector decided
 or reported: every connector call with its arguments and result (the matched tokens of
-``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``request_finished``), the
+``get_num_new_matched_tokens``, ``update_state_after_alloc``,
+``request_finished_all_groups``), the
 connector metadata (load and store jobs: GPU block ids, group sizes, block indices, host
 chunk ids; the jobs to flush), the worker reports it consumed, its stats (manager gauges and
 histograms, config facts), the requests and jobs it still tracks, the schedule that follows
 from its answers (scheduled, preempted and finished requests, their block tables and
 computed tokens), the engine's outputs and the KV events published (the GPU cache's and the
-connector's). Each run must also have reached loads, stores, offload hits, host evictions
-and aborts, and both engines must drain.
+connector's). Both engines must drain, and each test's two workloads must have reached
+loads (synchronous ones too where configured), stores, offload hits, host evictions,
+preemptions, aborts and a cache reset.
 
 Real (vLLM's code as installed):
 
@@ -25,16 +27,18 @@ Real (vLLM's code as installed):
   enabling KV events;
 - ``vllm.v1.core.sched.scheduler.Scheduler``: admission, prefix caching and block allocation
   by its ``KVCacheManager`` (full-attention, sliding-window and Mamba "align" managers),
-  preemption, asynchronous loads (``WAITING_FOR_REMOTE_KVS``), aborts
-  (``finish_requests``), ``update_from_output`` with its KV event and stats collection,
+  preemption, asynchronous loads (``WAITING_FOR_REMOTE_KVS``) and synchronous ones
+  (``sync_load_budget_bytes``), aborts (``finish_requests``), a cache reset with jobs in
+  flight (``reset_prefix_cache(reset_connector=True)``: the connector flushes them and
+  waits for their reports), ``update_from_output`` with its KV event and stats collection,
   ``shutdown``;
 - ``OffloadingConnector`` built by ``KVConnectorFactory`` in the scheduler role, so
   ``OffloadingConnectorScheduler`` with every call the scheduler makes on it
   (``on_new_request``, ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
   ``get_external_cache_hit_sources``, ``build_connector_meta``,
   ``update_connector_output``, ``request_finished_all_groups``, ``take_events``,
-  ``get_kv_connector_stats``, ``has_pending_push_work``, ``shutdown``), watched by
-  wrappers that record and pass through;
+  ``get_kv_connector_stats``, ``has_pending_push_work``, ``reset_cache``, ``shutdown``),
+  watched by wrappers that record and pass through;
 - ``vllm.v1.request.Request`` objects hashed by vLLM's ``get_request_block_hasher`` after
   ``init_none_hash``, as the engine core does; both specs and both managers.
 
@@ -54,12 +58,11 @@ Faked or replaced:
   bytes);
 - the event publisher: the scheduler's ``kv_event_publisher`` is replaced by a recorder.
 
-Not exercised: cache resets (``reset_prefix_cache``), sync loads
-(``sync_load_budget_bytes``), partial-tail stores (Mamba blocks here are one hash block
-long, so there are none), speculative decoding (EAGLE groups), asynchronous scheduling
+Not exercised: partial-tail stores (Mamba blocks here are one hash block long, so there
+are none), speculative decoding (EAGLE groups), asynchronous scheduling
 and pipeline/context/tensor parallelism (one worker reports each job), failed or
-delayed-past-one-step transfers, ``store_threshold`` above 1 and the transfer-size stats
-the worker reports (the worker test's business).
+delayed-past-one-step transfers, the transfer-size stats the worker reports (the worker
+test's business), synchronous loads on the Mamba layout (see ``COMBINATIONS``).
 """
 
 from __future__ import annotations
@@ -210,6 +213,7 @@ def spy(connector: Any, recorder: Recorder) -> None:
     wrap("update_connector_output", lambda out: describe_kv_output(out))
     wrap("take_events", lambda: None)
     wrap("get_kv_connector_stats", lambda: None, describe_stats)
+    wrap("reset_cache", lambda: None)
 
 
 def describe_spec(spec: Any) -> tuple[Any, ...]:
@@ -427,6 +431,9 @@ def step(engine: Engine) -> tuple[Any, ...]:
 # --- the test -----------------------------------------------------------------------------
 
 
+#: Both engines' prefix caches, the connector's included, are reset once, at the first step
+#: from this one on that ends with transfer jobs in flight.
+RESET_FROM_STEP = 12
 SEEDS = (20260, 11)
 PARTS = (
     "schedule",
@@ -444,19 +451,22 @@ def tally(counts: Counter[str], described: tuple[Any, ...]) -> None:
         counts[name] += 1
         if name == "build_connector_meta":
             counts["load jobs"] += len(result[0])
+            counts["sync load jobs"] += sum(job[3] for _, job in result[0])
             counts["store jobs"] += len(result[1])
             counts["jobs flushed"] += len(result[2])
         elif name == "get_num_new_matched_tokens" and result[0]:
             counts["offload hits"] += 1
     counts["preemptions"] += len(schedule[5])
     for event in events:
-        counts[f"{type(event).__name__} {event.medium}"] += 1
+        counts[f"{type(event).__name__} {getattr(event, 'medium', None)}"] += 1
 
 
 #: Manager settings (``kv_connector_extra_config``): each policy; ARC admitting a chunk
 #: only on its second offer (the manager's store tracker, its skipped-store stats).
 SETTINGS = {
     "lru": {"eviction_policy": "lru"},
+    # Loads within the step that schedules them, up to a budget (the rest asynchronous).
+    "lru-sync": {"eviction_policy": "lru", "sync_load_budget_bytes": 1 << 20},
     "arc": {"eviction_policy": "arc"},
     # Fewer chunks are stored: a smaller pool keeps evictions coming.
     "arc-threshold2": {
@@ -467,11 +477,8 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("case_name", list(SCHEDULER_CASES))
-def test_scheduler_decisions_match_vllm(case_name: str, setting: str, seed: int) -> None:
-    require_oracle()
+def run_pair(case: Case, extra: dict[str, Any], seed: int, counts: Counter[str]) -> None:
+    """vLLM's engine and kvcache's through ``workload(seed)``, compared after every step."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
@@ -480,8 +487,6 @@ def test_scheduler_decisions_match_vllm(case_name: str, setting: str, seed: int)
 
     import kvcache.vllm
 
-    case = SCHEDULER_CASES[case_name]
-    extra = SETTINGS[setting]
     policy = extra["eviction_policy"]
     theirs = build_engine(case, extra)
     ours = build_engine(case, {**OURS, **extra})
@@ -498,13 +503,13 @@ def test_scheduler_decisions_match_vllm(case_name: str, setting: str, seed: int)
     last_arrival = arrivals[-1].step
     # Aborted once they have produced a token (some will be running, some waiting).
     to_abort = {a.req_id for a in arrivals[3::11]}
-    counts: Counter[str] = Counter()
     n = 0
+    reset_done = False
     while True:
         # Both engines, always: the connector's has_pending_push_work is one of the calls
         # compared.
         busy = [engine.scheduler.has_requests() for engine in (theirs, ours)]
-        assert busy[0] == busy[1], f"step {n}: one engine has work left, the other not"
+        assert busy[0] == busy[1], f"seed {seed}, step {n}: one engine has work left"
         if n > last_arrival and not busy[0]:
             break
         assert n < 1000, "the engines did not drain"
@@ -515,8 +520,18 @@ def test_scheduler_decisions_match_vllm(case_name: str, setting: str, seed: int)
                     engine.scheduler.add_request(make_request(arrival, config))
         a, b = step(theirs), step(ours)
         for part, x, y in zip(PARTS, a, b, strict=True):
-            assert x == y, f"step {n}: the {part} differ"
+            assert x == y, f"seed {seed}, step {n}: the {part} differ"
         tally(counts, a)
+        in_flight = len(theirs.scheduler.connector.connector_scheduler._jobs)
+        if n >= RESET_FROM_STEP and in_flight and not reset_done:
+            reset_done = True
+            counts["jobs in flight at reset"] += in_flight
+            results = [
+                engine.scheduler.reset_prefix_cache(reset_connector=True)
+                for engine in (theirs, ours)
+            ]
+            assert results[0] == results[1]
+            counts["resets"] += 1
         for req_id in sorted(to_abort):
             request = theirs.scheduler.requests.get(req_id)
             if request is not None and request.num_output_tokens >= 1:
@@ -526,17 +541,43 @@ def test_scheduler_decisions_match_vllm(case_name: str, setting: str, seed: int)
                 counts["aborts"] += 1
         n += 1
 
-    # The workload reached what it is meant to compare.
-    for what in (
+    for engine in (theirs, ours):
+        engine.scheduler.shutdown()
+    assert theirs.recorder.calls == ours.recorder.calls
+
+
+#: Left out: the Mamba layout with synchronous loads, where vLLM's own scheduler (with
+#: vLLM's manager as much as with kvcache's) stops in ``allocate_slots`` with "Cannot get 1
+#: free blocks from the pool" after about a hundred steps of this workload.
+COMBINATIONS = [
+    (case_name, setting)
+    for case_name in SCHEDULER_CASES
+    for setting in SETTINGS
+    if (case_name, setting) != ("full+mamba", "lru-sync")
+]
+
+
+@pytest.mark.parametrize(("case_name", "setting"), COMBINATIONS)
+def test_scheduler_decisions_match_vllm(case_name: str, setting: str) -> None:
+    require_oracle()
+    extra = SETTINGS[setting]
+    counts: Counter[str] = Counter()
+    for seed in SEEDS:
+        run_pair(SCHEDULER_CASES[case_name], extra, seed, counts)
+
+    # The workloads reached what they are meant to compare.
+    required = [
         "load jobs",
         "store jobs",
         "offload hits",
+        "preemptions",
         "BlockStored CPU",
         "BlockRemoved CPU",
         "request_finished_all_groups",
         "aborts",
-    ):
+        "jobs in flight at reset",
+    ]
+    if "sync_load_budget_bytes" in extra:
+        required.append("sync load jobs")
+    for what in required:
         assert counts[what] > 0, (what, dict(counts))
-    for engine in (theirs, ours):
-        engine.scheduler.shutdown()
-    assert theirs.recorder.calls == ours.recorder.calls
