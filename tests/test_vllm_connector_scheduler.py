@@ -547,8 +547,9 @@ def run_pair(case: Case, extra: dict[str, Any], seed: int, counts: Counter[str])
 
 
 #: Left out: the Mamba layout with synchronous loads, where vLLM's own scheduler (with
-#: vLLM's manager as much as with kvcache's) stops in ``allocate_slots`` with "Cannot get 1
-#: free blocks from the pool" after about a hundred steps of this workload.
+#: vLLM's manager as much as with kvcache's, so not a manager difference) stops in
+#: ``allocate_slots`` with "Cannot get 1 free blocks from the pool" on most seeds of this
+#: workload; it runs without a sync-load budget or with a small one.
 COMBINATIONS = [
     (case_name, setting)
     for case_name in SCHEDULER_CASES
