@@ -215,16 +215,11 @@ class _CudaBackend:
         # Per group: the copy kernel's tensor table (device int64), its largest page, and
         # whether every address and size is 8-byte aligned (the kernel moves words).
         self._refs: list[tuple[Any, int, bool]] = []
-        # Per group: references whose pages coalesce across consecutive blocks (one DMA run
-        # for a stretch of consecutive ids in one chunk) and references that never do.
-        self._merge: list[tuple[int, int]] = []
         for g in range(layout.num_groups):
             rows = layout.group_refs(g)
             aligned = all(v % 8 == 0 for row in rows for v in row)
             biggest = max((row[4] for row in rows), default=0)
             self._refs.append((rows, biggest, aligned))
-            merging = sum(1 for row in rows if row[1] == row[3] == row[4])
-            self._merge.append((merging, len(rows) - merging))
         self._refs_dev: dict[int, Any] = {}
         if copy == "kernel":
             # A pool still pinning in the background is accepted: its jobs use DMA until the
