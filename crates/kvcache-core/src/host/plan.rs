@@ -777,26 +777,9 @@ impl TransferLayout {
         // Lengths of the maximal runs of consecutive ids in the current chunk's slice.
         let mut streaks: Vec<usize> = Vec::with_capacity(bpc);
         for (group, p) in self.groups.iter().zip(&req.parts) {
-            if p.blocks == 0 {
-                continue;
-            }
-            let blocks = &req.gpu_ids[p.gpu..p.gpu + p.blocks];
-            for (k, &chunk) in req.chunk_ids[p.chunk..p.chunk + p.chunks]
-                .iter()
-                .enumerate()
-            {
-                // Slots [lo, hi) of this chunk hold blocks [k*bpc + lo - skip, k*bpc + hi - skip).
-                let lo = if k == 0 { p.skip } else { 0 };
-                let hi = bpc.min(p.skip + p.blocks - k * bpc);
-                let ids = &blocks[k * bpc + lo - p.skip..k * bpc + hi - p.skip];
-                streaks.clear();
-                let mut start = 0;
-                for i in 1..=ids.len() {
-                    if i == ids.len() || ids[i] != ids[i - 1].wrapping_add(1) {
-                        streaks.push(i - start);
-                        start = i;
-                    }
-                }
+            let chunks = &req.chunk_ids[p.chunk..p.chunk + p.chunks];
+            for ((lo, ids), &chunk) in p.chunk_slices(&req.gpu_ids, bpc).zip(chunks) {
+                streak_lengths(ids, &mut streaks);
                 let c = u64::try_from(chunk).unwrap_or(0);
                 let chunk_host = self.host.base + c * self.host.chunk_stride;
                 let at_boundary = self.split_chunks != 0 && c % self.split_chunks == 0;
@@ -857,19 +840,14 @@ impl TransferLayout {
     pub fn max_runs(&self, req: &Request) -> u64 {
         let bpc = self.blocks_per_chunk;
         let mut runs = 0u64;
+        let mut lengths = Vec::with_capacity(bpc);
         for (group, p) in self.groups.iter().zip(&req.parts) {
-            if p.blocks == 0 {
-                continue;
-            }
             let dense = to_u64(group.refs.iter().filter(|r| self.is_dense(r)).count());
             let others = to_u64(group.refs.len()) - dense;
-            let blocks = &req.gpu_ids[p.gpu..p.gpu + p.blocks];
-            // A streak ends where the ids stop being consecutive or a new chunk begins.
-            let mut streaks = 1u64;
-            for (k, pair) in blocks.windows(2).enumerate() {
-                if pair[1] != pair[0].wrapping_add(1) || (p.skip + k + 1) % bpc == 0 {
-                    streaks += 1;
-                }
+            let mut streaks = 0u64;
+            for (_, ids) in p.chunk_slices(&req.gpu_ids, bpc) {
+                streak_lengths(ids, &mut lengths);
+                streaks += to_u64(lengths.len());
             }
             runs += dense * streaks + others * to_u64(p.blocks);
         }
@@ -934,6 +912,19 @@ impl TransferLayout {
     }
 }
 
+/// Lengths of the maximal stretches of consecutive ids in `ids` (one chunk's blocks), into
+/// `out`: what [`TransferLayout::build`] makes one run of, per dense reference.
+fn streak_lengths(ids: &[i64], out: &mut Vec<usize>) {
+    out.clear();
+    let mut start = 0;
+    for i in 1..=ids.len() {
+        if i == ids.len() || ids[i] != ids[i - 1].wrapping_add(1) {
+            out.push(i - start);
+            start = i;
+        }
+    }
+}
+
 /// One group's share of a validated request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Part {
@@ -945,6 +936,25 @@ struct Part {
     chunks: usize,
     /// Slots skipped in its first chunk.
     skip: usize,
+}
+
+impl Part {
+    /// Its blocks chunk by chunk: for the k-th of its chunks, the first slot used (the skip
+    /// in the first chunk, else 0) and the blocks in that chunk's slots.
+    fn chunk_slices<'a>(
+        &self,
+        gpu_ids: &'a [i64],
+        bpc: usize,
+    ) -> impl Iterator<Item = (usize, &'a [i64])> + 'a {
+        let p = *self;
+        let blocks = &gpu_ids[p.gpu..p.gpu + p.blocks];
+        (0..p.chunks).map(move |k| {
+            // Slots [lo, hi) of chunk k hold blocks [k*bpc + lo - skip, k*bpc + hi - skip).
+            let lo = if k == 0 { p.skip } else { 0 };
+            let hi = bpc.min(p.skip + p.blocks - k * bpc);
+            (lo, &blocks[k * bpc + lo - p.skip..k * bpc + hi - p.skip])
+        })
+    }
 }
 
 /// A request its layout has validated: the ids (owned), how they split into groups, and its
