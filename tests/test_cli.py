@@ -23,6 +23,7 @@ import kvcache
 import kvcache.cli as cli
 import kvcache.replay.progress as progress_module
 from kvcache.replay import Backend, vllm_backend
+from tests.conftest import require_oracle
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
 REQUIRED = {
@@ -668,6 +669,20 @@ def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_vllm_backends_without_vllm(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     result = run(["replay", "--requests", "5", *argv], capsys)
     assert_one_line_error(*result, "needs vLLM 0.33.0")
+
+
+def test_rust_policies_backend_under_an_untested_vllm(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kvcache.vllm refuses a vLLM release it was not tested against: one line, exit 2."""
+    require_oracle()
+    import vllm
+
+    monkeypatch.delitem(sys.modules, "kvcache.vllm", raising=False)
+    monkeypatch.delenv("KVCACHE_ALLOW_UNTESTED_VLLM", raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    result = run(["replay", "--requests", "5", "--backend", "vllm-rust-policies"], capsys)
+    assert_one_line_error(*result, "tested against vLLM 0.33.0", "KVCACHE_ALLOW_UNTESTED_VLLM=1")
 
 
 def test_transfer_bench_without_torch(

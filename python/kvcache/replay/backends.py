@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcache._core import POLICY_KINDS
+from kvcache._core import POLICY_KINDS, KvCacheError
 from kvcache.replay.errors import BackendUnavailable, ConfigError
 
 __all__ = [
@@ -166,6 +166,10 @@ def rust_policies_backend() -> Backend:
         importlib.import_module("kvcache.vllm")
     except ImportError as exc:
         raise BackendUnavailable(f"kvcache.vllm does not import ({exc})") from None
+    except KvCacheError as exc:
+        # The adapter refuses a vLLM release it was not tested against; that is a setup
+        # problem of this machine, reported like a missing vLLM.
+        raise BackendUnavailable(str(exc)) from None
 
     def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> Any:
         _check_policy(policy)
