@@ -222,6 +222,38 @@ def test_startup_line_names_manager_policy_and_worker(caplog: pytest.LogCaptureF
     assert "pool=64 chunks" in line
 
 
+@pytest.mark.parametrize("policy", ["LRUCachePolicy", "ARCCachePolicy"])
+def test_policy_line_when_vllms_manager_builds_our_policy(
+    policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Policies only (vLLM's own spec and manager): kvcache builds nothing else, so the
+    policy lookup by vLLM's factory is where the operator is told kvcache is active."""
+    require_oracle()
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager
+
+    import kvcache.vllm
+
+    with caplog.at_level("INFO", logger="kvcache.vllm"):
+        manager = VllmManager(
+            num_chunks=8, cache_policy=policy, cache_policy_module_path="kvcache.vllm"
+        )
+    assert type(manager._policy) is getattr(kvcache, policy)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvcache.vllm"]
+    assert lines == [
+        f"kvcache policy ready: manager=vLLM's policy={policy} (kvcache, Rust) worker=vLLM's "
+        "(loaded by vLLM's CachePolicyFactory from kvcache.vllm)"
+    ]
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kvcache.vllm"):
+        # A user's own lookup is not vLLM building a policy: no line.
+        assert getattr(kvcache.vllm, policy) is getattr(kvcache, policy)
+        assert policy in dir(kvcache.vllm)
+        with pytest.raises(AttributeError):
+            _ = kvcache.vllm.NoSuchPolicy  # type: ignore[attr-defined]
+    assert [r for r in caplog.records if r.name == "kvcache.vllm"] == []
+
+
 @pytest.mark.parametrize(
     ("extra", "exc"),
     [

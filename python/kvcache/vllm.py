@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcache._vllm_version import (  # first: refuses an untested vLLM before importing it
     ALLOW_UNTESTED_ENV,
@@ -77,14 +78,15 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcache._core import (
     POLICY_KINDS,
-    ARCCachePolicy,
     InvalidArgumentError,
     InvalidTypeError,
-    LRUCachePolicy,
 )
 from kvcache._core import OffloadingManager as _RustManager
 from kvcache._vllm_logging import route_to_vllm
 from kvcache._vllm_worker import CPUOffloadingWorker, build_worker
+
+if TYPE_CHECKING:  # at run time served by ``__getattr__`` below
+    from kvcache._core import ARCCachePolicy, LRUCachePolicy
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -103,9 +105,35 @@ logger = logging.getLogger(__name__)
 
 # Every Rust policy class is a vLLM ``CachePolicy`` and is found here by vLLM's class name
 # (``cache_policy_module_path="kvcache.vllm"``); the list comes from the Rust core.
-for _policy_cls in POLICY_KINDS.values():
+_POLICY_CLASSES = {cls.__name__: cls for cls in POLICY_KINDS.values()}
+for _policy_cls in _POLICY_CLASSES.values():
     _VllmCachePolicy.register(_policy_cls)
-    globals().setdefault(_policy_cls.__name__, _policy_cls)
+
+#: The module whose ``getattr`` means "vLLM's own manager is about to build this policy".
+_VLLM_POLICY_FACTORY = CachePolicyFactory.__module__
+
+
+def __getattr__(name: str) -> Any:
+    # The policy classes are served from here rather than from the module's globals so that
+    # the one case kvcache builds no spec or manager of its own (vLLM's manager, configured
+    # with ``cache_policy_module_path="kvcache.vllm"``) still gets kvcache's start-up line.
+    # vLLM's factory looks the class up with ``getattr`` right before it constructs it.
+    cls = _POLICY_CLASSES.get(name)
+    if cls is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if sys._getframe(1).f_globals.get("__name__") == _VLLM_POLICY_FACTORY:
+        logger.info(
+            "kvcache policy ready: manager=vLLM's policy=%s (kvcache, Rust) worker=vLLM's "
+            "(loaded by vLLM's CachePolicyFactory from %s)",
+            name,
+            __name__,
+        )
+    return cls
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_POLICY_CLASSES})
+
 
 #: Policy names kvcache's Rust manager runs, by the name given in ``eviction_policy``.
 RUST_POLICIES = {
