@@ -457,6 +457,15 @@ def test_bad_block_size_options(
     assert_one_line_error(*run(["replay", "--requests", "5", *argv], capsys), fragment)
 
 
+def test_capacity_in_bytes_without_block_size_is_refused_before_the_workload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The trace is never opened: the refusal needs nothing but the flags."""
+    missing = tmp_path / "no-such-trace.jsonl"
+    result = run(["replay", "--trace", str(missing), "--capacity", "50%,64GiB"], capsys)
+    assert_one_line_error(*result, "capacity 64GiB is in bytes", "--bytes-per-block")
+
+
 def test_huge_capacity_is_clamped_with_a_note(capsys: pytest.CaptureFixture[str]) -> None:
     document, err = replay_json(
         ["--requests", "50", "--policy", "lru", "--capacity", "999999999,50%"], capsys

@@ -27,6 +27,7 @@ from kvcache.replay.capacity import (
     DTYPE_BYTES,
     BlockSize,
     Capacity,
+    CapacitySpec,
     format_bytes,
     kv_bytes_per_block,
     parse_capacities,
@@ -301,13 +302,18 @@ def _load_workload(args: argparse.Namespace) -> Workload:
 _MODEL_FLAGS = ("num_layers", "num_kv_heads", "head_size")
 
 
-def _check_block_flags(args: argparse.Namespace) -> None:
+def _check_block_flags(args: argparse.Namespace, specs: Sequence[CapacitySpec]) -> None:
     given = [name for name in _MODEL_FLAGS if getattr(args, name) is not None]
     if args.bytes_per_block is not None and given:
         raise ConfigError("give either --bytes-per-block or the model's shape, not both")
     if given and len(given) != len(_MODEL_FLAGS):
         missing = [f"--{n.replace('_', '-')}" for n in _MODEL_FLAGS if n not in given]
         raise ConfigError(f"the model's shape also needs {' and '.join(missing)}")
+    if args.bytes_per_block is None and not given:
+        # Known from the flags alone: refuse before the workload is generated or read.
+        for spec in specs:
+            if spec.bytes is not None:
+                raise spec.needs_block_size()
 
 
 def _block_size(args: argparse.Namespace, block_tokens: int) -> BlockSize | None:
@@ -370,7 +376,7 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
     # Everything cheap is checked before anything slow (generating, importing vLLM, replaying).
     policies = parse_policies(args.policy)
     specs = parse_capacities(args.capacity)
-    _check_block_flags(args)
+    _check_block_flags(args, specs)
     _check_workload_flags(args)
     if args.plot:
         check_plot_path(args.plot)

@@ -148,16 +148,20 @@ class CapacitySpec:
     percent: float | None = None
     bytes: int | None = None
 
+    def needs_block_size(self) -> ConfigError:
+        """The error for a capacity in bytes given without the bytes per block."""
+        return ConfigError(
+            f"capacity {self.text} is in bytes: give --bytes-per-block, or the model's "
+            "--num-layers, --num-kv-heads and --head-size"
+        )
+
     def resolve(self, unique_blocks: int, block: BlockSize | None = None) -> int:
         """The capacity in chunks (before clamping) for a workload of ``unique_blocks`` keys."""
         if self.chunks is not None:
             return self.chunks
         if self.bytes is not None:
             if block is None:
-                raise ConfigError(
-                    f"capacity {self.text} is in bytes: give --bytes-per-block, or the model's "
-                    "--num-layers, --num-kv-heads and --head-size"
-                )
+                raise self.needs_block_size()
             chunks = self.bytes // block.chunk_bytes
             if chunks < 1:
                 raise ConfigError(
