@@ -172,7 +172,7 @@ struct FastType {
 
 impl ContextTypeCache {
     /// For contexts whose `methods` (names on `ReqContext`) are to be bypassed.
-    pub const fn new(methods: &'static [&'static str]) -> Self {
+    const fn new(methods: &'static [&'static str]) -> Self {
         ContextTypeCache {
             methods,
             names: Vec::new(),
@@ -401,17 +401,71 @@ pub fn require_context<'a, 'py>(
     }
 }
 
-/// The `_state` dict of vLLM's or kvcache's own `ReqContext`, whose `get_state` and
-/// `set_state` are plain operations on it: using it directly saves two Python calls per
-/// request. `None` for any other context (or one whose instance shadows the methods).
-pub fn state_dict<'py>(
-    cache: &mut ContextTypeCache,
-    ctx: &Bound<'py, PyAny>,
-) -> PyResult<Option<Bound<'py, PyDict>>> {
-    if !cache.bypassable(ctx)? {
-        return Ok(None);
+/// How an owner reaches the per-request state stored on contexts (`get_state`/`set_state`).
+/// For vLLM's or kvcache's own `ReqContext` these are plain operations on its `_state` dict,
+/// used directly to save two Python calls per request; any other context (or one whose
+/// instance shadows the methods) gets the method calls.
+pub struct StateAccess {
+    types: ContextTypeCache,
+}
+
+impl Default for StateAccess {
+    fn default() -> Self {
+        StateAccess {
+            types: ContextTypeCache::new(&["get_state", "set_state"]),
+        }
     }
-    known_dict(ctx, intern!(ctx.py(), "_state"))
+}
+
+impl StateAccess {
+    /// Resolves how to reach `ctx`'s stored state; the type check runs once per call, not
+    /// once per read or write.
+    pub fn open<'a, 'py>(&mut self, ctx: &'a Bound<'py, PyAny>) -> PyResult<ContextState<'a, 'py>> {
+        let direct = if self.types.bypassable(ctx)? {
+            known_dict(ctx, intern!(ctx.py(), "_state"))?
+        } else {
+            None
+        };
+        Ok(ContextState { ctx, direct })
+    }
+}
+
+/// One context's stored state, reached as [`StateAccess::open`] resolved.
+pub struct ContextState<'a, 'py> {
+    ctx: &'a Bound<'py, PyAny>,
+    /// The context's `_state` dict when its methods may be bypassed.
+    direct: Option<Bound<'py, PyDict>>,
+}
+
+impl<'py> ContextState<'_, 'py> {
+    /// `ctx.get_state(cls)`; `None` when the context holds nothing for `cls`.
+    pub fn get(&self, cls: &Bound<'py, PyType>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let ctx = self.ctx;
+        let value = match &self.direct {
+            Some(dict) => dict.get_item(cls)?,
+            None => Some(
+                ctx.getattr(intern!(ctx.py(), "get_state"))
+                    .map_err(|_| context_error(ctx, "no get_state"))?
+                    .call1((cls,))?,
+            ),
+        };
+        // A stored `None` reads as no state, as through the method.
+        Ok(value.filter(|v| !v.is_none()))
+    }
+
+    /// `ctx.set_state(value)`, which keys `value` by its type.
+    pub fn set(&self, value: &Bound<'py, PyAny>) -> PyResult<()> {
+        let ctx = self.ctx;
+        match &self.direct {
+            Some(dict) => dict.set_item(value.get_type(), value),
+            None => {
+                ctx.getattr(intern!(ctx.py(), "set_state"))
+                    .map_err(|_| context_error(ctx, "no set_state"))?
+                    .call1((value,))?;
+                Ok(())
+            }
+        }
+    }
 }
 
 /// The dict attribute `name` that a known `ReqContext`'s methods work on: `None` for a dict

@@ -12,11 +12,10 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyWeakrefReference};
+use pyo3::types::PyWeakrefReference;
 
-use crate::context::{context_error, state_dict, ContextTypeCache};
+use crate::context::{context_error, StateAccess};
 
 /// Names an owner's state for one request in one generation of its registry.
 pub use kvcache_core::RequestToken as Token;
@@ -113,8 +112,8 @@ pub struct Owner {
     recent: Vec<Recent>,
     /// Where the next context goes once `recent` is full (oldest first).
     next_slot: usize,
-    /// Which contexts' `get_state`/`set_state` are plain `_state` dict operations.
-    state_type: ContextTypeCache,
+    /// How this owner's tokens are read from and stored on contexts.
+    states: StateAccess,
 }
 
 impl Default for Owner {
@@ -126,7 +125,7 @@ impl Default for Owner {
             graveyard: Arc::default(),
             recent: Vec::new(),
             next_slot: 0,
-            state_type: ContextTypeCache::new(&["get_state", "set_state"]),
+            states: StateAccess::default(),
         }
     }
 }
@@ -141,26 +140,16 @@ impl Owner {
         validate: impl FnOnce(Option<Token>) -> Token,
     ) -> PyResult<Token> {
         let py = ctx.py();
-        let state_type = py.get_type::<RequestState>();
-        let direct = state_dict(&mut self.state_type, ctx)?;
-        let existing = stored_state(ctx, direct.as_ref())?;
-        let state = if existing.is_none() {
-            let fresh = Bound::new(py, RequestState::default())?;
-            match &direct {
-                // `set_state` keys the value by its type.
-                Some(dict) => dict.set_item(&state_type, &fresh)?,
-                None => {
-                    let set_state = ctx
-                        .getattr(intern!(py, "set_state"))
-                        .map_err(|_| context_error(ctx, "no set_state"))?;
-                    set_state.call1((&fresh,))?;
-                }
-            }
-            fresh
-        } else {
-            existing
+        let stored = self.states.open(ctx)?;
+        let state = match stored.get(&py.get_type::<RequestState>())? {
+            Some(existing) => existing
                 .cast_into::<RequestState>()
-                .map_err(|_| context_error(ctx, "get_state returned a foreign object"))?
+                .map_err(|_| context_error(ctx, "get_state returned a foreign object"))?,
+            None => {
+                let fresh = Bound::new(py, RequestState::default())?;
+                stored.set(&fresh)?;
+                fresh
+            }
         };
         let current = state.get().get(self.uid);
         let token = validate(current);
@@ -241,30 +230,12 @@ impl Owner {
         if let Some(token) = self.cached(ctx) {
             return Ok(Some(token));
         }
-        let direct = state_dict(&mut self.state_type, ctx)?;
-        let existing = stored_state(ctx, direct.as_ref())?;
+        let existing = self
+            .states
+            .open(ctx)?
+            .get(&ctx.py().get_type::<RequestState>())?;
         Ok(existing
-            .cast::<RequestState>()
-            .ok()
+            .and_then(|s| s.cast_into::<RequestState>().ok())
             .and_then(|s| s.get().get(self.uid)))
-    }
-}
-
-/// `ctx.get_state(_RequestState)`: read from the context's `_state` dict when `direct` is it
-/// (see `context::state_dict`), else through the method. None when the context has none.
-fn stored_state<'py>(
-    ctx: &Bound<'py, PyAny>,
-    direct: Option<&Bound<'py, PyDict>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let py = ctx.py();
-    let state_type = py.get_type::<RequestState>();
-    match direct {
-        Some(dict) => Ok(dict
-            .get_item(&state_type)?
-            .unwrap_or_else(|| py.None().into_bound(py))),
-        None => ctx
-            .getattr(intern!(py, "get_state"))
-            .map_err(|_| context_error(ctx, "no get_state"))?
-            .call1((&state_type,)),
     }
 }
