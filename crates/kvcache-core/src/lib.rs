@@ -18,10 +18,12 @@
 //!
 //! Memory per key, for the manager's `u32` chunk handles (keys up to 40 bytes live inline;
 //! longer ones add their length on the heap):
-//! - LRU: one 80-byte slab entry ([`LRU_ENTRY_BYTES`]) plus ~5 bytes of hash table, and one
-//!   anchor entry and one group per live request.
-//! - ARC: one 64-byte, cache-line aligned slab entry ([`ARC_ENTRY_BYTES`]) plus ~5 bytes of
-//!   hash table, for resident and ghost keys alike (at most `2 × capacity` ghosts).
+//! - LRU: one 80-byte slab entry plus ~5 bytes of hash table, and one anchor entry and one
+//!   group per live request.
+//! - ARC: one 64-byte, cache-line aligned slab entry plus ~5 bytes of hash table, for resident
+//!   and ghost keys alike (at most `2 × capacity` ghosts).
+//!
+//! (The entry sizes are pinned by a test in each policy's module.)
 #![deny(unsafe_code)]
 
 /// Every policy the crate offers, in one list. `for_each_policy!(callback)` expands to
@@ -74,13 +76,12 @@ mod slab;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-pub use arc::ARC_ENTRY_BYTES;
 #[cfg(any(test, feature = "testing"))]
 pub use chunk::TestChunk;
 pub use chunk::{HasRefCnt, RefCounts, SelfCounted};
 pub use error::{CoreError, CoreResult};
 pub use key::{Key, KeyBuf, KeyHash, KeyHasher};
-pub use lru::{RequestGroup, LRU_ENTRY_BYTES};
+pub use lru::RequestGroup;
 pub use manager::{LookupResult, Manager, ManagerConfig};
 pub use policy::{Access, EntryId, Evicted, Inspection, Policy, Protected, RankedEntry, Stat};
 pub use registry::{Registry, RequestToken};
