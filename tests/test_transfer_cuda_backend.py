@@ -604,3 +604,86 @@ def test_self_check_runs_on_the_cpu_copier() -> None:
     pool = HostChunkPool(4, 2 * 256, pin=False)
     with pool, TransferEngine(layers, pool, blocks_per_chunk=2) as engine:
         assert engine.self_check() is None
+
+
+class HoldingRuntime(FakeRuntime):
+    """Copies enqueued on stream ``held`` wait inside the runtime call until ``release`` is
+    set: that stream's DMA queue thread is stuck in the middle of a job, as behind a long
+    transfer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: int | None = None
+        self.holding = threading.Event()  # a copy is being held
+        self.release = threading.Event()
+
+    def _cudaMemcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> int:
+        if stream == self.held:
+            self.holding.set()
+            self.release.wait(30.0)
+        return super()._cudaMemcpyAsync(dst, src, size, kind, stream)
+
+
+def test_an_expedited_load_overtakes_a_regular_load_held_in_flight() -> None:
+    """A regular load's queue is stuck in its copies; an expedited load submitted after it
+    still runs on its own queue thread and stream, and is reported first. Were both on one
+    queue, the expedited load would wait behind the held one and never be reported here."""
+    rt = HoldingRuntime()
+    rng = np.random.default_rng(11)
+    layers = [torch.from_numpy(rng.integers(0, 256, (32, 256), dtype=np.uint8)) for _ in range(2)]
+    pool = HostChunkPool(8, 2 * 256, pin=False)
+    engine = fake_cuda_engine(rt, layers, pool)
+    backend = engine._backend
+    try:
+        store = engine.store([0, 1], [0, 1])
+        engine.wait([store])
+        assert [(r.job_id, r.success) for r in engine.poll_results()] == [(store, True)]
+        rt.held = backend._streams["load"].cuda_stream
+        regular = engine.load([0], [10])
+        assert rt.holding.wait(10.0), "the regular load never reached its copies"
+        expedited = engine.load([1], [11], expedited=True)
+        got: list[Any] = []
+        for _ in range(2000):  # bounded: a misrouted expedited load must fail, not hang
+            rt.complete(backend._streams["expedited"].cuda_stream)
+            got = engine.poll_results()
+            if got:
+                break
+            threading.Event().wait(0.005)
+        assert [(r.job_id, r.success) for r in got] == [(expedited, True)]
+        assert all(torch.equal(t[11], t[1]) for t in layers)
+        assert engine.in_flight == 1  # the regular load, still held
+        assert not torch.equal(layers[0][10], layers[0][0])
+        rt.release.set()
+        engine.wait([regular])
+        assert [(r.job_id, r.success) for r in engine.poll_results()] == [(regular, True)]
+        assert all(torch.equal(t[10], t[0]) for t in layers)
+    finally:
+        rt.release.set()
+        engine.close()
+        pool.close()
+
+
+def test_jobs_by_method_counts_the_method_each_job_was_handed() -> None:
+    """The per-method job counts (what bench/gpu_worker_check.py labels its rows with) follow
+    the choice submit makes, kernel or DMA, not the job's shape."""
+    rt = FakeRuntime()
+    layers, pool, planner, backend, _cuda = setup(rt)
+    launched: list[Any] = []
+    backend._use_kernel = lambda p: not p.store  # type: ignore[method-assign]
+    backend._submit_kernel = lambda job_id, p, q: launched.append(p)  # type: ignore[method-assign]
+    backend.submit(0, plan(planner, True, [3, 4], [5]), "store")
+    backend.submit(1, plan(planner, False, [20, 21], [5]), "expedited")
+    assert backend.jobs_by_method == {"dma": 1, "kernel": 1}
+    assert len(launched) == 1
+    launched.pop().release()  # the stand-in launch ran nothing
+    real, planner._backend = planner._backend, backend
+    assert planner.jobs_by_method == {"dma": 1, "kernel": 1}
+    planner._backend = real
+    with TransferEngine(layers, pool, blocks_per_chunk=2) as cpu:
+        assert cpu.jobs_by_method == {"cpu": 0}
+    settle(backend)
+    rt.complete()
+    assert [r.job_id for r in backend.collect()] == [0]  # releases the store's lease
+    backend.close()
+    planner.close()
+    pool.close()

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import pytest
+import torch
 
 import kvcache
 from tests.conftest import require_oracle
@@ -315,3 +316,73 @@ def test_a_split_load_that_fails_part_way_leaves_no_stray_result() -> None:
             assert [(r.job_id, r.success) for r in worker.get_finished()] == [(3, True)]
         finally:
             pair.shutdown()
+
+
+class HeldCopier:
+    """A queue's copier that holds every job submitted to it, in order, until
+    :meth:`release` (as a queue busy with a long copy would), then hands them to the real
+    one."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.held: list[tuple[int, Any]] = []
+        self.holding = True
+
+    def submit(self, job_id: int, plan: Any) -> None:
+        if self.holding:
+            self.held.append((job_id, plan))
+        else:
+            self.real.submit(job_id, plan)
+
+    def release(self) -> None:
+        self.holding = False
+        held, self.held = self.held, []
+        for job_id, plan in held:
+            self.real.submit(job_id, plan)
+
+    def poll(self) -> list[Any]:
+        return list(self.real.poll())
+
+    def wait(self, job_ids: list[int] | None = None) -> None:
+        held = {j for j, _ in self.held}
+        if held and (job_ids is None or held & set(job_ids)):
+            raise AssertionError(f"waiting for held job(s) {sorted(held)} would never return")
+        self.real.wait(job_ids)
+
+    def in_flight(self) -> int:
+        return int(self.real.in_flight()) + len(self.held)
+
+    def shutdown(self) -> None:
+        self.release()
+        self.real.shutdown()
+
+
+def test_an_expedited_load_overtakes_a_regular_load_held_in_flight() -> None:
+    """Through vLLM's worker API on the CPU copier: a regular load held on its queue does
+    not delay an expedited load submitted after it, which get_finished reports first. Were
+    both on one queue, the expedited load would be held too (and waiting for it fails)."""
+    require_oracle()
+    with vllm_on_cpu():
+        (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=9)
+    worker, tensors = pair.our_worker, pair.our_tensors
+    copiers = worker.engine._backend._copiers
+    held = HeldCopier(copiers["load"])
+    copiers["load"] = held
+    try:
+        assert worker.submit_store(1, gpu_spec([0, 1, 2, 3], [4], [0]), cpu_spec([0, 1]))
+        worker.wait({1})
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+        assert worker.submit_load(2, cpu_spec([0]), gpu_spec([40, 41], [2], [0]))
+        assert worker.submit_load(3, cpu_spec([1]), gpu_spec([50, 51], [2], [0]), expedited=True)
+        worker.wait({3})
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(3, True)]
+        assert all(torch.equal(t[[50, 51]], t[[2, 3]]) for t in tensors)
+        assert held.held  # the regular load is still waiting for its queue
+        assert not torch.equal(tensors[0][40], tensors[0][0])
+        held.release()
+        worker.wait({2})
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, True)]
+        assert all(torch.equal(t[[40, 41]], t[[0, 1]]) for t in tensors)
+    finally:
+        held.release()
+        pair.shutdown()

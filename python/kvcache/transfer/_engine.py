@@ -112,6 +112,9 @@ class _Backend(Protocol):
 
     def check_methods(self) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
 
+    #: Jobs handed to each copy method so far (see TransferEngine.jobs_by_method).
+    jobs_by_method: dict[str, int]
+
 
 class _CpuBackend:
     """Copies in Rust on one worker thread per queue (GIL released), each in submission order."""
@@ -121,10 +124,12 @@ class _CpuBackend:
         the planning cost alone, for benchmarks."""
         self._copiers = {q: _core.CpuCopier(execute=execute) for q in QUEUES}
         self._plans: dict[int, tuple[int, bool]] = {}
+        self.jobs_by_method = {"cpu": 0}
 
     def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
         self._copiers[queue].submit(job_id, plan)
         self._plans[job_id] = (plan.logical_nbytes, plan.store)
+        self.jobs_by_method["cpu"] += 1
 
     def collect(self) -> list[JobResult]:
         out = []
@@ -259,6 +264,7 @@ class _CudaBackend:
         self._kernel_jobs: dict[Queue, deque[_KernelJob]] = {q: deque() for q in QUEUES}
         # job id -> (bytes as vLLM counts them, store?) for DMA jobs in flight.
         self._sizes: dict[int, tuple[int, bool]] = {}
+        self.jobs_by_method = {"dma": 0, "kernel": 0}
 
     def _pool_state(self) -> str:
         status = getattr(self._pool, "pin_status", None)
@@ -399,6 +405,7 @@ class _CudaBackend:
         # they pick different methods.
         if self._use_kernel(plan) and self._dma[queue].queued() == 0:
             self._submit_kernel(job_id, plan, queue)
+            self.jobs_by_method["kernel"] += 1
             return
         if self._kernel_jobs[queue]:
             with self._cuda.device(self._device):
@@ -407,6 +414,7 @@ class _CudaBackend:
         current = self._cuda.current_stream(self._device).cuda_stream
         self._sizes[job_id] = (plan.logical_nbytes, plan.store)
         self._dma[queue].submit(job_id, plan, current, order)
+        self.jobs_by_method["dma"] += 1
 
     def _finish_kernel(self, job: _KernelJob, error: str | None) -> JobResult:
         job.plan.release()
@@ -636,6 +644,14 @@ class TransferEngine:
         if self._report_pinning is not None:
             self._report_pinning()
         return self._backend.describe()
+
+    @property
+    def jobs_by_method(self) -> dict[str, int]:
+        """How many jobs each copy method has been handed so far (``"dma"`` and ``"kernel"`` on
+        CUDA, ``"cpu"`` on CPU). The choice is made per job at submission and depends on the
+        queue's state as well as on the job, so these counts, not a guess from the job's
+        shape, say which method ran a job: the difference around it."""
+        return dict(self._backend.jobs_by_method)
 
     def self_check(self) -> str | None:
         """Round trip of random bytes through scratch copies of this engine's layout, by
