@@ -15,15 +15,34 @@ Start-up is reported too: how long kvcache's worker takes to return (pinning run
 background), how long pinning took, and the calibrated kernel/DMA cut-off for loads.
 
 Targets: kvcache >= vLLM bandwidth at every page size; kvcache >= 90 % of the large copy at
->= 64 KiB pages. Prints a table and writes JSON (``--json``, else ``$OUT/gpu_worker_check.json``
-when ``OUT`` is set, else ``./gpu_worker_check.json``), rewritten after every row so that a run
-cut short still leaves its rows. A time budget (``--budget-s``) skips the remaining rows on a
-slower machine.
+>= 64 KiB pages, judged on jobs of at least 1024 page descriptors only (a job of 16
+descriptors, 1 MiB at 64 KiB, is bound by launch and completion latency, not bandwidth; the
+verdict line and the JSON say how many rows it left out). The table's method column is the
+copy method kvcache's engine actually chose for the job (its per-method job counts around
+it), not a guess from the page size. Prints a table and writes JSON (``--json``, else
+``$OUT/gpu_worker_check.json`` when ``OUT`` is set, else ``./gpu_worker_check.json``),
+rewritten after every row so that a run cut short still leaves its rows. A time budget
+(``--budget-s``) skips the remaining rows on a slower machine.
 
 Before anything runs, it checks that the A/B can: vLLM 0.33.0 importable with its compiled
 ops (``vllm._C``), and enough free space in /dev/shm for vLLM's shared host region; if not, it
 says why and exits with status 3. ``--without-vllm`` runs kvcache's side alone instead (byte
 checks against torch indexing).
+
+vLLM's worker is built in this one process as the only rank (world size 1). Its shared host
+region then waits at a barrier over vLLM's world group, which only vLLM's distributed set-up
+creates; for one rank that barrier has no one to wait for, so the script replaces it with a
+no-op (counted in the JSON) while vLLM's worker is built, on CPU and on CUDA alike.
+
+Exit status: 0 when every job succeeded and every byte check passed, and (unless
+``--without-vllm``) vLLM's side ran for every page size and, on a GPU, every verdict could be
+computed; 1 when a job failed or a byte check found a difference (before 4); 2 when CUDA is
+not there; 3 when the A/B cannot start (above); 4 when the A/B was requested but came back
+incomplete: vLLM's worker could not be built, a row lacks vLLM's figures, or (on a GPU) a
+verdict could not be computed, rows were skipped by the time budget, or vLLM's host region
+ended up pageable (its figures would not be vLLM's). The reasons are printed and listed
+under ``ab_problems`` in the JSON. A missed target is reported in the verdicts, not in the
+exit status: the figures are the result.
 
 ``--device cpu --quick`` is the dry run CI executes (small sizes, vLLM's worker on CPU tensors
 through ``tests/vllm_worker_oracle.py``), so the script cannot rot.
@@ -50,11 +69,37 @@ import numpy as np
 
 KiB = 1024
 REPO = Path(__file__).resolve().parent.parent
+# The large-copy target applies from this page size, to jobs of at least this many page
+# descriptors (smaller ones measure latency, not bandwidth).
+LARGE_PAGE_KIB = 64
+LARGE_JOB_DESCRIPTORS = 1024
+EXIT_AB_INCOMPLETE = 4
 
 
 def out(line: str = "") -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def one_rank_barrier(calls: list[int]) -> Iterator[None]:
+    """vLLM's shared host region, once mapped, waits for every rank at a barrier over vLLM's
+    world group, which exists only after vLLM's distributed set-up (else ``get_world_group``
+    asserts). Here one process is the only rank, so the barrier has no one to wait for: a
+    no-op is what it means at world size 1, and nothing else of vLLM's worker is touched.
+    ``calls[0]`` counts the calls, so a run shows that vLLM's worker went through it."""
+    from vllm.v1.kv_offload.cpu import spec
+
+    original = spec._all_workers_barrier  # an AttributeError here: vLLM changed, look again
+
+    def barrier() -> None:
+        calls[0] += 1
+
+    spec._all_workers_barrier = barrier
+    try:
+        yield
+    finally:
+        spec._all_workers_barrier = original
 
 
 class Runner:
@@ -64,6 +109,11 @@ class Runner:
     def __init__(self, worker: Any, *, host_tensors: Any = None) -> None:
         self.worker = worker
         self.host_tensors = host_tensors  # vLLM's per-tensor host views, for byte checks
+
+    def jobs_by_method(self) -> dict[str, int]:
+        """kvcache's engine's per-method job counts; empty for vLLM's worker (and for a wheel
+        older than the counts: its rows then say "?")."""
+        return dict(getattr(getattr(self.worker, "engine", None), "jobs_by_method", {}))
 
     def submit(self, job_id: int, store: bool, blocks: list[int], chunks: list[int]) -> None:
         from vllm.v1.kv_offload.base import GPULoadStoreSpec
@@ -109,6 +159,9 @@ class EngineRunner(Runner):
             j = engine.load(cpu, gpu, group_sizes=sizes, block_indices=starts)
         self.worker["jobs"][job_id] = j
 
+    def jobs_by_method(self) -> dict[str, int]:
+        return dict(getattr(self.worker["engine"], "jobs_by_method", {}))
+
     def finish(self, job_id: int) -> bool:
         engine = self.worker["engine"]
         j = self.worker["jobs"].pop(job_id)
@@ -143,6 +196,7 @@ class Check:
         self.start = time.perf_counter()
         self.rng = np.random.default_rng(7)
         self.skipped = 0
+        self.barrier_calls = [0]
         if self.cuda:
             self.layers = 16
             self.pages = [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB]
@@ -269,13 +323,19 @@ class Check:
 
     @contextlib.contextmanager
     def vllm_context(self) -> Iterator[None]:
-        if self.cuda or self.vllm is not None:
+        """What building vLLM's worker here needs: on CPU, the oracle's fakes of its CUDA
+        edges; on both, the one-rank barrier (applied last, so that on CPU too it is the
+        script's barrier vLLM's worker goes through, not the oracle's)."""
+        if self.vllm is not None:
             yield
             return
-        sys.path.insert(0, str(REPO))
-        from tests.vllm_worker_oracle import vllm_on_cpu
+        with contextlib.ExitStack() as stack:
+            if not self.cuda:
+                sys.path.insert(0, str(REPO))
+                from tests.vllm_worker_oracle import vllm_on_cpu
 
-        with vllm_on_cpu():
+                stack.enter_context(vllm_on_cpu())
+            stack.enter_context(one_rank_barrier(self.barrier_calls))
             yield
 
     def build(self, page: int) -> dict[str, Any]:
@@ -339,13 +399,19 @@ class Check:
 
             vllm_t = self.tensors(page, seed)
             t0 = time.perf_counter()
+            barriers = self.barrier_calls[0]
             try:
                 worker = VllmSpec(self.config(page)).get_worker(self.canonical(vllm_t, page))
             except Exception as exc:  # e.g. a /dev/shm too small for vLLM's shared region
+                # The rows of this page size then lack vLLM's figures; main turns that into
+                # a failed run (EXIT_AB_INCOMPLETE), with this reason.
                 built["startup"]["vllm_error"] = f"{type(exc).__name__}: {exc}"
                 out(f"vLLM's worker could not be built at {page // KiB} KiB: {exc}")
                 return built
             built["startup"]["vllm_returned_s"] = time.perf_counter() - t0
+            built["startup"]["vllm_barrier_calls"] = self.barrier_calls[0] - barriers
+            region = getattr(worker, "_mmap_region", None)
+            built["startup"]["vllm_pinned"] = bool(region is not None and region.is_pinned)
             built["vllm"] = Runner(worker, host_tensors=worker._store_handler.dst_tensors)
             built["vllm_t"] = vllm_t
         return built
@@ -370,10 +436,11 @@ class Check:
 
     def run(
         self, runner: Runner, store: bool, blocks: list[int], chunks: list[int]
-    ) -> tuple[float, float, float, bool]:
+    ) -> tuple[float, float, float, bool, set[str]]:
         """Wall time, the calling thread's submit CPU, the process's CPU over the submit call,
-        and success."""
+        success, and the copy methods kvcache's engine handed the job to (empty for vLLM)."""
         job_id = int(self.rng.integers(1 << 40))
+        before = runner.jobs_by_method()
         self.sync()
         t0 = time.perf_counter()
         c0 = time.thread_time()
@@ -382,7 +449,10 @@ class Check:
         submit_cpu = time.thread_time() - c0
         submit_process = time.process_time() - p0
         ok = runner.finish(job_id)
-        return time.perf_counter() - t0, submit_cpu, submit_process, ok
+        wall = time.perf_counter() - t0
+        after = runner.jobs_by_method()
+        methods = {m for m, n in after.items() if n > before.get(m, 0)}
+        return wall, submit_cpu, submit_process, ok, methods
 
     def expected_chunk(self, tensors: list[Any], blocks: list[int], k: int, page: int) -> Any:
         """Chunk ``k`` of a store of ``blocks`` from ``tensors``, built with torch indexing."""
@@ -480,7 +550,6 @@ class Check:
         self, built: dict[str, Any], page: int, baseline: dict[str, float]
     ) -> Iterator[dict[str, Any]]:
         workers = ["ours"] + (["vllm"] if "vllm" in built else [])
-        cutoff = built["startup"].get("kernel_max_run_bytes") or 0
         for blocks in self.job_blocks:
             for pattern in ("fresh", "churned"):
                 if self.over_budget():
@@ -496,21 +565,25 @@ class Check:
                         "descriptors": blocks * self.layers,
                         "ids": pattern,
                         "direction": "store" if store else "load",
-                        "ours_method": "dma"
-                        if store or page > cutoff or blocks * self.layers < 16
-                        else "kernel",
                         "bytes": nbytes,
                     }
                     for who in workers:
                         walls, submits, processes = [], [], []
+                        methods: set[str] = set()
                         for _ in range(self.reps):
                             ids = src if store else dst
-                            wall, submit, process, ok = self.run(built[who], store, ids, chunks)
+                            wall, submit, process, ok, used = self.run(
+                                built[who], store, ids, chunks
+                            )
                             if not ok:
                                 row[f"{who}_error"] = "job reported failure"
                             walls.append(wall)
                             submits.append(submit)
                             processes.append(process)
+                            methods |= used
+                        if who == "ours":
+                            # Several methods: the repetitions did not all take the same one.
+                            row["ours_method"] = "+".join(sorted(methods)) or "?"
                         row[f"{who}_gbps"] = nbytes / statistics.median(walls) / 1e9
                         row[f"{who}_submit_us"] = statistics.median(submits) * 1e6
                         row[f"{who}_submit_process_us"] = statistics.median(processes) * 1e6
@@ -538,27 +611,89 @@ class Check:
         )
 
 
-def verdicts(rows: list[dict[str, Any]], cuda: bool) -> list[str]:
-    lines = []
+def verdicts(
+    rows: list[dict[str, Any]], pages: list[int], *, cuda: bool, ab: bool
+) -> list[dict[str, Any]]:
+    """The targets, per page size: ``passed`` True/False, or None when the rows to judge are
+    missing (then ``reason`` says why). On CPU nothing is judged: the figures mean nothing
+    for a GPU."""
     if not cuda:
-        return ["CPU dry run: bandwidth targets apply to a GPU and are not judged"]
-    for page in sorted({r["page_kib"] for r in rows}):
-        mine = [r for r in rows if r["page_kib"] == page and "vllm_gbps" in r]
-        if mine:
+        return []
+    found = []
+    for page in sorted(p // KiB for p in pages):
+        at_page = [r for r in rows if r["page_kib"] == page]
+        if ab:
+            mine = [r for r in at_page if "vllm_gbps" in r]
             worse = [r for r in mine if r["ours_gbps"] < r["vllm_gbps"]]
-            where = [(r["descriptors"], r["ids"], r["direction"]) for r in worse]
-            lines.append(
-                f"{page} KiB: kvcache >= vLLM in {len(mine) - len(worse)}/{len(mine)} rows"
-                + (f" (below in: {where})" if worse else "")
-            )
-        if page >= 64:
-            big = [r for r in rows if r["page_kib"] == page and r["descriptors"] >= 1024]
+            v: dict[str, Any] = {
+                "target": "kvcache >= vLLM",
+                "page_kib": page,
+                "rows": len(mine),
+                "passed": not worse if mine else None,
+            }
+            if mine:
+                v["text"] = f"kvcache >= vLLM in {len(mine) - len(worse)}/{len(mine)} rows" + (
+                    f" (below in: {[(r['descriptors'], r['ids'], r['direction']) for r in worse]})"
+                    if worse
+                    else ""
+                )
+            else:
+                v["reason"] = "no row with vLLM's figures"
+            found.append(v)
+        if page >= LARGE_PAGE_KIB:
+            big = [r for r in at_page if r["descriptors"] >= LARGE_JOB_DESCRIPTORS]
             low = [r for r in big if r["ours_pct_of_large_copy"] < 90]
-            lines.append(
-                f"{page} KiB, >= 1024 descriptors: >= 90 % of the large copy in "
-                f"{len(big) - len(low)}/{len(big)} rows"
-            )
-    return lines
+            v = {
+                "target": ">= 90 % of the large copy",
+                "page_kib": page,
+                "scope": f"jobs of >= {LARGE_JOB_DESCRIPTORS} page descriptors",
+                "rows": len(big),
+                "rows_not_judged": len(at_page) - len(big),
+                "passed": not low if big else None,
+            }
+            if big:
+                v["text"] = (
+                    f">= 90 % of the large copy in {len(big) - len(low)}/{len(big)} rows of "
+                    f">= {LARGE_JOB_DESCRIPTORS} page descriptors ({len(at_page) - len(big)} "
+                    "smaller, latency-bound rows not judged)"
+                )
+            else:
+                v["reason"] = f"no row of >= {LARGE_JOB_DESCRIPTORS} page descriptors"
+            found.append(v)
+    return found
+
+
+def ab_problems(
+    check: Check, rows: list[dict[str, Any]], startups: list[dict[str, Any]],
+    judged: list[dict[str, Any]],
+) -> list[str]:  # fmt: skip
+    """Why the A/B asked for is incomplete (empty: it is complete)."""
+    problems = [
+        f"vLLM's worker could not be built at {s['page_kib']} KiB: {s['vllm_error']}"
+        for s in startups
+        if "vllm_error" in s
+    ]
+    built = {s["page_kib"] for s in startups if "vllm_error" not in s}
+    missing = sorted({r["page_kib"] for r in rows if "vllm_gbps" not in r} & built)
+    problems += [f"rows at {page} KiB lack vLLM's figures" for page in missing]
+    for v in judged:
+        if v["passed"] is None:
+            problems.append(f"{v['page_kib']} KiB, {v['target']}: not computed, {v['reason']}")
+    if check.cuda:
+        # vLLM's worker on pageable memory (cudaHostRegister unavailable or refused) runs
+        # every copy at pageable speed: beating it would prove nothing.
+        problems += [
+            f"vLLM's host region is not pinned at {s['page_kib']} KiB: its figures are not "
+            "vLLM's as deployed"
+            for s in startups
+            if "vllm_error" not in s and not s.get("vllm_pinned", False)
+        ]
+    if check.cuda and check.skipped:
+        problems.append(
+            f"time budget reached: {check.skipped} row(s) skipped, so the verdicts do not "
+            "cover the whole grid (raise --budget-s)"
+        )
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -636,22 +771,34 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['pool_gib']:.1f} GiB {s['pin_state']} after {s['pinned_s']:.2f} s; load cut-off "
             f"{(s.get('kernel_max_run_bytes') or 0) // KiB} KiB"
             + (
-                f"; vLLM's worker returned in {s['vllm_returned_s']:.2f} s"
+                f"; vLLM's worker returned in {s['vllm_returned_s']:.2f} s, its host region "
+                + ("pinned" if s["vllm_pinned"] else "pageable")
                 if "vllm_returned_s" in s
                 else ""
             )
         )
     for line in submit_summary(rows):
         out(line)
-    for line in verdicts(rows, check.cuda):
-        out(line)
+    judged = verdicts(rows, check.pages, cuda=check.cuda, ab=report["ab"])
+    report["verdicts"] = judged
+    if not check.cuda:
+        out("CPU dry run: bandwidth targets apply to a GPU and are not judged")
+    for v in judged:
+        verdict = {True: "met", False: "MISSED", None: "NOT COMPUTED"}[v["passed"]]
+        out(f"{v['page_kib']} KiB, {v['target']}: {verdict}; {v.get('text') or v['reason']}")
     if check.skipped:
         out(f"time budget reached: {check.skipped} row(s) skipped")
+    problems = ab_problems(check, rows, startups, judged) if report["ab"] else []
+    report["ab_problems"] = problems
+    failed = [r for r in rows if r["check"] != "ok" or any(k.endswith("_error") for k in r)]
+    status = 1 if failed else EXIT_AB_INCOMPLETE if problems else 0
+    for problem in problems:
+        out(f"A/B INCOMPLETE: {problem}")
+    report["exit_status"] = status
     report["complete"] = True
     saved()
     out(f"wrote {path} ({check.elapsed():.0f} s)")
-    failed = [r for r in rows if r["check"] != "ok" or any(k.endswith("_error") for k in r)]
-    return 1 if failed else 0
+    return status
 
 
 def submit_summary(rows: list[dict[str, Any]]) -> list[str]:
