@@ -1,8 +1,9 @@
 """Helpers of the hostile-input suites (``test_hostile_*.py``).
 
 - Snapshots of everything a policy or manager exposes, to assert that an error changed nothing.
-- The error classes, including those the hierarchy does not have yet (looked up by name so the
-  suites import today; a case that needs a missing class fails, and is marked ``xfail``).
+- The error classes a case expects, looked up by name and checked to sit in the hierarchy the
+  issue asks for (a ``KvCacheError`` that is also the builtin); a case whose class is missing or
+  misplaced fails.
 - A subprocess runner with a memory watchdog, for inputs that used to abort the interpreter:
   a regression then fails one test instead of killing the test run, and a runaway allocation
   is stopped before it hurts the machine.
@@ -32,14 +33,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def kv_error(name: str) -> type[BaseException] | None:
-    """``kvcache.<name>`` if the hierarchy has it (some classes are still to be added)."""
+    """``kvcache.<name>`` if it is an exception class, else None."""
     cls = getattr(kvcache, name, None)
     return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
 
 
 def require_error(name: str, builtin: type[BaseException]) -> type[BaseException]:
     """``kvcache.<name>``, checked to be a ``KvCacheError`` and a ``builtin``; fails the test
-    when the class does not exist yet."""
+    when kvcache has no such class."""
     cls = kv_error(name)
     if cls is None:
         pytest.fail(f"kvcache has no {name} (a KvCacheError that is also a {builtin.__name__})")

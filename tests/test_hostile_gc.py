@@ -1,9 +1,12 @@
 """Nothing leaks: reference cycles through kvcache objects are collected, and long runs with a
 stable working set do not grow.
 
-Cycles: a chunk that references its policy, and a manager that keeps its own chunk-table view,
-are cycles the garbage collector can only break if the policy and the view report what they
-hold (``__traverse__``) and can drop it (``__clear__``). Weak references show the collection.
+Cycles: a chunk that references its policy, and a result object (one of the manager's
+``_result_types``) that references its manager, are cycles through Rust objects, which the
+garbage collector can only break if the policy and the manager report what they hold
+(``__traverse__``) and can drop it (``__clear__``); a transfer engine its own layers and pool
+reference is collected too. A chunk table (``chunk_table()``) is a copy that references no
+manager, so keeping one closes no cycle. Weak references show the collection.
 
 Leaks: 10**5 calls per workload (stores, loads, evictions, request contexts that come and
 go, errors raised and caught), in a fresh interpreter: after a warm-up, resident memory and
