@@ -8,7 +8,6 @@ Same methods, arguments and decisions as ``vllm.v1.kv_offload.cpu.manager.CPUOff
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from kvcache._core import OffloadingManager as _RustManager
 from kvcache._types import RESULT_TYPES
@@ -68,6 +67,3 @@ class OffloadingManager(_RustManager):
             f"OffloadingManager(num_chunks={self.num_chunks}, "
             f"cache_policy={self.cache_policy!r}, resident={len(self)})"
         )
-
-    def __reduce__(self) -> Any:
-        raise TypeError("OffloadingManager cannot be pickled")

@@ -39,6 +39,11 @@ pub struct ChunkStatus {
 
 #[pymethods]
 impl ChunkStatus {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     /// A new record starts "not ready" (`ref_cnt == -1`), like vLLM's.
     #[new]
     fn new(chunk_id: Bound<'_, PyAny>) -> PyResult<Self> {

@@ -95,3 +95,20 @@ impl<T> IntoPyResult<T> for Result<T, HostError> {
 pub fn typed(pick: impl FnOnce(&Exceptions) -> &Py<PyType>, message: impl Into<String>) -> PyErr {
     Python::attach(|py| new_err(py, pick(exceptions(py)), message.into()))
 }
+
+/// The refusal every kvcache class gives `pickle`, `copy.copy` and `copy.deepcopy` (all three
+/// go through `__reduce__`). Policies, managers, pools and plans own Rust state no constructor
+/// call rebuilds, and a copy that shared it would be two objects mutating one cache; the small
+/// value classes refuse too, so that the rule is one rule. Python's own refusal is a bare
+/// `TypeError`; this one is also a `KvCacheError`.
+pub fn not_picklable(obj: &Bound<'_, PyAny>) -> PyErr {
+    // The type's name, as in Python's own "cannot pickle 'X' object".
+    let name = obj
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+    typed(
+        |e| &e.invalid_type,
+        format!("cannot pickle '{name}' object: kvcache objects cannot be pickled or copied"),
+    )
+}

@@ -198,6 +198,11 @@ impl State {
 
 #[pymethods]
 impl PyManager {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     #[new]
     #[classmethod]
     #[allow(
@@ -670,6 +675,11 @@ pub struct ChunkTableView {
 
 #[pymethods]
 impl ChunkTableView {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     fn __len__(&self) -> usize {
         self.records.len()
     }

@@ -375,6 +375,11 @@ impl BaseCachePolicy {
 
 #[pymethods]
 impl BaseCachePolicy {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     /// The number of chunks the cache holds (the manager's `num_chunks`).
     #[getter]
     fn cache_capacity(&self, py: Python<'_>) -> PyResult<usize> {

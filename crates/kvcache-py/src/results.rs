@@ -27,6 +27,11 @@ pub struct LoadStoreSpec {
 
 #[pymethods]
 impl LoadStoreSpec {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     #[new]
     fn new(py: Python<'_>, block_ids: Bound<'_, PyAny>) -> PyResult<Self> {
         let items = block_ids.try_iter().map_err(|_| {
@@ -106,6 +111,11 @@ impl EvictedKeys {
 
 #[pymethods]
 impl EvictedKeys {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     fn __len__(&self) -> usize {
         self.keys.len()
     }
@@ -205,6 +215,11 @@ pub struct PrepareStoreOutput {
 
 #[pymethods]
 impl PrepareStoreOutput {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(format!(
             "PrepareStoreOutput(keys_to_store={}, store_spec={}, evicted_keys={})",
@@ -239,6 +254,11 @@ impl PartialEq for OffloadingEvent {
 
 #[pymethods]
 impl OffloadingEvent {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     #[getter]
     fn medium(&self) -> &'static str {
         "CPU"

@@ -85,6 +85,11 @@ pub struct CpuCopier {
 
 #[pymethods]
 impl CpuCopier {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     /// `execute=False` builds each job's runs but copies nothing (for measuring the planning
     /// cost alone); jobs are then reported as succeeded.
     #[new]

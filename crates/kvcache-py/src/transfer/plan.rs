@@ -194,6 +194,11 @@ fn group_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
 
 #[pymethods]
 impl PyTransferLayout {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     /// `layers`: for host memory (CPU tensors), `(buffer, segment)` with a 2-d writable byte
     /// buffer of shape `(blocks, page bytes)`; for device memory, the integers
     /// `(base, block_stride, page_bytes, num_blocks, segment)`. `segment` names the allocation
@@ -547,6 +552,11 @@ impl Plan {
 
 #[pymethods]
 impl Plan {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     /// Number of copy runs (descriptors) after coalescing (builds them if needed).
     fn __len__(&self, py: Python<'_>) -> usize {
         let data = Arc::clone(&self.data);

@@ -39,6 +39,11 @@ impl PyHostChunkPool {
 
 #[pymethods]
 impl PyHostChunkPool {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     #[new]
     fn new(
         #[pyo3(from_py_with = num_chunks_arg)] num_chunks: usize,

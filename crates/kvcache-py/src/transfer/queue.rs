@@ -344,6 +344,11 @@ pub struct CudaQueue {
 
 #[pymethods]
 impl CudaQueue {
+    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+
     /// A queue submitting to `stream` (a `cudaStream_t`) on `device`. `fns` maps CUDA runtime
     /// function names (cudaEventCreateWithFlags, cudaEventDestroy, cudaEventRecord,
     /// cudaEventQuery, cudaEventSynchronize, cudaEventElapsedTime, cudaStreamWaitEvent,
