@@ -161,21 +161,6 @@ def a_worker() -> Subject:
     )
 
 
-def copied_not_refused(where: str) -> Any:
-    return pytest.mark.xfail(
-        strict=True,
-        reason=f"a pure-Python class without __reduce__: copy.copy makes a shallow copy that "
-        f"shares its Rust state ({where} needs a __reduce__ raising InvalidTypeError)",
-    )
-
-
-USED_CONTEXT = pytest.mark.xfail(
-    strict=True,
-    reason="kvcache's per-request state object (_RequestState, request_state.rs) has no "
-    "__reduce__ yet: Python's bare TypeError",
-)
-
-
 def a_used_context() -> Subject:
     """A context a manager has stored its per-request state on."""
     manager = kvcache.OffloadingManager(4)
@@ -192,7 +177,6 @@ POLICY_CLASSES = {cls.__name__: cls for cls in kvcache._core.POLICY_KINDS.values
 class Refused:
     make: Callable[[], Subject]
     ops: tuple[str, ...] = tuple(OPS)
-    marks: dict[str, Any] = field(default_factory=dict)
 
 
 REFUSED: dict[str, Refused] = {
@@ -217,27 +201,19 @@ REFUSED: dict[str, Refused] = {
         lambda: result(event, lambda e: (e.keys, e.medium, e.removed, e.metadata_only))
     ),
     "HostChunkPool": Refused(a_pool),
-    "TransferEngine": Refused(
-        an_engine, marks={"copy": copied_not_refused("kvcache/transfer/_engine.py")}
-    ),
+    "TransferEngine": Refused(an_engine),
     "Plan": Refused(a_plan),
-    "CPUOffloadingWorker": Refused(
-        a_worker, marks={"copy": copied_not_refused("kvcache/_vllm_worker.py")}
-    ),
+    "CPUOffloadingWorker": Refused(a_worker),
     # copy.copy of a context is the user's own shallow copy (it shares the state dict, as
     # vLLM's does); what holds kvcache's state is the object inside, which refuses the rest.
-    "ReqContext-used": Refused(
-        a_used_context,
-        ops=("pickle-0", "pickle", "deepcopy"),
-        marks=dict.fromkeys(("pickle-0", "pickle", "deepcopy"), USED_CONTEXT),
-    ),
+    "ReqContext-used": Refused(a_used_context, ops=("pickle-0", "pickle", "deepcopy")),
 }
 
 
 @pytest.mark.parametrize(
     ("subject", "op"),
     [
-        pytest.param(name, op, id=f"{name}-{op}", marks=entry.marks.get(op, ()))
+        pytest.param(name, op, id=f"{name}-{op}")
         for name, entry in REFUSED.items()
         for op in entry.ops
     ],
@@ -305,16 +281,7 @@ def test_value_results_pickle_and_copy() -> None:
     round_trips(job, lambda a, b: type(a) is type(b) and a == b)
 
 
-SLOTS_WITHOUT_GETSTATE = pytest.mark.xfail(
-    strict=True,
-    reason="ReqContext has __slots__ and no __getstate__/__reduce__: protocols 0 and 1 refuse "
-    "it with Python's bare TypeError (kvcache/_context.py)",
-)
-
-
-@pytest.mark.parametrize(
-    "op", [pytest.param(op, marks=SLOTS_WITHOUT_GETSTATE if op == "pickle-0" else ()) for op in OPS]
-)
+@pytest.mark.parametrize("op", OPS)
 def test_a_fresh_context_pickles_and_copies(op: str) -> None:
     ctx = kvcache.ReqContext("r", {"x": 1})
     ctx.set_offload_key_position(make_key(0), 16)

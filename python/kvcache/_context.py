@@ -40,5 +40,17 @@ class ReqContext:
     def get_offload_key_position(self, key: bytes) -> int | None:
         return self._offload_key_positions.get(key)
 
+    # Explicit because a slotted class without them cannot be pickled at protocols 0 and 1;
+    # a context holding kvcache's per-request state still refuses (that state does).
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _FIELDS}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in _FIELDS:
+            setattr(self, name, state[name])
+
     def __repr__(self) -> str:
         return f"ReqContext(req_id={self.req_id!r})"
+
+
+_FIELDS = ("req_id", "kv_transfer_params", "_state", "_offload_key_positions")

@@ -7,7 +7,7 @@ express are in ``python/stubtest-allowlist.txt``.
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Self, TypeAlias, final, overload
+from typing import Any, NoReturn, Self, TypeAlias, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +50,7 @@ __all__ = [
     "__version__",
     "_cuda_memcpy_batch",
     "_cuda_memcpy_runs",
+    "_refuse_pickling",
     "order_request_keys",
 ]
 
@@ -124,6 +125,7 @@ class ARCCachePolicy(BaseCachePolicy):
     def target_t1_size(self) -> float: ...
 
 def order_request_keys(key_groups: Iterable[Iterable[bytes]], req_context: Any) -> list[bytes]: ...
+def _refuse_pickling(obj: object) -> NoReturn: ...
 
 #: Every policy kvcache offers: short name (vLLM's registered name) -> class (whose
 #: ``__name__`` is vLLM's class name), in the core's order.

@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvcache._core import InvalidArgumentError, InvalidTypeError, TransferError
+from kvcache._core import InvalidArgumentError, InvalidTypeError, TransferError, _refuse_pickling
 from kvcache.transfer import HostChunkPool, TransferEngine
 
 if TYPE_CHECKING:
@@ -173,6 +173,10 @@ class CPUOffloadingWorker(OffloadingWorker):
     releases what it built and raises :class:`SelfCheckError` (``kvcache.vllm`` then falls back
     to vLLM's worker).
     """
+
+    def __reduce__(self) -> Any:
+        # Its engine and host pool live in this process only (as vLLM's worker's do).
+        _refuse_pickling(self)
 
     def __init__(
         self,

@@ -112,3 +112,11 @@ pub fn not_picklable(obj: &Bound<'_, PyAny>) -> PyErr {
         format!("cannot pickle '{name}' object: kvcache objects cannot be pickled or copied"),
     )
 }
+
+/// `not_picklable` for kvcache's Python classes (`_core._refuse_pickling(self)` in their
+/// `__reduce__`), so that one message and one exception class serve every kvcache object.
+#[pyfunction]
+#[pyo3(name = "_refuse_pickling")]
+pub fn refuse_pickling(obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    Err(not_picklable(obj))
+}

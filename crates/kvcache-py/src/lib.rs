@@ -36,6 +36,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<results::EvictedKeys>()?;
     m.add_class::<results::OffloadingEvent>()?;
     m.add_function(wrap_pyfunction!(policy::order_request_keys_py, m)?)?;
+    m.add_function(wrap_pyfunction!(errors::refuse_pickling, m)?)?;
     exceptions::register(m)?;
     transfer::register(m)?;
     Ok(())

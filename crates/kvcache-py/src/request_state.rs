@@ -58,6 +58,15 @@ pub struct RequestState {
     slots: Mutex<Vec<Slot>>,
 }
 
+#[pymethods]
+impl RequestState {
+    /// Refused, with `kvcache.InvalidTypeError` (see `errors::not_picklable`): the tokens
+    /// name entries of live policies and managers in this process only.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Err(crate::errors::not_picklable(slf.as_any()))
+    }
+}
+
 impl RequestState {
     fn get(&self, owner: u64) -> Option<Token> {
         let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());

@@ -520,6 +520,11 @@ class TransferEngine:
     Not thread-safe: use an engine from one thread at a time.
     """
 
+    def __reduce__(self) -> Any:
+        # Its pool, queues and threads live in this process only; a shallow copy would be a
+        # second engine driving the same queues.
+        _core._refuse_pickling(self)
+
     def __init__(
         self,
         gpu_layers: Sequence[torch.Tensor],
