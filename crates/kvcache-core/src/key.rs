@@ -26,7 +26,7 @@ pub enum KeyBuf {
 }
 
 impl KeyBuf {
-    pub fn new(key: &[u8]) -> Self {
+    pub(crate) fn new(key: &[u8]) -> Self {
         if key.len() <= INLINE_KEY_BYTES {
             let mut bytes = [0u8; INLINE_KEY_BYTES];
             copy_short(&mut bytes, key);
@@ -69,7 +69,7 @@ impl KeyBuf {
     }
 
     /// Heap bytes owned by this key beyond its inline size (for memory accounting).
-    pub fn heap_bytes(&self) -> usize {
+    pub(crate) fn heap_bytes(&self) -> usize {
         match self {
             KeyBuf::Inline { .. } => 0,
             KeyBuf::Heap(b) => b.len(),
@@ -169,7 +169,7 @@ impl KeyHasher {
     }
 
     #[inline]
-    pub fn hash(&self, key: &[u8]) -> KeyHash {
+    pub(crate) fn hash(&self, key: &[u8]) -> KeyHash {
         KeyHash(self.0.hash_one(key))
     }
 }

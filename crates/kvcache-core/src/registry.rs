@@ -31,12 +31,8 @@ impl<T> Default for Registry<T> {
 }
 
 impl<T> Registry<T> {
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.live.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.live.is_empty()
     }
 
     /// The state `current` names, or a fresh one made by `make` if it is missing or stale.
@@ -87,12 +83,12 @@ impl<T> Registry<T> {
         self.live.drain().map(|(_, state)| state)
     }
 
-    pub fn values(&self) -> impl Iterator<Item = &T> {
+    pub(crate) fn values(&self) -> impl Iterator<Item = &T> {
         self.live.values()
     }
 
     /// Bytes of the table itself (not of what the states own).
-    pub fn allocation_size(&self) -> usize {
+    pub(crate) fn allocation_size(&self) -> usize {
         self.live.allocation_size()
     }
 }

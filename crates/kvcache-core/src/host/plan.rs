@@ -168,15 +168,17 @@ impl CopyRuns {
         self.len.is_empty()
     }
     /// Number of (block, tensor) page copies before coalescing.
+    #[cfg(test)]
     pub fn pages(&self) -> u64 {
         self.pages
     }
     /// Bytes actually moved.
+    #[cfg(test)]
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
-    /// Bytes as vLLM's worker accounts them: blocks times the sum of the group's reference
-    /// sizes, counting twice a tensor a group references twice (moved once).
+    /// Bytes as vLLM's worker accounts them (see [`Request::logical_bytes`]).
+    #[cfg(test)]
     pub fn logical_bytes(&self) -> u64 {
         self.logical_bytes
     }
@@ -571,12 +573,6 @@ impl TransferLayout {
         })
     }
 
-    pub fn layers(&self) -> &[LayerGeometry] {
-        &self.layers
-    }
-    pub fn host_offsets(&self) -> &[u64] {
-        &self.host_offsets
-    }
     pub fn num_groups(&self) -> usize {
         self.groups.len()
     }
@@ -585,12 +581,6 @@ impl TransferLayout {
     }
     pub fn num_blocks(&self) -> u64 {
         self.num_blocks
-    }
-    pub fn num_chunks(&self) -> u64 {
-        self.host.num_chunks
-    }
-    pub fn chunk_bytes(&self) -> u64 {
-        self.host.chunk_stride
     }
 
     fn check_range(ids: &[i64], limit: u64, what: &'static str, offset: usize) -> HostResult<()> {
@@ -642,7 +632,7 @@ impl TransferLayout {
     /// Validates a request and builds its runs. `gpu_ids` holds the blocks of every group in
     /// group order, `chunk_ids` their chunks in the same order; `spans[g]` says how many blocks
     /// group `g` has and where its first block sits (see the module docs).
-    pub fn plan_groups(
+    pub(crate) fn plan_groups(
         &self,
         dir: Direction,
         gpu_ids: &[i64],
@@ -971,9 +961,6 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn direction(&self) -> Direction {
-        self.dir
-    }
     /// Number of (block, tensor) page copies.
     pub fn pages(&self) -> u64 {
         self.pages
@@ -982,7 +969,8 @@ impl Request {
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
-    /// Bytes as vLLM's worker accounts them (see [`CopyRuns::logical_bytes`]).
+    /// Bytes as vLLM's worker accounts them: blocks times the sum of the group's reference
+    /// sizes, counting twice a tensor a group references twice (moved once).
     pub fn logical_bytes(&self) -> u64 {
         self.logical_bytes
     }

@@ -331,6 +331,7 @@ impl HostRegion {
     }
 
     /// Always false: a region holds at least one byte.
+    // A public `len` goes with an `is_empty` (clippy's `len_without_is_empty`).
     pub fn is_empty(&self) -> bool {
         false
     }
@@ -429,11 +430,6 @@ impl HostRegion {
     /// `MADV_POPULATE_WRITE`, [`HostError::Spawn`] when the system refuses a thread.
     pub fn populate(&self, threads: usize) -> HostResult<bool> {
         populate(self.addr(), self.map_len, threads)
-    }
-
-    /// Outstanding leases (transfers in flight).
-    pub fn leases(&self) -> usize {
-        self.lock().leases
     }
 
     /// Registers the whole mapping in pieces (see [`registration_piece_bytes`]); `unit` is the
@@ -736,12 +732,6 @@ impl Drop for HostRegion {
 /// Proof that a transfer is using the region; `close()` is refused until it is dropped.
 pub struct Lease {
     region: Arc<HostRegion>,
-}
-
-impl Lease {
-    pub fn region(&self) -> &Arc<HostRegion> {
-        &self.region
-    }
 }
 
 impl Drop for Lease {

@@ -195,6 +195,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
         self.table.num_resident()
     }
 
+    // A public `len` goes with an `is_empty` (clippy's `len_without_is_empty`).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -206,13 +207,6 @@ impl<P: Policy<ChunkId>> Manager<P> {
             Some(&c) if self.table.record(c).ref_cnt() < 0 => LookupResult::HitPending,
             Some(_) => LookupResult::Hit,
         }
-    }
-
-    /// The chunk stored under `key` and its `ref_cnt`.
-    pub fn chunk(&self, key: Key<'_>) -> Option<(ChunkId, i32)> {
-        self.policy
-            .get(key)
-            .map(|&c| (c, self.table.record(c).ref_cnt()))
     }
 
     /// The request's state for this cache generation: `current` if still valid, else new

@@ -39,17 +39,17 @@ impl ChunkRecord {
     }
 
     #[inline]
-    pub fn ref_cnt(&self) -> i32 {
+    pub(crate) fn ref_cnt(&self) -> i32 {
         self.ref_cnt.load(Relaxed)
     }
 
     #[inline]
-    pub fn set_ref_cnt(&self, value: i32) {
+    pub(crate) fn set_ref_cnt(&self, value: i32) {
         self.ref_cnt.store(value, Relaxed)
     }
 
     #[inline]
-    pub fn chunk_id(&self) -> i64 {
+    pub(crate) fn chunk_id(&self) -> i64 {
         self.chunk_id.load(Relaxed)
     }
 }
@@ -92,7 +92,7 @@ pub struct ChunkTable {
 
 impl ChunkTable {
     /// A table for `num_chunks` chunks; no record exists until its id is first handed out.
-    pub fn new(num_chunks: usize) -> CoreResult<Self> {
+    pub(crate) fn new(num_chunks: usize) -> CoreResult<Self> {
         if num_chunks > MAX_CHUNKS {
             return Err(CoreError::TooManyChunks {
                 requested: num_chunks,
@@ -106,12 +106,12 @@ impl ChunkTable {
         })
     }
 
-    pub fn num_chunks(&self) -> usize {
+    pub(crate) fn num_chunks(&self) -> usize {
         self.num_chunks
     }
 
     /// Fresh ids never handed out plus freed ids waiting for reuse.
-    pub fn num_free(&self) -> usize {
+    pub(crate) fn num_free(&self) -> usize {
         self.free_list.len() + self.num_chunks - self.records.len()
     }
 
@@ -121,12 +121,8 @@ impl ChunkTable {
     }
 
     /// Chunks holding data (pending, ready or pinned).
-    pub fn num_resident(&self) -> usize {
+    pub(crate) fn num_resident(&self) -> usize {
         self.records.len() - self.free_list.len()
-    }
-
-    pub fn free_list_len(&self) -> usize {
-        self.free_list.len()
     }
 
     /// Freed ids in the order they will be reused last-to-first (vLLM's `_free_list`).
@@ -146,7 +142,7 @@ impl ChunkTable {
 
     /// Makes sure [`allocate`](Self::allocate)`(n)` will not need memory it cannot get.
     /// `n <= num_free()`.
-    pub fn reserve(&mut self, n: usize) -> CoreResult<()> {
+    pub(crate) fn reserve(&mut self, n: usize) -> CoreResult<()> {
         let len = self.records.len();
         let fresh = n.min(self.num_chunks - len);
         if fresh <= self.records.capacity() - len {
@@ -167,7 +163,7 @@ impl ChunkTable {
 
     /// Hands out `n` pending chunks: fresh ids first, then the most recently freed. The caller
     /// checked `n <= num_free()` and [`reserve`](Self::reserve)d room.
-    pub fn allocate(&mut self, n: usize) -> Vec<ChunkId> {
+    pub(crate) fn allocate(&mut self, n: usize) -> Vec<ChunkId> {
         debug_assert!(n <= self.num_free());
         let fresh = n.min(self.num_chunks - self.records.len());
         let mut ids = Vec::with_capacity(n);
@@ -185,18 +181,18 @@ impl ChunkTable {
         ids
     }
 
-    pub fn free(&mut self, id: ChunkId) {
+    pub(crate) fn free(&mut self, id: ChunkId) {
         self.record(id).set_ref_cnt(FREE);
         self.free_list.push(id);
     }
 
     /// Every chunk becomes fresh again, as after vLLM's `reset_cache`.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.records.clear();
         self.free_list.clear();
     }
 
-    pub fn heap_bytes(&self) -> usize {
+    pub(crate) fn heap_bytes(&self) -> usize {
         self.records.capacity() * std::mem::size_of::<TableRecord>()
             + self.free_list.capacity() * std::mem::size_of::<ChunkId>()
     }

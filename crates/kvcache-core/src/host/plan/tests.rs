@@ -55,7 +55,7 @@ fn pages_of(lay: &TransferLayout, dir: Direction, g: &[i64], c: &[i64]) -> Vec<(
         for (l, layer) in lay.layers.iter().enumerate() {
             for k in 0..lay.blocks_per_chunk {
                 let host = HOST
-                    + u(cid) * lay.chunk_bytes()
+                    + u(cid) * lay.host.chunk_stride
                     + lay.host_offsets[l]
                     + w(k) * layer.page_bytes;
                 let dev = layer.base + u(g[j * lay.blocks_per_chunk + k]) * layer.block_stride;
@@ -440,7 +440,7 @@ fn reference_copy(
                 let slot = skip + i;
                 let chunk = u(c[co + slot / bpc]);
                 let host = us(HOST
-                    + chunk * lay.chunk_bytes()
+                    + chunk * lay.host.chunk_stride
                     + lay.host_offsets[rf.tensor]
                     + w(slot % bpc) * t.page_bytes);
                 let (src, dst) = match dir {
