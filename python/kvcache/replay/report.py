@@ -1,4 +1,12 @@
-"""Present replay results: a text table, JSON (rows and run metadata), CSV, a hit-ratio plot."""
+"""Present replay results: a text table, JSON (rows and run metadata), CSV, a hit-ratio plot.
+
+The table is plain fixed-width text rather than a rich table: it is meant to be pasted and
+diffed, and must not reflow with the terminal's width; and rich would be the wheel's third
+runtime dependency (rich, pygments, markdown-it-py, mdurl: 1.7 MB of wheels, 13 MB installed)
+and would add 48-61 ms of imports (``python -X importtime -c "import rich.console,
+rich.table"``, 2-core VM) to a CLI whose own imports take 64-90 ms and whose 200-request
+replay takes 0.35 s in all.
+"""
 
 from __future__ import annotations
 
