@@ -148,11 +148,16 @@ def test_plot_without_matplotlib(
     assert_one_line_error(*result, "matplotlib")
 
 
-def test_module_entry_point_error_has_no_traceback(tmp_path: Path) -> None:
-    env = {
+def subprocess_env() -> dict[str, str]:
+    """The environment for a fresh interpreter that imports this checkout's kvcache."""
+    return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]),
     }
+
+
+def test_module_entry_point_error_has_no_traceback(tmp_path: Path) -> None:
+    env = subprocess_env()
     proc = subprocess.run(
         [sys.executable, "-m", "kvcache", "replay", "--trace", str(tmp_path / "missing.jsonl")],
         capture_output=True,
@@ -168,10 +173,7 @@ def test_module_entry_point_error_has_no_traceback(tmp_path: Path) -> None:
 
 
 def test_importing_the_cli_does_not_import_vllm_or_torch() -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = subprocess_env()
     code = (
         "import sys, kvcache, kvcache.cli, kvcache.replay; "
         "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; "
@@ -680,18 +682,32 @@ def test_vllm_backends_without_vllm(argv: list[str], capsys: pytest.CaptureFixtu
     assert_one_line_error(*result, "needs vLLM 0.33.0")
 
 
-def test_rust_policies_backend_under_an_untested_vllm(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """kvcache.vllm refuses a vLLM release it was not tested against: one line, exit 2."""
-    require_oracle()
-    import vllm
+def test_rust_policies_backend_under_an_untested_vllm() -> None:
+    """kvcache.vllm refuses a vLLM release it was not tested against: one line, exit 2.
 
-    monkeypatch.delitem(sys.modules, "kvcache.vllm", raising=False)
-    monkeypatch.delenv("KVCACHE_ALLOW_UNTESTED_VLLM", raising=False)
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    result = run(["replay", "--requests", "5", "--backend", "vllm-rust-policies"], capsys)
-    assert_one_line_error(*result, "tested against vLLM 0.33.0", "KVCACHE_ALLOW_UNTESTED_VLLM=1")
+    In a fresh interpreter: the refusal runs once, when kvcache.vllm is first imported."""
+    require_oracle()
+    env = subprocess_env()
+    env.pop("KVCACHE_ALLOW_UNTESTED_VLLM", None)
+    code = (
+        "import sys, vllm; vllm.__version__ = '0.34.0'; from kvcache.cli import main; "
+        "sys.exit(main(['replay', '--requests', '5', '--backend', 'vllm-rust-policies']))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=300,
+    )
+    assert_one_line_error(
+        proc.returncode,
+        proc.stdout,
+        proc.stderr,
+        "tested against vLLM 0.33.0",
+        "KVCACHE_ALLOW_UNTESTED_VLLM=1",
+    )
 
 
 def test_transfer_bench_without_torch(
@@ -799,10 +815,7 @@ def test_python_m_transfer_bench_without_torch_is_one_line() -> None:
         "sys.argv = ['kvcache.transfer', 'bench', '--device', 'cpu']\n"
         "runpy.run_module('kvcache.transfer', run_name='__main__', alter_sys=True)\n"
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = subprocess_env()
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
     )
