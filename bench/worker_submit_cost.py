@@ -172,6 +172,32 @@ def timer_floor() -> float:
     return statistics.median(reads) / 1e3
 
 
+def handoff_floor(ours: Any, count: int) -> float:
+    """CPU microseconds (median) the calling thread pays to hand one planned job to a parked
+    copy thread: ``CpuCopier.submit`` of a one-chunk plan, made beforehand, after a pause long
+    enough for the copy thread to sleep (as it does between a model step's jobs). Waking a
+    sleeping thread is the floor of any design that builds and submits off the caller's
+    thread; it depends on the machine (a virtual CPU's wake-up costs far more than a bare-metal
+    core's)."""
+    from kvcache import _core
+
+    copier = _core.CpuCopier(execute=False)
+    reads = []
+    try:
+        for i in range(count):
+            plan = ours.engine.plan(store=True, gpu_block_ids=list(range(BPC)), chunk_ids=[0])
+            time.sleep(200e-6)
+            t0 = time.thread_time_ns()
+            copier.submit(i, plan)
+            reads.append(time.thread_time_ns() - t0)
+            copier.wait([i])
+            copier.poll()
+            del plan
+    finally:
+        copier.shutdown()
+    return statistics.median(reads) / 1e3
+
+
 def descriptor_floor(num_pages: int, page: int) -> float:
     """CPU microseconds (median) to write one ``(src, dst, size)`` int64 triple per page from
     shuffled page ids with vectorised numpy: about the least any DMA worker does per job when
@@ -203,11 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{'vLLM st':>8} {'ours':>6} {'x':>6} {'vLLM ld':>8} {'ours':>6} {'x':>6} | "
         "total, us CPU/job: vLLM st/ours, vLLM ld/ours"
     )
+    handoff = None
     with vllm_on_cpu(copy=False), no_prefault():
         for layers in LAYERS:
             for page in PAGES:
                 num_chunks = 2 * max(JOB_BLOCKS) // BPC
                 vllm_worker, ours, tensors = build(layers, page, num_chunks)
+                if handoff is None:
+                    handoff = handoff_floor(ours, 100 if args.quick else 1000)
                 for blocks in JOB_BLOCKS:
                     for pattern in PATTERNS:
                         count = (60 if blocks > 16 else 400) // (4 if args.quick else 1)
@@ -241,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     floor = timer_floor()
     worst = min(min(r["ratio_store"], r["ratio_load"]) for r in rows)
     print(f"timer floor (empty body): {floor:.2f} us; smallest vLLM/ours ratio: {worst:.1f}x")
+    print(f"hand-off floor (waking the parked copy thread with one planned job): {handoff:.1f} us")
     descriptors = {
         f"{layers}x{blocks}": descriptor_floor(layers * blocks, PAGES[0])
         for layers in LAYERS
@@ -253,7 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(
             json.dumps(
-                {"rows": rows, "timer_floor_us": floor, "descriptor_floor_us": descriptors},
+                {
+                    "rows": rows,
+                    "timer_floor_us": floor,
+                    "handoff_floor_us": handoff,
+                    "descriptor_floor_us": descriptors,
+                },
                 indent=1,
             )
         )
