@@ -156,16 +156,22 @@ def subprocess_env() -> dict[str, str]:
     }
 
 
-def test_module_entry_point_error_has_no_traceback(tmp_path: Path) -> None:
-    env = subprocess_env()
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvcache", "replay", "--trace", str(tmp_path / "missing.jsonl")],
+def run_python(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` in a fresh interpreter (``subprocess_env()`` unless ``env``)."""
+    return subprocess.run(
+        [sys.executable, *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=subprocess_env() if env is None else env,
         check=False,
-        timeout=120,
+        timeout=timeout,
     )
+
+
+def test_module_entry_point_error_has_no_traceback(tmp_path: Path) -> None:
+    proc = run_python(["-m", "kvcache", "replay", "--trace", str(tmp_path / "missing.jsonl")])
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.count("\n") == 1
@@ -173,20 +179,12 @@ def test_module_entry_point_error_has_no_traceback(tmp_path: Path) -> None:
 
 
 def test_importing_the_cli_does_not_import_vllm_or_torch() -> None:
-    env = subprocess_env()
     code = (
         "import sys, kvcache, kvcache.cli, kvcache.replay; "
         "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; "
         "sys.exit(f'imported {bad}' if bad else 0)"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=120,
-    )
+    proc = run_python(["-c", code])
     assert proc.returncode == 0, proc.stderr
 
 
@@ -693,14 +691,7 @@ def test_rust_policies_backend_under_an_untested_vllm() -> None:
         "import sys, vllm; vllm.__version__ = '0.34.0'; from kvcache.cli import main; "
         "sys.exit(main(['replay', '--requests', '5', '--backend', 'vllm-rust-policies']))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=300,
-    )
+    proc = run_python(["-c", code], env=env, timeout=300)
     assert_one_line_error(
         proc.returncode,
         proc.stdout,
@@ -815,10 +806,7 @@ def test_python_m_transfer_bench_without_torch_is_one_line() -> None:
         "sys.argv = ['kvcache.transfer', 'bench', '--device', 'cpu']\n"
         "runpy.run_module('kvcache.transfer', run_name='__main__', alter_sys=True)\n"
     )
-    env = subprocess_env()
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
+    proc = run_python(["-c", code])
     assert_one_line_error(
         proc.returncode, proc.stdout, proc.stderr, "needs torch", "kvcache-offload[transfer]"
     )
