@@ -308,8 +308,8 @@ class TransferLayout:
     def plan(
         self,
         store: bool,
-        gpu_ids: npt.NDArray[np.int64] | npt.NDArray[np.int32],
-        chunk_ids: npt.NDArray[np.int64] | npt.NDArray[np.int32],
+        gpu_ids: npt.ArrayLike,
+        chunk_ids: npt.ArrayLike,
         group_sizes: Iterable[int] | None = None,
         block_indices: Iterable[int] | None = None,
     ) -> Plan: ...

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -16,7 +15,7 @@ from kvcache._core import (
     InvalidTypeError,
     TransferError,
 )
-from kvcache.transfer._checks import as_ids, check_count
+from kvcache.transfer._checks import check_count
 from kvcache.transfer._cuda import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 
 if TYPE_CHECKING:
@@ -128,7 +127,7 @@ class _CpuBackend:
 
     def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
         self._copiers[queue].submit(job_id, plan)
-        self._plans[job_id] = (plan.logical_nbytes, plan.store)
+        self._plans[job_id] = (plan.logical_nbytes, queue == "store")
         self.jobs_by_method["cpu"] += 1
 
     def collect(self) -> list[JobResult]:
@@ -612,7 +611,6 @@ class TransferEngine:
         self._device = device
         self._blocks_per_chunk = blocks_per_chunk
         self._log_failures = log_failures
-        self._next_id = itertools.count()
         self._issued = 0
         self._unreported: set[int] = set()
         self._done: list[JobResult] = []
@@ -734,12 +732,9 @@ class TransferEngine:
         group_sizes: Sequence[int] | None,
         block_indices: Sequence[int] | None,
     ) -> _core.Plan:
+        # The layout reads numpy id arrays in place and converts anything else with as_ids.
         self._check_open()
-        g = as_ids("gpu_block_ids", gpu_block_ids)
-        c = as_ids("chunk_ids", chunk_ids)
-        if group_sizes is None and block_indices is None and self._layout.num_groups > 1:
-            raise InvalidArgumentError("this engine has several groups: give group_sizes")
-        return self._layout.plan(store, g, c, group_sizes, block_indices)
+        return self._layout.plan(store, gpu_block_ids, chunk_ids, group_sizes, block_indices)
 
     def _submit(
         self,
@@ -749,8 +744,14 @@ class TransferEngine:
         group_sizes: Sequence[int] | None,
         block_indices: Sequence[int] | None,
     ) -> int:
-        plan = self._plan(queue == "store", gpu_block_ids, chunk_ids, group_sizes, block_indices)
-        job_id = next(self._next_id)
+        # The submitting thread's hot path (once per vLLM job): one Rust call validates and
+        # plans, one queues; ids are numbered only once the job is queued.
+        if self._closed:
+            raise InvalidStateError("the transfer engine is closed")
+        plan = self._layout.plan(
+            queue == "store", gpu_block_ids, chunk_ids, group_sizes, block_indices
+        )
+        job_id = self._issued
         self._backend.submit(job_id, plan, queue)
         self._issued = job_id + 1
         self._unreported.add(job_id)

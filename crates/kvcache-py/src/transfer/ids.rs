@@ -1,5 +1,7 @@
-//! Id arrays from Python: 1-d int64 or int32 buffers (numpy arrays, as vLLM's specs hold
-//! them), converted once into `Vec<i64>`; and short integer sequences (group spans).
+//! Id arrays from Python, converted once into `Vec<i64>`: 1-d int64 or int32 buffers (numpy
+//! arrays, as vLLM's specs hold them) are read directly; anything else goes through
+//! `kvcache.transfer._checks.as_ids` (vectorised numpy: lists, other integer dtypes, typed
+//! errors for the rest). Also short integer sequences (group spans).
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
@@ -7,9 +9,28 @@ use pyo3::types::PyBool;
 
 use crate::errors::typed;
 
-/// Copies a 1-d buffer of int64 or int32 into a vector. Any other object raises
-/// `InvalidTypeError`, a buffer of another shape `InvalidArgumentError`.
+/// Copies a 1-d buffer of int64 or int32 into a vector, or converts any other object with
+/// the package's `as_ids` (which raises `InvalidTypeError`/`OutOfRangeError`/
+/// `InvalidArgumentError` on what is not a 1-d sequence of ints). A buffer of another shape
+/// is an `InvalidArgumentError`.
 pub(crate) fn id_vec(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    if let Some(ids) = id_buffer(py, name, obj)? {
+        return Ok(ids);
+    }
+    let converted = py
+        .import("kvcache.transfer._checks")?
+        .getattr("as_ids")?
+        .call1((name, obj))?;
+    id_buffer(py, name, &converted)?.ok_or_else(|| {
+        typed(
+            |e| &e.invalid_type,
+            format!("{name} must be a 1-d sequence of ints"),
+        )
+    })
+}
+
+/// The ids of a 1-d int64 or int32 buffer; None for any other object.
+fn id_buffer(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
     let one_d = |dims: usize| {
         if dims == 1 {
             Ok(())
@@ -22,19 +43,13 @@ pub(crate) fn id_vec(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyRe
     };
     if let Ok(buf) = PyBuffer::<i64>::get(obj) {
         one_d(buf.dimensions())?;
-        return buf.to_vec(py);
+        return buf.to_vec(py).map(Some);
     }
     if let Ok(buf) = PyBuffer::<i32>::get(obj) {
         one_d(buf.dimensions())?;
-        return Ok(buf.to_vec(py)?.into_iter().map(i64::from).collect());
+        return Ok(Some(buf.to_vec(py)?.into_iter().map(i64::from).collect()));
     }
-    Err(typed(
-        |e| &e.invalid_type,
-        format!(
-            "{name} must be a 1-d int64 or int32 buffer (e.g. a numpy array), got {}",
-            obj.get_type().name()?
-        ),
-    ))
+    Ok(None)
 }
 
 /// Non-negative integers from any iterable of ints (a list, tuple or array) of at most `max`

@@ -370,7 +370,7 @@ impl PyTransferLayout {
         group_sizes: Option<&Bound<'_, PyAny>>,
         block_indices: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Plan> {
-        let g = id_vec(py, "gpu_ids", gpu_ids)?;
+        let g = id_vec(py, "gpu_block_ids", gpu_ids)?;
         let c = id_vec(py, "chunk_ids", chunk_ids)?;
         let dir = if store {
             Direction::Store
