@@ -124,13 +124,14 @@ impl CpuCopier {
         let tx = tx
             .as_ref()
             .ok_or_else(|| typed(|e| &e.transfer, "the copier is shut down"))?;
-        let mut st = self.shared.lock();
-        if !st.in_flight.insert(job_id) {
+        if !self.shared.lock().in_flight.insert(job_id) {
             return Err(typed(
                 |e| &e.invalid_argument,
                 format!("job {job_id} is already in flight"),
             ));
         }
+        // Sent without the state lock: the woken thread may finish the job and take the lock
+        // before `send` returns here, and must not have to sleep on it (a second wake-up).
         if tx
             .send(Job {
                 id: job_id,
@@ -138,7 +139,7 @@ impl CpuCopier {
             })
             .is_err()
         {
-            st.in_flight.remove(&job_id);
+            self.shared.lock().in_flight.remove(&job_id);
             return Err(typed(|e| &e.transfer, "the copy thread has stopped"));
         }
         Ok(())
