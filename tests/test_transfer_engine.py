@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -154,6 +155,41 @@ def test_coalescing_merges_runs_contiguous_on_both_sides() -> None:
         assert len(plan) == 1
         assert plan.nbytes == 20 * 512
         del plan
+
+
+@pytest.mark.parametrize(
+    "as_given",
+    [
+        list,
+        tuple,
+        lambda ids: np.array(ids, dtype=np.int32),
+        lambda ids: np.array(ids, dtype=np.uint16),
+        lambda ids: np.array(ids, dtype=">i8"),  # not native byte order
+        lambda ids: np.repeat(np.array(ids, dtype=np.int64), 2)[::2],  # a strided view
+        lambda ids: torch.tensor(ids),
+    ],
+    ids=["list", "tuple", "int32", "uint16", "big-endian", "strided", "tensor"],
+)
+def test_any_integer_sequence_plans_as_an_int64_array(as_given: Any) -> None:
+    """numpy int64/int32 ids are read in place; every other form is converted first, and
+    plans exactly the same copies."""
+    layers = [torch.zeros(16, 64, dtype=torch.uint8)]
+    gpu, chunks = [9, 2, 5, 14], [3, 0, 6, 1]
+    with HostChunkPool(8, 64, pin=False) as pool:
+        engine = TransferEngine(layers, pool)
+        want = engine.plan(store=True, gpu_block_ids=np.array(gpu), chunk_ids=np.array(chunks))
+        got = engine.plan(store=True, gpu_block_ids=as_given(gpu), chunk_ids=as_given(chunks))
+        out = [np.zeros(3 * len(want), dtype=np.int64) for _ in range(2)]
+        want.write_runs(out[0])
+        got.write_runs(out[1])
+        assert len(got) == len(want) == 4
+        assert np.array_equal(out[0], out[1])
+        with pytest.raises(TypeError, match="native-order"):
+            got.write_runs(np.zeros(3 * len(got), dtype=">i8"))
+        with pytest.raises(ValueError, match="1-d"):
+            engine.plan(store=True, gpu_block_ids=np.array([gpu]), chunk_ids=np.array(chunks))
+        del want, got
+        engine.close()
 
 
 def snapshot(pool: HostChunkPool, layers: Sequence[torch.Tensor]) -> list[bytes]:

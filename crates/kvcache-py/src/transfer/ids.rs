@@ -42,14 +42,30 @@ fn id_buffer(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Opt
         }
     };
     if let Ok(buf) = PyBuffer::<i64>::get(obj) {
-        one_d(buf.dimensions())?;
-        return buf.to_vec(py).map(Some);
+        if native_order(buf.format().to_bytes()) {
+            one_d(buf.dimensions())?;
+            return buf.to_vec(py).map(Some);
+        }
     }
     if let Ok(buf) = PyBuffer::<i32>::get(obj) {
-        one_d(buf.dimensions())?;
-        return Ok(Some(buf.to_vec(py)?.into_iter().map(i64::from).collect()));
+        if native_order(buf.format().to_bytes()) {
+            one_d(buf.dimensions())?;
+            return Ok(Some(buf.to_vec(py)?.into_iter().map(i64::from).collect()));
+        }
     }
     Ok(None)
+}
+
+/// Whether a buffer's struct format is in this machine's byte order. `PyBuffer` matches the
+/// element size and kind only, so a byte-swapped array (numpy's `>i8` here) would otherwise
+/// be read as other ids.
+pub(crate) fn native_order(format: &[u8]) -> bool {
+    let foreign: &[u8] = if cfg!(target_endian = "little") {
+        b">!"
+    } else {
+        b"<"
+    };
+    !format.first().is_some_and(|c| foreign.contains(c))
 }
 
 /// Non-negative integers from any iterable of ints (a list, tuple or array) of at most `max`

@@ -11,7 +11,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyIterator, PyString, PyTuple};
 
-use super::ids::{id_vec, small_ints};
+use super::ids::{id_vec, native_order, small_ints};
 use super::pool::PyHostChunkPool;
 use crate::conversion::{count, int_in_range, type_name};
 use crate::errors::{typed, IntoPyResult};
@@ -164,17 +164,22 @@ fn segment_offsets(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         .collect()
 }
 
-/// A caller's output buffer: writable int64 memory.
+/// A caller's output buffer: writable int64 memory in native byte order.
 fn out_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<i64>> {
-    let buf = PyBuffer::<i64>::get(obj).map_err(|_| {
+    let refuse = || {
         typed(
             |e| &e.invalid_type,
             format!(
-                "{what} must be a writable int64 buffer (e.g. a numpy array), got {}",
+                "{what} must be a writable native-order int64 buffer (e.g. a numpy array), \
+                 got {}",
                 type_name(obj)
             ),
         )
-    })?;
+    };
+    let buf = PyBuffer::<i64>::get(obj).map_err(|_| refuse())?;
+    if !native_order(buf.format().to_bytes()) {
+        return Err(refuse());
+    }
     if buf.readonly() {
         return Err(typed(
             |e| &e.invalid_argument,
