@@ -18,14 +18,22 @@ Two figures per job: ``submit`` is the calling thread's CPU time inside submit_s
 process's CPU time for submit + wait + get_finished, every thread included (the work moved to
 the queue thread is counted there).
 
+The hand-off, measured in the same rounds: after one more vLLM job, the calling thread's CPU
+to queue one already-planned job on an idle ``CpuCopier`` of its own, i.e. to wake a parked
+thread. Every store of ours pays it (its queue's thread has been idle since the last round),
+so ``vLLM store / hand-off`` is the most that any submission through a queue thread can reach
+at that point. On a virtual machine it depends on the host: waking a halted vCPU traps to the
+hypervisor.
+
 Ids: ``fresh`` = consecutive blocks and chunks (a new request on an empty block pool: ours
 coalesces each layer's pages of a chunk into one run); ``churned`` = random distinct ids (a
 steady-state block pool: nothing coalesces, one run per page on both sides).
 
-Run: ``python bench/worker_submit_cost.py [--quick] [--json PATH]``. Prints a table (median
-microseconds of CPU per job, both directions, and vLLM/ours), the timer floor, and the
-descriptor floor: the CPU to write one (src, dst, size) triple per page with numpy, about the
-least any DMA worker spends per job when nothing coalesces.
+Run: ``python bench/worker_submit_cost.py [--quick] [--json PATH]`` (about 30 s). Prints a
+table (median microseconds of CPU per job, both directions, vLLM/ours, the hand-off and
+vLLM's store over it), the smallest ratios and where, the timer floor, and the descriptor
+floor: the CPU to write one (src, dst, size) triple per page with numpy, about the least any
+DMA worker spends per job when nothing coalesces.
 """
 
 from __future__ import annotations
