@@ -194,8 +194,10 @@ ID_CASES: list[tuple[str, Any, Any, type[BaseException]]] = [
     ("object-ids", [0, None], [0, 1], InvalidTypeError),
     ("length-mismatch", [0], [0, 1], InvalidArgumentError),
     ("two-d-ids", [[0]], [[0]], InvalidArgumentError),
-    ("scalar-ids", 0, [0], InvalidArgumentError),
-    ("none-ids", None, [0], InvalidArgumentError),
+    ("scalar-ids", 0, [0], InvalidTypeError),
+    ("none-ids", None, [0], InvalidTypeError),
+    ("zero-d-array-ids", np.array(0), [0], InvalidTypeError),
+    ("two-d-array-ids", np.zeros((1, 1), dtype=np.int64), [0], InvalidArgumentError),
 ]
 for name, blocks, chunks, expected in ID_CASES:
     case(f"store-{name}", lambda e, b=blocks, c=chunks: e.store(b, c), expected)

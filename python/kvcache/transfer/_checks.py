@@ -22,9 +22,10 @@ def check_count(name: str, value: object) -> int:
 def as_ids(name: str, ids: object) -> np.ndarray:
     """A 1-d int64 or int32 array for the planner, without copying when ``ids`` already is one.
 
-    Vectorised (no per-id Python work). Floats and bools are refused rather than truncated
-    (``InvalidTypeError``); integers beyond int64 are out of range (``OutOfRangeError``), like any
-    other bad id.
+    Vectorised (no per-id Python work). Floats and bools are refused rather than truncated, and
+    so is anything that is not a sequence, None included (``InvalidTypeError``); integers beyond
+    int64 are out of range (``OutOfRangeError``), like any other bad id; nested sequences are
+    not 1-d (``InvalidArgumentError``).
     """
     if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype in (np.int64, np.int32):
         return ids
@@ -32,6 +33,8 @@ def as_ids(name: str, ids: object) -> np.ndarray:
         arr = np.asarray(ids)
     except (TypeError, ValueError) as exc:
         raise InvalidTypeError(f"{name} must be a sequence of ints: {exc}") from exc
+    if arr.ndim == 0:  # None, a bare int, any other non-sequence
+        raise InvalidTypeError(f"{name} must be a sequence of ints, got {type(ids).__name__}")
     if arr.ndim != 1:
         raise InvalidArgumentError(f"{name} must be 1-d, got shape {arr.shape}")
     if arr.size == 0:

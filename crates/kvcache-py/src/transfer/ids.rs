@@ -9,19 +9,18 @@ use pyo3::types::PyBool;
 
 use crate::errors::typed;
 
-/// Copies a 1-d buffer of int64 or int32 into a vector, or converts any other object with
-/// the package's `as_ids` (which raises `InvalidTypeError`/`OutOfRangeError`/
-/// `InvalidArgumentError` on what is not a 1-d sequence of ints). A buffer of another shape
-/// is an `InvalidArgumentError`.
+/// Copies a 1-d native-order buffer of int64 or int32 into a vector, or converts any other
+/// object with the package's `as_ids` (which raises `InvalidTypeError`, `OutOfRangeError` or
+/// `InvalidArgumentError` on what is not a 1-d sequence of ints).
 pub(crate) fn id_vec(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
-    if let Some(ids) = id_buffer(py, name, obj)? {
+    if let Some(ids) = id_buffer(py, obj)? {
         return Ok(ids);
     }
     let converted = py
         .import("kvcache.transfer._checks")?
         .getattr("as_ids")?
         .call1((name, obj))?;
-    id_buffer(py, name, &converted)?.ok_or_else(|| {
+    id_buffer(py, &converted)?.ok_or_else(|| {
         typed(
             |e| &e.invalid_type,
             format!("{name} must be a 1-d sequence of ints"),
@@ -29,27 +28,17 @@ pub(crate) fn id_vec(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyRe
     })
 }
 
-/// The ids of a 1-d int64 or int32 buffer; None for any other object.
-fn id_buffer(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
-    let one_d = |dims: usize| {
-        if dims == 1 {
-            Ok(())
-        } else {
-            Err(typed(
-                |e| &e.invalid_argument,
-                format!("{name} must be 1-d, got {dims} dimensions"),
-            ))
-        }
-    };
+/// The ids of a 1-d native-order int64 or int32 buffer; None for any other object.
+fn id_buffer(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
+    let usable =
+        |dims: usize, format: &std::ffi::CStr| dims == 1 && native_order(format.to_bytes());
     if let Ok(buf) = PyBuffer::<i64>::get(obj) {
-        if native_order(buf.format().to_bytes()) {
-            one_d(buf.dimensions())?;
+        if usable(buf.dimensions(), buf.format()) {
             return buf.to_vec(py).map(Some);
         }
     }
     if let Ok(buf) = PyBuffer::<i32>::get(obj) {
-        if native_order(buf.format().to_bytes()) {
-            one_d(buf.dimensions())?;
+        if usable(buf.dimensions(), buf.format()) {
             return Ok(Some(buf.to_vec(py)?.into_iter().map(i64::from).collect()));
         }
     }
