@@ -184,6 +184,38 @@ def test_background_registration_binds_its_thread_and_completes(
     assert len(rt.unregistered) == 4
 
 
+def test_a_finished_background_pin_is_reported_once_by_racing_threads(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Threads that see the registration finish at the same time (say, the engine's submitter
+    and a describe() from another thread) report it once: the status read is slowed down so
+    that every thread is inside the report before any has marked it done."""
+    import threading
+    import time
+
+    rt = FakeRuntime()
+    with HostChunkPool(8, 4096, pin=False) as pool, caplog.at_level("INFO"):
+        assert _cuda.register_pool(
+            pool, rt, required=False, background=True, max_piece_bytes=2 * 4096, device=0
+        )
+        assert pool.wait_pinned(5.0)["state"] == "pinned"
+        read = pool.pin_status
+
+        def slow_status() -> dict[str, object]:
+            time.sleep(0.05)
+            return read()
+
+        pool.pin_status = slow_status  # type: ignore[method-assign]
+        threads = [threading.Thread(target=pool.report_pinning) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        del pool.pin_status
+        reports = [r for r in caplog.records if "pinned in the background" in r.getMessage()]
+        assert len(reports) == 1
+
+
 def test_failed_background_registration_is_reported_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Literal, Self
 
 from kvcache import _core
@@ -66,6 +67,7 @@ class HostChunkPool(_core.HostChunkPool):
         # on a unified-addressing system (checked when registration completes).
         self.device_can_use_host_pointer = False
         self._pin_runtime: _cuda.Runtime | None = None
+        self._pin_lock = threading.Lock()
         self._pin_reported = True
         if pin is False:
             return
@@ -88,6 +90,11 @@ class HostChunkPool(_core.HostChunkPool):
         after the report it costs one attribute test."""
         if self._pin_reported:
             return
+        with self._pin_lock:  # two threads seeing it finish at once would both report it
+            if not self._pin_reported:
+                self._report_pinning_locked()
+
+    def _report_pinning_locked(self) -> None:
         status = self.pin_status()
         state = status["state"]
         if state == "pinning":
