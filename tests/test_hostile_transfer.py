@@ -5,9 +5,9 @@ the jobs in flight and the next job id.
 Each class is also the builtin a caller of the transfer API catches: ``OutOfRangeError`` an
 ``IndexError`` (an id out of range), ``InvalidArgumentError`` a ``ValueError`` (a bad value or
 length), ``InvalidTypeError`` a ``TypeError`` (a bad type), ``InvalidStateError`` a
-``ValueError`` (a closed engine or pool, a pool set up twice), ``PoolClosedError`` also a
-``BufferError`` (a view of a closed pool), ``OutOfMemoryError`` a ``MemoryError`` (the system
-refuses the mapping) and ``TransferError`` a ``RuntimeError`` (a busy pool).
+``ValueError`` (a closed engine, a pool set up twice), ``PoolClosedError`` also a
+``BufferError`` (anything asked of a closed pool), ``OutOfMemoryError`` a ``MemoryError`` (the
+system refuses the mapping) and ``TransferError`` a ``RuntimeError`` (a busy pool).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def closed_pool_engine(*_: Any) -> object:
     return TransferEngine(layers_of((8, 64)), pool)
 
 
-case("engine-closed-pool", closed_pool_engine, InvalidStateError)
+case("engine-closed-pool", closed_pool_engine, PoolClosedError)
 
 
 # --- ids --------------------------------------------------------------------------------------

@@ -73,7 +73,10 @@ impl From<HostErr> for PyErr {
                 | HostError::DuplicateDestination { .. }
                 | HostError::Unaddressable { .. } => &ex.invalid_argument,
                 HostError::OutOfRange { .. } | HostError::NoSuchGroup { .. } => &ex.out_of_range,
-                HostError::AlreadyRegistered | HostError::Closed => &ex.invalid_state,
+                HostError::AlreadyRegistered => &ex.invalid_state,
+                // A `PoolClosedError` (an `InvalidStateError`) wherever the pool refuses, as
+                // its buffer export does.
+                HostError::Closed => &ex.pool_closed,
                 HostError::Busy { .. } | HostError::Register { .. } | HostError::Spawn(_) => {
                     &ex.transfer
                 }

@@ -13,6 +13,7 @@ from kvcache._core import (
     InvalidArgumentError,
     InvalidStateError,
     InvalidTypeError,
+    PoolClosedError,
     TransferError,
 )
 from kvcache.transfer._checks import check_count
@@ -554,7 +555,7 @@ class TransferEngine:
         if not isinstance(pool, _core.HostChunkPool):
             raise InvalidTypeError(f"pool must be a HostChunkPool, got {type(pool).__name__}")
         if pool.closed:
-            raise InvalidStateError("the host chunk pool is closed")
+            raise PoolClosedError("the host chunk pool is closed")
         if isinstance(gpu_layers, torch.Tensor):
             raise InvalidTypeError("gpu_layers must be a sequence of tensors (one per layer)")
         layers = list(gpu_layers)
