@@ -723,16 +723,6 @@ class TransferEngine:
         """Validates a request and returns its copy plan without running it (diagnostics:
         ``len(plan)`` runs after coalescing, ``plan.num_pages`` before). The plan keeps the
         pool from closing until it is dropped."""
-        return self._plan(store, gpu_block_ids, chunk_ids, group_sizes, block_indices)
-
-    def _plan(
-        self,
-        store: bool,
-        gpu_block_ids: object,
-        chunk_ids: object,
-        group_sizes: Sequence[int] | None,
-        block_indices: Sequence[int] | None,
-    ) -> _core.Plan:
         # The layout reads numpy id arrays in place and converts anything else with as_ids.
         self._check_open()
         return self._layout.plan(store, gpu_block_ids, chunk_ids, group_sizes, block_indices)
@@ -747,8 +737,7 @@ class TransferEngine:
     ) -> int:
         # The submitting thread's hot path (once per vLLM job): one Rust call validates and
         # plans, one queues; ids are numbered only once the job is queued.
-        if self._closed:
-            raise InvalidStateError("the transfer engine is closed")
+        self._check_open()
         plan = self._layout.plan(
             queue == "store", gpu_block_ids, chunk_ids, group_sizes, block_indices
         )
