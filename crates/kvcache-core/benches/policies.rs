@@ -5,7 +5,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use kvcache_core::manager::{ChunkId, Manager, ManagerConfig};
-use kvcache_core::{ArcPolicy, HasRefCnt, LruPolicy, Policy, Protected, SelfCounted};
+use kvcache_core::{ArcPolicy, HasRefCnt, LruPolicy, Policy, PolicyExt, Protected, SelfCounted};
 
 /// An idle chunk that knows its count, as the Python chunk objects do.
 struct Chunk {

@@ -4,7 +4,7 @@
 //!   [`LruPolicy`] and [`ArcPolicy`] implement vLLM 0.33.0's CPU-offloading cache policies,
 //!   decision-identical (same victims in the same order, same rank numbers, same ARC target),
 //!   with O(1) per-key updates and evictions proportional to the victims plus entries skipped.
-//!   Evictions are transactions ([`Policy::evict`]), planned on `&self` and committed on
+//!   Evictions are transactions ([`PolicyExt::evict`]), planned on `&self` and committed on
 //!   `&mut self`, written once for every policy. [`for_each_policy!`] lists the policies; the
 //!   tests, the fuzz targets and the Python bindings are built from that list.
 //! - [`Manager`]: vLLM's `CPUOffloadingManager` (chunk pool, ref counts, events, store
@@ -83,6 +83,8 @@ pub use error::{CoreError, CoreResult};
 pub use key::{Key, KeyBuf, KeyHash, KeyHasher};
 pub use lru::RequestGroup;
 pub use manager::{LookupResult, Manager, ManagerConfig};
-pub use policy::{Access, EntryId, Evicted, Inspection, Policy, Protected, RankedEntry, Stat};
+pub use policy::{
+    Access, EntryId, Evicted, Inspection, Policy, PolicyExt, Protected, RankedEntry, Stat,
+};
 pub use registry::{Registry, RequestToken};
 pub use slab::prefetch;

@@ -4,10 +4,10 @@
 //!
 //! A policy keeps chunks of type `C` under byte keys. Callers resolve keys to [`EntryId`]s
 //! once ([`Policy::find`], [`Policy::find_many`]) and then change the policy through those
-//! handles only; the key-level methods ([`Policy::get`], [`Policy::insert_key`], …) are
-//! provided wrappers that resolve, then call.
+//! handles only; the key-level methods ([`PolicyExt::get`], [`PolicyExt::insert_key`], …) are
+//! written once in [`PolicyExt`], which every policy gets and none can override.
 //!
-//! Evictions are transactions, written once here for every policy: [`Policy::evict`] plans on
+//! Evictions are transactions, written once here for every policy: [`PolicyExt::evict`] plans on
 //! `&P` (so "no plan" cannot have changed anything: the compiler enforces the atomicity vLLM's
 //! `evict` promises) and only then commits on `&mut P`. A plan never leaves this module, so it
 //! cannot be applied to a policy that changed since it was made.
@@ -94,6 +94,9 @@ pub trait Policy<C>: Sized {
     fn capacity(&self) -> usize;
     /// Resident entries.
     fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     /// The hasher keys must be hashed with (one per process: see [`KeyHasher::global`]).
     fn hasher(&self) -> &KeyHasher;
 
@@ -181,13 +184,13 @@ pub trait Policy<C>: Sized {
     /// Checks every structural invariant; `Err` names the first one broken.
     #[cfg(any(test, feature = "validate"))]
     fn validate(&self) -> Result<(), String>;
+}
 
-    // Key-level wrappers: resolve, then call.
-
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
+/// Key-level operations every policy gets, written once over [`Policy`]'s entry-level
+/// methods: resolve the key, then call. Implemented for every policy by the blanket impl below
+/// and for no type otherwise, so no policy can override one; in particular
+/// [`evict`](Self::evict) always plans on `&P` and commits on `&mut P`.
+pub trait PolicyExt<C>: Policy<C> {
     #[inline]
     fn key<'a>(&self, bytes: &'a [u8]) -> Key<'a> {
         Key::new(self.hasher(), bytes)
@@ -211,7 +214,7 @@ pub trait Policy<C>: Sized {
             .ok_or_else(|| CoreError::KeyNotFound(KeyBuf::new(key.bytes)))
     }
 
-    /// What [`insert`](Self::insert) takes as `found` for `key` (its ghost, or `None`), or
+    /// What [`insert`](Policy::insert) takes as `found` for `key` (its ghost, or `None`), or
     /// [`CoreError::DuplicateKey`] if `key` is resident. Callers that must do more between
     /// the check and the insertion (read a position) check with this first.
     #[inline]
@@ -224,7 +227,7 @@ pub trait Policy<C>: Sized {
         }
     }
 
-    /// [`insert`](Self::insert) with the lookup; [`CoreError::DuplicateKey`] if resident.
+    /// [`insert`](Policy::insert) with the lookup; [`CoreError::DuplicateKey`] if resident.
     fn insert_key(
         &mut self,
         request: &mut Self::Request,
@@ -237,7 +240,7 @@ pub trait Policy<C>: Sized {
         Ok(self.insert(request, found, key, chunk, position, evictable))
     }
 
-    /// [`remove`](Self::remove) of a resident key.
+    /// [`remove`](Policy::remove) of a resident key.
     fn remove_key(&mut self, key: Key<'_>) -> CoreResult<C> {
         let id = self.resident_or_err(key)?;
         Ok(self.remove(id))
@@ -292,6 +295,8 @@ pub trait Policy<C>: Sized {
         Some(commit(self, plan))
     }
 }
+
+impl<C, P: Policy<C>> PolicyExt<C> for P {}
 
 /// An evicted entry: its key and the chunk that was stored under it.
 #[derive(Debug)]

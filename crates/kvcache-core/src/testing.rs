@@ -18,7 +18,7 @@ use arbitrary::{Arbitrary, Unstructured};
 
 use crate::chunk::{SelfCounted, TestChunk};
 use crate::manager::{ChunkId, LookupResult, Manager, ManagerConfig};
-use crate::policy::{Access, Policy};
+use crate::policy::{Access, Policy, PolicyExt};
 use crate::registry::RequestToken;
 use crate::Key;
 

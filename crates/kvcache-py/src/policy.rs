@@ -7,7 +7,7 @@
 //! reads reference counts straight from chunk memory. Calls are serialised by the object's lock
 //! (see `guard`).
 
-use kvcache_core::{Access, Evicted, Policy, Registry, SelfCounted, Stat};
+use kvcache_core::{Access, Evicted, Policy, PolicyExt, Registry, SelfCounted, Stat};
 use pyo3::gc::{PyTraverseError, PyVisit};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};

@@ -397,7 +397,7 @@ impl<C> Policy<C> for ArcPolicy<C> {
 mod tests {
     use super::*;
     use crate::chunk::{SelfCounted, TestChunk};
-    use crate::policy::Protected;
+    use crate::policy::{PolicyExt, Protected};
 
     #[test]
     fn an_entry_fills_exactly_one_cache_line() {

@@ -378,7 +378,7 @@ impl<C> LruPolicy<C> {
 mod tests {
     use super::*;
     use crate::chunk::{SelfCounted, TestChunk};
-    use crate::policy::Protected;
+    use crate::policy::{PolicyExt, Protected};
     use crate::CoreError;
 
     #[test]

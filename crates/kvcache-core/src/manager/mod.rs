@@ -25,7 +25,7 @@ mod tracker;
 use crate::error::{CoreError, CoreResult};
 use crate::key::{Key, KeyBuf, KeyHasher};
 use crate::policy::Protected;
-use crate::policy::{Access, EntryId, Policy};
+use crate::policy::{Access, EntryId, Policy, PolicyExt};
 use crate::registry::RequestToken;
 use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
 #[cfg(any(test, feature = "validate"))]
