@@ -142,9 +142,6 @@ pub struct CopyRuns {
     src: Vec<u64>,
     dst: Vec<u64>,
     len: Vec<u64>,
-    pages: u64,
-    bytes: u64,
-    logical_bytes: u64,
     /// OR of every address and length: its lowest set bit is the common alignment.
     or_bits: u64,
     max_len: u64,
@@ -166,21 +163,6 @@ impl CopyRuns {
     }
     pub fn is_empty(&self) -> bool {
         self.len.is_empty()
-    }
-    /// Number of (block, tensor) page copies before coalescing.
-    #[cfg(test)]
-    pub fn pages(&self) -> u64 {
-        self.pages
-    }
-    /// Bytes actually moved.
-    #[cfg(test)]
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-    /// Bytes as vLLM's worker accounts them (see [`Request::logical_bytes`]).
-    #[cfg(test)]
-    pub fn logical_bytes(&self) -> u64 {
-        self.logical_bytes
     }
     pub fn max_run_bytes(&self) -> u64 {
         self.max_len
@@ -287,11 +269,8 @@ impl RunBuilder {
         }
     }
 
-    fn finish(mut self, pages: u64, bytes: u64, logical_bytes: u64) -> CopyRuns {
+    fn finish(mut self) -> CopyRuns {
         self.flush();
-        self.out.pages = pages;
-        self.out.bytes = bytes;
-        self.out.logical_bytes = logical_bytes;
         self.out
     }
 }
@@ -812,7 +791,7 @@ impl TransferLayout {
                 }
             }
         }
-        b.finish(req.pages, req.bytes, req.logical_bytes)
+        b.finish()
     }
 
     /// Whole pages of densely packed blocks: a streak of consecutive block ids is one

@@ -47,6 +47,27 @@ fn span(blocks: usize, first_index: u64) -> GroupSpan {
     }
 }
 
+/// `(pages, bytes, logical_bytes)` of the validated request: the counts a plan's runs were
+/// built from.
+fn counts(
+    lay: &TransferLayout,
+    dir: Direction,
+    g: &[i64],
+    c: &[i64],
+    spans: &[GroupSpan],
+) -> (u64, u64, u64) {
+    let req = lay
+        .validate(
+            dir,
+            g.to_vec(),
+            c.to_vec(),
+            spans.to_vec(),
+            &mut PlanScratch::default(),
+        )
+        .unwrap();
+    (req.pages(), req.bytes(), req.logical_bytes())
+}
+
 /// Reference: one descriptor per (block, chunk segment) page, no merging, enumerated like the
 /// planner (chunk, layer, block) for the single whole-chunk group.
 fn pages_of(lay: &TransferLayout, dir: Direction, g: &[i64], c: &[i64]) -> Vec<(u64, u64, u64)> {
@@ -211,9 +232,11 @@ fn contiguous_blocks_merge_per_layer_segment() {
         .unwrap();
     // Two chunks x two layers, each segment one run; nothing merges across layers.
     assert_eq!(runs.len(), 4);
-    assert_eq!(runs.pages(), 16);
-    assert_eq!(runs.bytes(), 1200);
-    assert_eq!(runs.logical_bytes(), 1200);
+    let ids = [8, 9, 10, 11, 20, 21, 22, 23];
+    let (pages, bytes, logical) = counts(&lay, Direction::Store, &ids, &[3, 4], &[span(8, 0)]);
+    assert_eq!(pages, 16);
+    assert_eq!(bytes, 1200);
+    assert_eq!(logical, 1200);
     assert_eq!(runs.lens(), &[400, 200, 400, 200]);
     assert_eq!(runs.src()[0], 800);
     assert_eq!(runs.dst()[0], HOST + 3 * 600);
@@ -293,7 +316,13 @@ fn partial_chunks_skip_slots_and_padded_pages_move_their_payload() {
         .collect();
     assert_eq!(got, want);
     assert_eq!(
-        (runs.pages(), runs.bytes(), runs.logical_bytes()),
+        counts(
+            &lay,
+            Direction::Store,
+            &[10, 11, 12, 13, 14, 15],
+            &[5, 2, 6],
+            &[span(6, 7)]
+        ),
         (6, 288, 288)
     );
 }
@@ -317,9 +346,11 @@ fn groups_share_tensors_and_duplicate_references_move_once() {
     let runs = lay
         .plan_groups(Direction::Load, &[3, 4, 5, 3], &[0, 1, 2], &spans, &mut s)
         .unwrap();
-    assert_eq!(runs.pages(), 4);
-    assert_eq!(runs.bytes(), 2 * 40 + 64 + 32);
-    assert_eq!(runs.logical_bytes(), 2 * 56 + 64 + 32);
+    let (pages, bytes, logical) = counts(&lay, Direction::Load, &[3, 4, 5, 3], &[0, 1, 2], &spans);
+    assert_eq!(pages, 4);
+    assert_eq!(bytes, 2 * 40 + 64 + 32);
+    assert_eq!(logical, 2 * 56 + 64 + 32);
+    assert_eq!(runs.lens().iter().sum::<u64>(), bytes);
     // Block 3 in groups 0 and 2 is fine (different tensors); in groups 0 and 1 it is not.
     let err = lay.plan_groups(Direction::Load, &[3, 4, 3, 5], &[0, 1, 2], &spans, &mut s);
     assert!(matches!(
@@ -394,7 +425,8 @@ proptest! {
             Ok(runs) => {
                 let want = pages_of(&lay, dir, &g, &c);
                 prop_assert_eq!(expand(&runs, &want), want.clone());
-                prop_assert_eq!(runs.bytes(), want.iter().map(|p| p.2).sum::<u64>());
+                let (_, bytes, _) = counts(&lay, dir, &g, &c, &[span(g.len(), 0)]);
+                prop_assert_eq!(bytes, want.iter().map(|p| p.2).sum::<u64>());
                 // Maximal merging: no two consecutive runs continue each other.
                 for i in 1..runs.len() {
                     prop_assert!(!(runs.src()[i - 1] + runs.lens()[i - 1] == runs.src()[i]
@@ -614,7 +646,7 @@ proptest! {
         let logical: u64 = groups.iter().zip(&spans)
             .map(|(refs, s)| w(s.blocks) * refs.iter().map(|r| r.bytes).sum::<u64>())
             .sum();
-        prop_assert_eq!(runs.logical_bytes(), logical);
-        prop_assert!(runs.bytes() <= logical);
+        prop_assert_eq!(req.logical_bytes(), logical);
+        prop_assert!(req.bytes() <= logical);
     }
 }
