@@ -5,6 +5,7 @@
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyBool;
 
 use crate::errors::typed;
@@ -16,9 +17,10 @@ pub(crate) fn id_vec(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyRe
     if let Some(ids) = id_buffer(py, obj)? {
         return Ok(ids);
     }
-    let converted = py
-        .import("kvcache.transfer._checks")?
-        .getattr("as_ids")?
+    // Looked up once per process: the slow path still costs no import per call.
+    static AS_IDS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let converted = AS_IDS
+        .import(py, "kvcache.transfer._checks", "as_ids")?
         .call1((name, obj))?;
     id_buffer(py, &converted)?.ok_or_else(|| {
         typed(
