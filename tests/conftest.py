@@ -1,4 +1,4 @@
-"""Shared fixtures: the vLLM 0.33.0 oracle and key helpers."""
+"""Shared fixtures: the vLLM oracle (0.33.0 or 0.34.0, whichever is installed) and key helpers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 
-ORACLE_VERSION = "0.33.0"
+ORACLE_VERSIONS = ("0.33.0", "0.34.0")
 
 
 def load_oracle() -> ModuleType | None:
@@ -17,8 +17,10 @@ def load_oracle() -> ModuleType | None:
         vllm = importlib.import_module("vllm")
     except ImportError:
         return None
-    if getattr(vllm, "__version__", None) != ORACLE_VERSION:
-        pytest.fail(f"the oracle must be vLLM {ORACLE_VERSION}, found {vllm.__version__}")
+    if getattr(vllm, "__version__", None) not in ORACLE_VERSIONS:
+        pytest.fail(
+            f"the oracle must be vLLM {' or '.join(ORACLE_VERSIONS)}, found {vllm.__version__}"
+        )
     return importlib.import_module("vllm.v1.kv_offload")
 
 
@@ -29,8 +31,15 @@ def require_oracle() -> None:
     """
     if load_oracle() is None:
         if os.environ.get("KVCACHE_ALLOW_NO_ORACLE") == "1":
-            pytest.skip("vLLM 0.33.0 is not installed (KVCACHE_ALLOW_NO_ORACLE=1)")
-        pytest.fail("vLLM 0.33.0 is not installed: run `make install` (or `make test`)")
+            pytest.skip("vLLM is not installed (KVCACHE_ALLOW_NO_ORACLE=1)")
+        pytest.fail("vLLM is not installed: run `make install` (or `make test`)")
+
+
+def oracle_semantics() -> str:
+    """The installed oracle's semantics name: ``"0.33"`` or ``"0.34"``."""
+    import vllm
+
+    return ".".join(vllm.__version__.split(".")[:2])
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""vLLM 0.33.0's CPUOffloadingManager and ours, driven op by op and compared after every op.
+"""vLLM's CPUOffloadingManager (0.33.0 or 0.34.0, the installed one) and ours, driven op by op
+and compared after every op.
 
 Both managers see the same request contexts (each keeps its per-request state on the context
 under its own type, so they do not interfere) and the same calls. Every result is compared:
@@ -6,6 +7,9 @@ lookups, load and store specs (chunk ids), keys to store, evicted keys, None for
 prepare, events, stats. After every operation ``check()`` runs our ``validate()`` and compares
 the whole state: each key's chunk id and ref_cnt, the free list, the counts, and the policy's
 internal order (ARC's lists and target, LRU's ranks).
+
+Ours follows the installed release's semantics unless ``our_semantics`` names another one (the
+negative control: the suites must tell the releases apart where they differ).
 """
 
 from __future__ import annotations
@@ -23,7 +27,36 @@ OPS = (
 
 
 def normalize_event(e: Any) -> tuple:
-    return (tuple(e.keys), e.medium, e.removed, e.metadata_only)
+    # vLLM 0.34 adds req_context to stored events (compared by identity: the storing request's
+    # own context object); 0.33 has no such field.
+    ctx = getattr(e, "req_context", None)
+    return (
+        tuple(e.keys),
+        str(getattr(e.medium, "name", e.medium)),
+        e.removed,
+        e.metadata_only,
+        e.removal_expected,
+        None if ctx is None else id(ctx),
+    )
+
+
+def our_manager_class(semantics: str | None) -> type:
+    """kvcache.vllm's manager, or (``semantics`` given) the same class forced to another
+    release's semantics, for negative controls."""
+    from kvcache._core import OffloadingManager as RustManager
+    from kvcache.vllm import CPUOffloadingManager
+
+    if semantics is None:
+        return CPUOffloadingManager
+
+    class Forced(CPUOffloadingManager):
+        def __new__(cls, num_chunks: int, cache_policy: str = "lru", **kwargs: Any) -> Any:
+            kwargs.pop("info", None)
+            return RustManager.__new__(
+                cls, num_chunks, cache_policy, None, **kwargs, vllm_semantics=semantics
+            )
+
+    return Forced
 
 
 def normalize_store(out: Any) -> Any:
@@ -47,6 +80,7 @@ class ManagerPair:
     max_tracker_size: int = 64_000
     num_blocks: int = 16
     num_groups: int = 1
+    our_semantics: str | None = None
     ref: Any = None
     ours: Any = None
     requests: list[Request] = field(default_factory=list)
@@ -56,8 +90,7 @@ class ManagerPair:
     def __post_init__(self) -> None:
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as Ref
 
-        from kvcache.vllm import CPUOffloadingManager as Ours
-
+        Ours = our_manager_class(self.our_semantics)
         kwargs = dict(
             num_chunks=self.num_chunks,
             cache_policy=self.policy,
@@ -115,7 +148,21 @@ class ManagerPair:
         self.both("complete_load", keys, ctx)
 
     def touch(self, keys: list[bytes], ctx: Any) -> None:
-        self.both("touch", keys, ctx)
+        if hasattr(self.ref, "touch"):
+            self.both("touch", keys, ctx)
+            return
+        # vLLM 0.34 has no touch: neither has the adapter's manager, and the Rust method
+        # under it refuses, typed, and changes nothing.
+        import pytest
+
+        from kvcache import UnsupportedOperationError
+        from kvcache._core import OffloadingManager as RustManager
+
+        assert not hasattr(self.ours, "touch")
+        before = self.ours._debug_state()
+        with pytest.raises(UnsupportedOperationError):
+            RustManager.touch(self.ours, keys, ctx)
+        assert self.ours._debug_state() == before
 
     def store(self, request: Request, keys: list[bytes]) -> None:
         keys = list(dict.fromkeys(keys))  # one offer names a key once
@@ -139,6 +186,7 @@ class ManagerPair:
 
     def events(self) -> None:
         ref, ours = self.both("take_events")
+        ref, ours = list(ref), list(ours)
         assert [normalize_event(e) for e in ours] == [normalize_event(e) for e in ref]
 
     def stats(self) -> None:

@@ -61,8 +61,17 @@ class DriverOptions:
     split_stores: bool = True  # store a request's keys in two batches (chunked prefill)
     groups: int = 1  # KV-cache groups: each block yields one key per group
     reset_every: int = 0  # reset_cache() every k requests (0: never)
-    touch_hits: bool = True
+    touch_hits: bool = True  # where the manager has touch (vLLM 0.33)
+    # Every k-th request offers its new keys a second time (a store retried, or re-offered
+    # after a preemption): vLLM 0.34 counts a key toward store_threshold once per request.
+    reoffer_every: int = 3
     tokens_per_block: int = 16
+
+
+def _has_touch(manager: Any) -> bool:
+    """vLLM 0.33's managers have touch; 0.34's have none (kvcache's native manager keeps the
+    method and refuses it under 0.34 semantics)."""
+    return hasattr(manager, "touch") and getattr(manager, "vllm_semantics", "0.33") == "0.33"
 
 
 def _spec_ids(spec: Any) -> list[int]:
@@ -70,11 +79,14 @@ def _spec_ids(spec: Any) -> list[int]:
 
 
 def _event(e: Any) -> tuple:
+    ctx = getattr(e, "req_context", None)  # vLLM 0.34's stored events carry the request's
     return (
         tuple(e.keys),
         getattr(e.medium, "value", e.medium),
         e.removed,
         getattr(e, "metadata_only", False),
+        getattr(e, "removal_expected", False),
+        None if ctx is None else ctx.req_id,
     )
 
 
@@ -128,13 +140,15 @@ def drive(
         loaded = keys[:hits]
         if loaded:
             log.append(("load", i, _spec_ids(manager.prepare_load(loaded, ctx))))
-            if options.touch_hits:
+            if options.touch_hits and _has_touch(manager):
                 manager.touch(loaded, ctx)
         rest = keys[hits:]
         batches = [rest]
         if options.split_stores and len(rest) > 1:
             cut = len(rest) // 2
             batches = [rest[:cut], rest[cut:]]
+        if options.reoffer_every and i % options.reoffer_every == 0 and rest:
+            batches.append(rest)
         stored: list[bytes] = []
         for batch in batches:
             out = manager.prepare_store(batch, ctx)

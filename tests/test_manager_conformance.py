@@ -1,11 +1,15 @@
-"""Conformance of kvcache's manager with vLLM 0.33.0's CPUOffloadingManager.
+"""Conformance of kvcache's manager with the installed vLLM's (0.33.0 or 0.34.0)
+CPUOffloadingManager.
 
 - Seeded random operation sequences (``tests/manager_differential.py``): every result and the
   whole state compared after each operation, for LRU and ARC, tight and roomy caches, one and
   two KV-cache groups, with and without ``store_threshold``.
 - Replays of a multi-turn workload through the scheduler-shaped driver: identical decision logs
   (lookups incl. HIT_PENDING, chunk ids, keys to store, evictions, failed prepares, events,
-  stats) with failed stores, split stores and cache resets.
+  stats) with failed stores, split stores, re-offered stores and cache resets.
+- Negative controls: ours forced to the other release's semantics differs from the oracle where
+  the releases differ (``store_threshold`` counting, events, ``touch``), so the suites can tell
+  the releases apart.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import random
 
 import pytest
 
-from tests.conftest import require_oracle
-from tests.manager_differential import ManagerPair
+from tests.conftest import oracle_semantics, require_oracle
+from tests.manager_differential import ManagerPair, our_manager_class
 from tests.manager_driver import (
     REPLAY_CASE_NAMES,
     REPLAY_CASES,
@@ -60,14 +64,19 @@ def test_seeded_random_operations_match_vllm(policy: str, threshold: int) -> Non
 
 
 def run(
-    policy: str, ours: bool, num_chunks: int, options: DriverOptions, *, threshold: int, seed: int
+    policy: str,
+    ours: bool,
+    num_chunks: int,
+    options: DriverOptions,
+    *,
+    threshold: int,
+    seed: int,
+    our_semantics: str | None = None,
 ) -> list[tuple]:
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as Ref
 
-    from kvcache.vllm import CPUOffloadingManager as Ours
-
-    cls = Ours if ours else Ref
+    cls = our_manager_class(our_semantics) if ours else Ref
     manager = cls(
         num_chunks=num_chunks,
         cache_policy=policy,
@@ -127,3 +136,57 @@ def test_positions_read_alike_whatever_the_order_and_key_objects(policy: str) ->
     pair.store(later, later.keys)  # evicts in the order the finish above left
     pair.check()
     pair.events()
+
+
+def _other_semantics() -> str:
+    return {"0.33": "0.34", "0.34": "0.33"}[oracle_semantics()]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_other_releases_semantics_differ_from_the_oracle(policy: str) -> None:
+    """Negative control: with ``store_threshold`` 2, a re-offered store counts again under
+    vLLM 0.33 and not under 0.34; stored events differ in ``removal_expected``. Ours forced to
+    the release that is not installed must therefore disagree with the oracle, both in the
+    scheduler-shaped replay and in the random operations."""
+    require_oracle()
+    other = _other_semantics()
+    options = DriverOptions(groups=1, reset_every=97)
+    ref = run(policy, False, 96, options, threshold=2, seed=7)
+    ours = run(policy, True, 96, options, threshold=2, seed=7, our_semantics=other)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same_decisions(ref, ours)
+    # The same forced manager at the installed release's semantics agrees.
+    same = run(policy, True, 96, options, threshold=2, seed=7, our_semantics=oracle_semantics())
+    assert_same_decisions(ref, same)
+
+    rng = random.Random(f"negative-{policy}")
+
+    def random_pairs() -> None:
+        for _ in range(50):
+            pair = ManagerPair(
+                policy, num_chunks=12, store_threshold=2, num_blocks=6, our_semantics=other
+            )
+            for _ in range(400):
+                pair.random_step(rng)
+                pair.check()
+            pair.events()
+            pair.stats()
+
+    with pytest.raises(AssertionError):
+        random_pairs()
+
+
+def test_a_threshold_of_one_cannot_tell_the_releases_apart() -> None:
+    """Below a threshold of 2 no key is counted, so the releases decide alike: the negative
+    control above differs because of the threshold, not because ours is wrong elsewhere."""
+    require_oracle()
+    options = DriverOptions(groups=2, reset_every=97, touch_hits=False)
+    ref = run("lru", False, 24, options, threshold=1, seed=11)
+    ours = run("lru", True, 24, options, threshold=1, seed=11, our_semantics=_other_semantics())
+    # Stored events still differ in removal_expected; everything else is equal.
+    strip = [tuple(e[:4] for e in entry[1]) if entry[0] == "events" else entry for entry in ref]
+    strip_ours = [
+        tuple(e[:4] for e in entry[1]) if entry[0] == "events" else entry for entry in ours
+    ]
+    assert strip == strip_ours
+    assert ref != ours

@@ -1,7 +1,8 @@
 """kvcache: fast, frugal CPU KV-cache offloading for vLLM.
 
-Rust implementations of vLLM 0.33.0's CPU-offloading cache policies (``LRUCachePolicy``,
-``ARCCachePolicy``) and manager (``OffloadingManager``), decision-identical to vLLM's.
+Rust implementations of vLLM's CPU-offloading cache policies (``LRUCachePolicy``,
+``ARCCachePolicy``) and manager (``OffloadingManager``), decision-identical to vLLM 0.33.0's
+and 0.34.0's (``vllm_semantics="0.33"``/``"0.34"``; by default the installed vLLM's).
 ``import kvcache`` imports neither vLLM nor torch; ``kvcache.vllm`` is the adapter vLLM loads by
 configuration, and ``kvcache.transfer`` moves chunks between GPU and host memory.
 """
@@ -27,9 +28,11 @@ from kvcache._core import (
     PoolClosedError,
     ReentrantCallError,
     TransferError,
+    UnsupportedOperationError,
     __version__,
     order_request_keys,
 )
+from kvcache._semantics import VLLM_SEMANTICS
 from kvcache._types import (
     EvictedKeys,
     LoadStoreSpec,
@@ -40,6 +43,7 @@ from kvcache._types import (
 from kvcache.manager import ManagerStats, OffloadingManager
 
 __all__ = [
+    "VLLM_SEMANTICS",
     "ARCCachePolicy",
     "BaseCachePolicy",
     "ChunkStatus",
@@ -66,6 +70,7 @@ __all__ = [
     "ReentrantCallError",
     "ReqContext",
     "TransferError",
+    "UnsupportedOperationError",
     "__version__",
     "order_request_keys",
 ]

@@ -1,11 +1,13 @@
-"""The vLLM release ``kvcache.vllm`` was tested against, and the refusal of any other.
+"""The vLLM releases ``kvcache.vllm`` was tested against, and the refusal of any other.
 
 The adapter subclasses vLLM's spec, manager and worker interfaces and matches vLLM's private
-layouts (chunk bytes, descriptor accounting) byte for byte; a different vLLM release may change
-any of them without an error, so importing ``kvcache.vllm`` under another release raises
-:class:`UnsupportedVersionError`. Set ``KVCACHE_ALLOW_UNTESTED_VLLM=1`` to import it anyway
-(a warning is logged): the conformance suite (``pytest tests/test_worker_conformance.py``)
-is the way to check such a release.
+layouts (chunk bytes, descriptor accounting) byte for byte. It supports vLLM 0.33.0 and
+0.34.0, each with that release's own contracts and decisions (:data:`VLLM_SEMANTICS` is the
+running release's); a different vLLM release may change any of them without an error, so
+importing ``kvcache.vllm`` under another release raises :class:`UnsupportedVersionError`. Set
+``KVCACHE_ALLOW_UNTESTED_VLLM=1`` to import it anyway (a warning is logged; kvcache then
+follows the newest supported release not newer than the installed one): the conformance
+suites (``pytest tests``) are the way to check such a release.
 """
 
 from __future__ import annotations
@@ -14,57 +16,60 @@ import logging
 import os
 
 from kvcache._core import KvCacheError
+from kvcache._semantics import RELEASE_OF, nearest_semantics, semantics_of
 
-TESTED_VLLM_VERSION = "0.33.0"
+#: The releases the adapter was tested against, oldest first.
+TESTED_VLLM_VERSIONS: tuple[str, ...] = tuple(RELEASE_OF.values())
 ALLOW_UNTESTED_ENV = "KVCACHE_ALLOW_UNTESTED_VLLM"
 
 logger = logging.getLogger("kvcache.vllm")
 
 
 class UnsupportedVersionError(KvCacheError, RuntimeError):
-    """The installed vLLM is not the release kvcache's adapter was tested against."""
+    """The installed vLLM is not a release kvcache's adapter was tested against."""
 
 
 def is_tested_release(version: str) -> bool:
-    """``version`` is the tested release, whatever its local label (a CUDA build such as
+    """``version`` is a tested release, whatever its local label (a CUDA build such as
     ``0.33.0+cu129``) or post-release number; a pre- or dev-release of it is not."""
-    # vLLM itself imports packaging (its config module), so it is there wherever vLLM is.
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        parsed = Version(version)
-    except InvalidVersion:
-        return False
-    same_release = Version(parsed.base_version) == Version(TESTED_VLLM_VERSION)
-    return same_release and not parsed.is_prerelease and not parsed.is_devrelease
+    return semantics_of(version) is not None
 
 
-def check_vllm_version(version: str, *, allow_untested: bool) -> None:
-    """Raises :class:`UnsupportedVersionError` unless ``version`` is the tested release (any
-    local label or post-release of it) or ``allow_untested`` is set (then logs a warning)."""
-    if is_tested_release(version):
-        return
+def check_vllm_version(version: str, *, allow_untested: bool) -> str:
+    """The semantics (``"0.33"`` or ``"0.34"``) kvcache follows under vLLM ``version``.
+
+    Raises :class:`UnsupportedVersionError` unless ``version`` is a tested release (any local
+    label or post-release of it) or ``allow_untested`` is set (then logs a warning)."""
+    semantics = semantics_of(version)
+    if semantics is not None:
+        return semantics
+    tested = " or ".join(TESTED_VLLM_VERSIONS)
     message = (
-        f"kvcache.vllm was tested against vLLM {TESTED_VLLM_VERSION}, but vLLM {version} is "
-        "installed: its spec, manager and worker interfaces or host layout may differ without "
-        f"an error. Install vllm=={TESTED_VLLM_VERSION}, or set {ALLOW_UNTESTED_ENV}=1 to use "
-        "this release anyway (run kvcache's conformance tests against it first)."
+        f"kvcache.vllm was tested against vLLM {tested}, but vLLM {version} is installed: its "
+        "spec, manager and worker interfaces or host layout may differ without an error. "
+        f"Install vllm=={TESTED_VLLM_VERSIONS[-1]}, or set {ALLOW_UNTESTED_ENV}=1 to use this "
+        "release anyway (run kvcache's conformance tests against it first)."
     )
     if not allow_untested:
         raise UnsupportedVersionError(message)
-    logger.warning("%s (%s=1: continuing)", message, ALLOW_UNTESTED_ENV)
+    semantics = nearest_semantics(version)
+    logger.warning(
+        "%s (%s=1: continuing with vLLM %s semantics)", message, ALLOW_UNTESTED_ENV, semantics
+    )
+    return semantics
 
 
-def check_installed_vllm() -> None:
+def check_installed_vllm() -> str:
     import vllm
 
     from kvcache._vllm_logging import route_to_vllm
 
     route_to_vllm()  # first, so that even the warning below comes out in vLLM's format
-    check_vllm_version(
+    return check_vllm_version(
         getattr(vllm, "__version__", "unknown"),
         allow_untested=os.environ.get(ALLOW_UNTESTED_ENV, "") == "1",
     )
 
 
-check_installed_vllm()
+#: The semantics of the running vLLM: ``"0.33"`` or ``"0.34"``.
+VLLM_SEMANTICS: str = check_installed_vllm()

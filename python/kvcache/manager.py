@@ -1,7 +1,8 @@
-"""``kvcache.OffloadingManager``: vLLM 0.33.0's CPU offloading manager, in Rust, without vLLM.
+"""``kvcache.OffloadingManager``: vLLM's CPU offloading manager, in Rust, without vLLM.
 
 Same methods, arguments and decisions as ``vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager``
-(results use kvcache's look-alike types from ``kvcache._types``). For vLLM itself use
+of vLLM 0.33.0 or 0.34.0 (``vllm_semantics``; results use kvcache's look-alike types from
+``kvcache._types``). For vLLM itself use
 ``kvcache.vllm.CPUOffloadingManager``, which returns vLLM's own types.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcache._core import OffloadingManager as _RustManager
+from kvcache._semantics import resolve_semantics
 from kvcache._types import RESULT_TYPES
 
 __all__ = ["ManagerStats", "OffloadingManager"]
@@ -35,6 +37,11 @@ class OffloadingManager(_RustManager):
         enable_events: collect stored/removed events for ``take_events()``.
         store_threshold: offers a key needs before it is stored (< 2: store at once).
         max_tracker_size: keys the ``store_threshold`` tracker remembers.
+        vllm_semantics: the vLLM release whose decisions to reproduce, ``"0.33"`` or
+            ``"0.34"``; None (default): the installed vLLM's, else the newest. They differ
+            in how ``store_threshold`` counts a key the same request offers again (0.34:
+            once per request), in ``removal_expected`` on stored events, and in ``touch``
+            (0.34 has none: it raises ``UnsupportedOperationError``).
     """
 
     _result_types = RESULT_TYPES
@@ -47,6 +54,7 @@ class OffloadingManager(_RustManager):
         enable_events: bool = False,
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
+        vllm_semantics: str | None = None,
     ) -> OffloadingManager:
         return super().__new__(
             cls,
@@ -56,6 +64,7 @@ class OffloadingManager(_RustManager):
             enable_events=enable_events,
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
+            vllm_semantics=resolve_semantics(vllm_semantics),
         )
 
     def get_stats(self) -> ManagerStats:
@@ -65,5 +74,6 @@ class OffloadingManager(_RustManager):
     def __repr__(self) -> str:
         return (
             f"OffloadingManager(num_chunks={self.num_chunks}, "
-            f"cache_policy={self.cache_policy!r}, resident={len(self)})"
+            f"cache_policy={self.cache_policy!r}, vllm_semantics={self.vllm_semantics!r}, "
+            f"resident={len(self)})"
         )

@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvcache._vllm_version import (  # first: refuses an untested vLLM before importing it
     ALLOW_UNTESTED_ENV,
-    TESTED_VLLM_VERSION,
+    TESTED_VLLM_VERSIONS,
+    VLLM_SEMANTICS,
     UnsupportedVersionError,
 )
 
@@ -90,7 +91,8 @@ if TYPE_CHECKING:  # at run time served by ``__getattr__`` below
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
-    "TESTED_VLLM_VERSION",
+    "TESTED_VLLM_VERSIONS",
+    "VLLM_SEMANTICS",
     "ARCCachePolicy",
     "CPUOffloadingManager",
     "CPUOffloadingSpec",
@@ -159,9 +161,26 @@ def rust_policy(name: str, module_path: str | None) -> str | None:
     return RUST_POLICIES.get(name)
 
 
+class _NotInThisRelease:
+    """A method the running vLLM's manager protocol does not have: reading it raises
+    ``AttributeError``, as on vLLM's own manager, so ``hasattr`` answers as it does there."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, objtype: type | None = None) -> Any:
+        raise AttributeError(
+            f"{(objtype or type(obj)).__name__!r} has no attribute {self.name!r} under vLLM "
+            f"{VLLM_SEMANTICS} (vLLM {VLLM_SEMANTICS}'s manager has no {self.name})"
+        )
+
+
 class CPUOffloadingManager(_RustManager, OffloadingManager):
     """Drop-in for vLLM's ``CPUOffloadingManager``: same constructor, methods, decisions and
-    result types; the bookkeeping runs in Rust."""
+    result types; the bookkeeping runs in Rust, with the running vLLM release's semantics."""
+
+    if not hasattr(_VllmManager, "touch"):
+        touch = _NotInThisRelease()
 
     _result_types = SimpleNamespace(
         native=False,
@@ -171,6 +190,7 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
         spec_cls=CPULoadStoreSpec,
         output_cls=PrepareStoreOutput,
         event_cls=OffloadingEvent,
+        event_takes_context="req_context" in OffloadingEvent.__dataclass_fields__,
         medium=Medium.CPU,
         new_request=RequestOffloadingContext,
     )
@@ -194,6 +214,7 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
             enable_events=enable_events,
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
+            vllm_semantics=VLLM_SEMANTICS,
         )
 
     def __init__(

@@ -150,6 +150,7 @@ fn manager(c: &mut Criterion) {
         enable_events: true,
         store_threshold: 1,
         max_tracker_size: 64_000,
+        semantics: kvcache_core::VllmSemantics::default(),
     };
     let mut group = c.benchmark_group("manager");
     group.throughput(Throughput::Elements(64));

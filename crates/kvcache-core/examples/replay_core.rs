@@ -45,6 +45,7 @@ fn run<P: Policy<ChunkId>>(reqs: &[Vec<Vec<u8>>], bt: i64, chunks: usize) -> (u1
         enable_events: false,
         store_threshold: 1,
         max_tracker_size: 64_000,
+        semantics: kvcache_core::VllmSemantics::default(),
     })
     .expect("a valid configuration");
     let mut pending = VecDeque::new();

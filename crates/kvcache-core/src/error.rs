@@ -27,6 +27,11 @@ pub enum CoreError {
     TooManyChunks { requested: usize, max: usize },
     /// Memory for `what` could not be allocated.
     OutOfMemory { what: &'static str },
+    /// An operation the configured vLLM release's protocol does not have.
+    Unsupported {
+        what: &'static str,
+        semantics: &'static str,
+    },
 }
 
 impl fmt::Display for CoreError {
@@ -54,6 +59,10 @@ impl fmt::Display for CoreError {
                 write!(f, "num_chunks {requested} exceeds the maximum {max}")
             }
             CoreError::OutOfMemory { what } => write!(f, "out of memory allocating {what}"),
+            CoreError::Unsupported { what, semantics } => write!(
+                f,
+                "{what} is not part of vLLM {semantics}'s offloading manager protocol"
+            ),
         }
     }
 }

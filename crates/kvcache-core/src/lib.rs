@@ -82,7 +82,7 @@ pub use chunk::{HasRefCnt, RefCounts, SelfCounted};
 pub use error::{CoreError, CoreResult};
 pub use key::{Key, KeyBuf, KeyHash, KeyHasher};
 pub use lru::RequestGroup;
-pub use manager::{LookupResult, Manager, ManagerConfig};
+pub use manager::{LookupResult, Manager, ManagerConfig, VllmSemantics};
 pub use policy::{
     Access, EntryId, Evicted, Inspection, Policy, PolicyExt, Protected, RankedEntry, Stat,
 };

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use arbitrary::{Arbitrary, Unstructured};
 
 use crate::chunk::{SelfCounted, TestChunk};
-use crate::manager::{ChunkId, LookupResult, Manager, ManagerConfig};
+use crate::manager::{ChunkId, LookupResult, Manager, ManagerConfig, VllmSemantics};
 use crate::policy::{Access, Policy, PolicyExt};
 use crate::registry::RequestToken;
 use crate::Key;
@@ -488,6 +488,7 @@ impl<'a> Arbitrary<'a> for ManagerOp {
 pub struct ManagerProgram {
     pub num_chunks: usize,
     pub store_threshold: i64,
+    pub semantics: VllmSemantics,
     pub ops: Vec<ManagerOp>,
 }
 
@@ -496,6 +497,7 @@ impl<'a> Arbitrary<'a> for ManagerProgram {
         Ok(ManagerProgram {
             num_chunks: u.int_in_range(1..=11)?,
             store_threshold: u.int_in_range(1..=2)?,
+            semantics: *u.choose(&VllmSemantics::ALL)?,
             ops: ops(u)?,
         })
     }
@@ -507,13 +509,14 @@ impl ManagerProgram {
         Self::arbitrary_take_rest(Unstructured::new(bytes)).unwrap_or(ManagerProgram {
             num_chunks: 1,
             store_threshold: 1,
+            semantics: VllmSemantics::default(),
             ops: Vec::new(),
         })
     }
 
     /// Runs the program on a fresh manager over policy `P`.
     pub fn run<P: Policy<ChunkId>>(&self) -> Result<(), String> {
-        let mut h = ManagerHarness::<P>::new(self.num_chunks, self.store_threshold);
+        let mut h = ManagerHarness::<P>::new(self.num_chunks, self.store_threshold, self.semantics);
         for op in &self.ops {
             h.apply(op).map_err(|e| format!("{op:?}: {e}"))?;
         }
@@ -557,12 +560,13 @@ pub struct ManagerHarness<P: Policy<ChunkId>> {
 }
 
 impl<P: Policy<ChunkId>> ManagerHarness<P> {
-    pub fn new(num_chunks: usize, store_threshold: i64) -> Self {
+    pub fn new(num_chunks: usize, store_threshold: i64, semantics: VllmSemantics) -> Self {
         let m = Manager::new(ManagerConfig {
             num_chunks,
             enable_events: true,
             store_threshold,
             max_tracker_size: 16,
+            semantics,
         })
         .expect("a small manager");
         ManagerHarness {
@@ -722,7 +726,18 @@ impl<P: Policy<ChunkId>> ManagerHarness<P> {
             ManagerOp::Touch { keys } => {
                 let bytes: Vec<Vec<u8>> = keys.iter().map(|&k| manager_key(k)).collect();
                 let ks: Vec<Key<'_>> = bytes.iter().map(|b| m.key(b)).collect();
-                m.touch(&ks);
+                let before = self.snapshot();
+                let has_touch = self.m.config().semantics.has_touch();
+                match self.m.touch(&ks) {
+                    Ok(()) if !has_touch => {
+                        return Err("touch ran under a release without touch".into());
+                    }
+                    Err(_) if has_touch => return Err("touch was refused".into()),
+                    Err(_) if self.snapshot() != before => {
+                        return Err("a refused touch changed state".into());
+                    }
+                    _ => {}
+                }
             }
             ManagerOp::Reset => {
                 m.reset();

@@ -35,6 +35,7 @@ impl From<Error> for PyErr {
                 | CoreError::ChunkPending(_)
                 | CoreError::NoLoadPending(_) => &ex.invalid_state,
                 CoreError::OutOfMemory { .. } => &ex.out_of_memory,
+                CoreError::Unsupported { .. } => &ex.unsupported,
             };
             new_err(py, ty, message)
         })
@@ -72,7 +73,9 @@ impl From<HostErr> for PyErr {
                 | HostError::Mismatch(_)
                 | HostError::DuplicateDestination { .. }
                 | HostError::Unaddressable { .. } => &ex.invalid_argument,
-                HostError::OutOfRange { .. } | HostError::NoSuchGroup { .. } => &ex.out_of_range,
+                HostError::OutOfRange { .. }
+                | HostError::PointerOutOfRange { .. }
+                | HostError::NoSuchGroup { .. } => &ex.out_of_range,
                 HostError::AlreadyRegistered => &ex.invalid_state,
                 // A `PoolClosedError` (an `InvalidStateError`) wherever the pool refuses, as
                 // its buffer export does.

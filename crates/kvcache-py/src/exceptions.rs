@@ -8,8 +8,8 @@
 //! classes are made once with `type(name, bases, namespace)` at import.
 
 use pyo3::exceptions::{
-    PyBufferError, PyException, PyIndexError, PyKeyError, PyMemoryError, PyRuntimeError,
-    PyTypeError, PyValueError,
+    PyBufferError, PyException, PyIndexError, PyKeyError, PyMemoryError, PyNotImplementedError,
+    PyRuntimeError, PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -30,6 +30,7 @@ pub struct Exceptions {
     pub out_of_range: Py<PyType>,
     pub transfer: Py<PyType>,
     pub pool_closed: Py<PyType>,
+    pub unsupported: Py<PyType>,
 }
 
 static EXCEPTIONS: PyOnceLock<Exceptions> = PyOnceLock::new();
@@ -152,6 +153,13 @@ fn build(py: Python<'_>) -> PyResult<Exceptions> {
              the pool is busy, a copy could not be submitted.",
             &[b, &py.get_type::<PyRuntimeError>()],
         )?,
+        unsupported: make_type(
+            py,
+            "UnsupportedOperationError",
+            "A call the configured vLLM release's protocol does not have, e.g. touch() on a \
+             manager with vLLM 0.34 semantics.",
+            &[b, &py.get_type::<PyNotImplementedError>()],
+        )?,
         invalid_type,
         base,
     })
@@ -175,6 +183,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         &e.out_of_range,
         &e.transfer,
         &e.pool_closed,
+        &e.unsupported,
     ] {
         let ty = ty.bind(py);
         m.add(ty.name()?, ty)?;

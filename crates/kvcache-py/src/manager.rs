@@ -10,7 +10,7 @@
 use std::ffi::c_int;
 use std::ptr;
 
-use kvcache_core::manager::{ChunkRecord, Event, ManagerConfig, StoreOutput, FREE};
+use kvcache_core::manager::{ChunkRecord, Event, ManagerConfig, StoreOutput, VllmSemantics, FREE};
 use kvcache_core::{CoreError, Key, KeyHasher, RequestToken};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
@@ -66,6 +66,9 @@ struct State {
     hasher: KeyHasher,
     /// Per live request (by token id): its key objects and position-walk cursor.
     observed: hashbrown::HashMap<u64, Observed, foldhash::fast::RandomState>,
+    /// The request context of every stored event not yet taken, oldest first (vLLM 0.34
+    /// semantics with events on: a stored event carries its request's context).
+    stored_contexts: std::collections::VecDeque<Option<Py<PyAny>>>,
 }
 
 /// Offloading manager for host-memory KV chunks: vLLM 0.33.0's `CPUOffloadingManager`
@@ -190,9 +193,20 @@ impl State {
         )
     }
 
-    fn event<'py>(&self, py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyAny>> {
+    fn event<'py>(
+        &self,
+        py: Python<'py>,
+        e: &Event,
+        req_context: Option<&Py<PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k.as_slice())))?;
-        self.types.event(py, keys, e.removed, e.metadata_only)
+        self.types.event(py, keys, e, req_context)
+    }
+
+    /// Whether stored events carry their request's context.
+    fn stored_events_carry_context(&self) -> bool {
+        let config = self.ops.config();
+        config.enable_events && config.semantics.stored_events_expect_removal()
     }
 }
 
@@ -216,9 +230,12 @@ impl PyManager {
         enable_events = Flag(false),
         store_threshold = 1,
         max_tracker_size = DEFAULT_MAX_TRACKER_SIZE,
+        *,
+        vllm_semantics = None,
     ),
     text_signature = "(num_chunks, cache_policy='lru', cache_policy_module_path=None, \
-                      enable_events=False, store_threshold=1, max_tracker_size=64000)")]
+                      enable_events=False, store_threshold=1, max_tracker_size=64000, *, \
+                      vllm_semantics=None)")]
     fn new(
         cls: &Bound<'_, PyType>,
         #[pyo3(from_py_with = num_chunks_arg)] num_chunks: usize,
@@ -227,6 +244,7 @@ impl PyManager {
         enable_events: Flag,
         #[pyo3(from_py_with = store_threshold_arg)] store_threshold: i64,
         #[pyo3(from_py_with = max_tracker_size_arg)] max_tracker_size: usize,
+        #[pyo3(from_py_with = semantics_arg)] vllm_semantics: Option<VllmSemantics>,
     ) -> PyResult<Self> {
         let py = cls.py();
         let module_path = cache_policy_module_path.as_deref();
@@ -248,6 +266,7 @@ impl PyManager {
             enable_events: enable_events.0,
             store_threshold,
             max_tracker_size,
+            semantics: vllm_semantics.unwrap_or_default(),
         };
         let ops = kind.new_manager(config).py_err()?;
         Ok(PyManager {
@@ -260,6 +279,7 @@ impl PyManager {
                     contexts: ContextTypeCache::positions(),
                     hasher: KeyHasher::global(),
                     observed: Default::default(),
+                    stored_contexts: Default::default(),
                 },
                 "offloading manager",
             ),
@@ -296,6 +316,12 @@ impl PyManager {
     #[getter]
     fn store_threshold(&self, py: Python<'_>) -> PyResult<i64> {
         Ok(self.inner.lock(py)?.ops.config().store_threshold)
+    }
+
+    /// The vLLM release whose decisions this manager reproduces (`"0.33"` or `"0.34"`).
+    #[getter]
+    fn vllm_semantics(&self, py: Python<'_>) -> PyResult<&'static str> {
+        Ok(self.inner.lock(py)?.ops.config().semantics.name())
     }
 
     /// Always true: an empty manager is still a manager (vLLM tests `if not self._manager`).
@@ -368,7 +394,8 @@ impl PyManager {
         })
     }
 
-    /// Marks keys recently used.
+    /// Marks keys recently used (vLLM 0.33 semantics; under 0.34, which has no `touch`, it
+    /// raises `UnsupportedOperationError`).
     #[pyo3(signature = (keys, req_context = None))]
     fn touch(
         &self,
@@ -379,7 +406,8 @@ impl PyManager {
         let _ = req_context;
         self.inner
             .lock(py)?
-            .with_keys(&keys, |ops, ks| ops.touch(ks))
+            .with_keys(&keys, |ops, ks| ops.touch(ks))?
+            .py_err()
     }
 
     /// Unpins chunks whose loads finished.
@@ -448,13 +476,19 @@ impl PyManager {
         req_context: Option<Bound<'_, PyAny>>,
         success: Flag,
     ) -> PyResult<()> {
-        let _ = req_context;
-        let complete: fn(&mut Box<dyn ManagerOps>, &[Key<'_>]) = if success.0 {
+        let complete: fn(&mut Box<dyn ManagerOps>, &[Key<'_>]) -> usize = if success.0 {
             |ops, ks| ops.complete_store(ks, true)
         } else {
             |ops, ks| ops.complete_store(ks, false)
         };
-        self.inner.lock(py)?.with_keys(&keys, complete)
+        let mut state = self.inner.lock(py)?;
+        let completed = state.with_keys(&keys, complete)?;
+        if success.0 && completed > 0 && state.stored_events_carry_context() {
+            state
+                .stored_contexts
+                .push_back(req_context.map(Bound::unbind));
+        }
+        Ok(())
     }
 
     /// Starts tracking a request.
@@ -514,14 +548,29 @@ impl PyManager {
         let mut state = self.inner.lock(py)?;
         let events = state.ops.take_events();
         // All or nothing: every event is built before any is handed out; if one cannot be,
-        // they all go back to the manager for the next call.
+        // they all go back to the manager for the next call (and the contexts stay queued).
+        let mut contexts = 0;
         let built = events
             .iter()
-            .map(|e| state.event(py, e))
+            .map(|e| {
+                let context = if e.removal_expected {
+                    contexts += 1;
+                    state
+                        .stored_contexts
+                        .get(contexts - 1)
+                        .and_then(Option::as_ref)
+                } else {
+                    None
+                };
+                state.event(py, e, context)
+            })
             .collect::<PyResult<Vec<_>>>()
             .and_then(|objects| PyList::new(py, objects));
         if built.is_err() {
             state.ops.requeue_events(events);
+        } else {
+            let used = contexts.min(state.stored_contexts.len());
+            state.stored_contexts.drain(..used);
         }
         built
     }
@@ -625,12 +674,19 @@ impl PyManager {
                 visit.call(key)?;
             }
         }
+        for ctx in state.stored_contexts.iter().flatten() {
+            visit.call(ctx)?;
+        }
         Ok(())
     }
 
     fn __clear__(&self) {
         if let Some(mut state) = self.inner.try_peek() {
             state.observed.clear();
+            // The events themselves stay; they lose only the contexts they would carry.
+            for ctx in &mut state.stored_contexts {
+                *ctx = None;
+            }
         }
     }
 }
@@ -652,6 +708,32 @@ fn module_path_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
 
 fn store_threshold_arg(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
     int_in_range(obj, "store_threshold", "a 64-bit int")
+}
+
+fn semantics_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<VllmSemantics>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    let py = obj.py();
+    let name = obj.cast::<pyo3::types::PyString>().map_err(|_| {
+        new_err(
+            py,
+            &exceptions(py).invalid_type,
+            format!(
+                "vllm_semantics must be a string such as {:?} or None",
+                VllmSemantics::default().name()
+            ),
+        )
+    })?;
+    let name = name.to_str()?;
+    VllmSemantics::from_name(name).map(Some).ok_or_else(|| {
+        let names: Vec<_> = VllmSemantics::ALL.iter().map(|s| s.name()).collect();
+        new_err(
+            py,
+            &exceptions(py).invalid_argument,
+            format!("vllm_semantics must be one of {names:?} or None, got {name:?}"),
+        )
+    })
 }
 
 fn max_tracker_size_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {

@@ -27,7 +27,7 @@ pub trait ManagerOps: Send {
         positions: &[Option<i64>],
         observed: &mut Vec<usize>,
     ) -> CoreResult<Vec<ChunkId>>;
-    fn touch(&mut self, keys: &[Key<'_>]);
+    fn touch(&mut self, keys: &[Key<'_>]) -> CoreResult<()>;
     fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()>;
     fn prepare_store(
         &mut self,
@@ -36,7 +36,7 @@ pub trait ManagerOps: Send {
         positions: &[Option<i64>],
         observed: &mut Vec<usize>,
     ) -> CoreResult<Option<StoreOutput>>;
-    fn complete_store(&mut self, keys: &[Key<'_>], success: bool);
+    fn complete_store(&mut self, keys: &[Key<'_>], success: bool) -> usize;
     fn unfinished_request_len(&self, token: RequestToken) -> Option<usize>;
     fn unfinished_request_keys(&self, token: RequestToken) -> Option<Vec<&[u8]>>;
     /// Finishes the request; `positions[i]` is the token position of its `i`-th observed key.
@@ -100,8 +100,8 @@ where
     ) -> CoreResult<Vec<ChunkId>> {
         Manager::prepare_load(self, token, keys, positions, observed)
     }
-    fn touch(&mut self, keys: &[Key<'_>]) {
-        Manager::touch(self, keys);
+    fn touch(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
+        Manager::touch(self, keys)
     }
     fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
         Manager::complete_load(self, keys)
@@ -115,8 +115,8 @@ where
     ) -> CoreResult<Option<StoreOutput>> {
         Manager::prepare_store(self, token, keys, positions, observed)
     }
-    fn complete_store(&mut self, keys: &[Key<'_>], success: bool) {
-        Manager::complete_store(self, keys, success);
+    fn complete_store(&mut self, keys: &[Key<'_>], success: bool) -> usize {
+        Manager::complete_store(self, keys, success)
     }
     fn unfinished_request_len(&self, token: RequestToken) -> Option<usize> {
         Manager::unfinished_request_len(self, token)

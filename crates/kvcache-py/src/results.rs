@@ -13,7 +13,7 @@ use pyo3::pyclass::CompareOp;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyIterator, PyList, PyType};
 
-use kvcache_core::manager::{ChunkId, LookupResult};
+use kvcache_core::manager::{ChunkId, Event, LookupResult};
 
 use crate::conversion::{int_in_range, type_name};
 use crate::exceptions::{exceptions, new_err};
@@ -231,7 +231,9 @@ impl PrepareStoreOutput {
 }
 
 /// Keys stored in (`removed=False`) or removed from (`removed=True`) the CPU tier;
-/// `metadata_only` marks the cleanup of a failed store rather than an eviction.
+/// `metadata_only` marks the cleanup of a failed store rather than an eviction. Under vLLM
+/// 0.34 semantics a stored event has `removal_expected=True` and carries the storing
+/// request's context (`req_context`, not compared, as in vLLM).
 #[pyclass(name = "OffloadingEvent", module = "kvcache._core", frozen, eq)]
 pub struct OffloadingEvent {
     #[pyo3(get)]
@@ -240,6 +242,10 @@ pub struct OffloadingEvent {
     removed: bool,
     #[pyo3(get)]
     metadata_only: bool,
+    #[pyo3(get)]
+    removal_expected: bool,
+    #[pyo3(get)]
+    req_context: Option<Py<PyAny>>,
 }
 
 impl PartialEq for OffloadingEvent {
@@ -247,6 +253,7 @@ impl PartialEq for OffloadingEvent {
         Python::attach(|py| {
             self.removed == other.removed
                 && self.metadata_only == other.metadata_only
+                && self.removal_expected == other.removal_expected
                 && self.keys.bind(py).eq(other.keys.bind(py)).unwrap_or(false)
         })
     }
@@ -264,11 +271,25 @@ impl OffloadingEvent {
         "CPU"
     }
 
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.keys)?;
+        if let Some(ctx) = &self.req_context {
+            visit.call(ctx)?;
+        }
+        Ok(())
+    }
+
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(format!(
-            "OffloadingEvent(keys={}, medium='CPU', removed={}, metadata_only={})",
+            "OffloadingEvent(keys={}, medium='CPU', removed={}, removal_expected={}, \
+             metadata_only={})",
             self.keys.bind(py).repr()?,
             if self.removed { "True" } else { "False" },
+            if self.removal_expected {
+                "True"
+            } else {
+                "False"
+            },
             if self.metadata_only { "True" } else { "False" },
         ))
     }
@@ -279,6 +300,8 @@ struct Foreign {
     spec_cls: Py<PyType>,
     output_cls: Py<PyAny>,
     event_cls: Py<PyAny>,
+    /// vLLM 0.34's event type has a `req_context` field; 0.33's has none.
+    event_takes_context: bool,
     medium: Py<PyAny>,
     new_request: Py<PyAny>,
 }
@@ -329,6 +352,10 @@ impl ResultTypes {
                 spec_cls: types.getattr("spec_cls")?.cast_into::<PyType>()?.unbind(),
                 output_cls: get("output_cls")?,
                 event_cls: get("event_cls")?,
+                event_takes_context: types
+                    .getattr("event_takes_context")
+                    .and_then(|v| v.is_truthy())
+                    .unwrap_or(false),
                 medium: get("medium")?,
                 new_request: get("new_request")?,
             })
@@ -417,32 +444,43 @@ impl ResultTypes {
         }
     }
 
+    /// An event object; `req_context` is given only for a stored event under vLLM 0.34
+    /// semantics (vLLM 0.33's event type has no such field).
     pub fn event<'py>(
         &self,
         py: Python<'py>,
         keys: Bound<'py, PyList>,
-        removed: bool,
-        metadata_only: bool,
+        e: &Event,
+        req_context: Option<&Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         match &self.foreign {
             None => Ok(Bound::new(
                 py,
                 OffloadingEvent {
                     keys: keys.unbind(),
-                    removed,
-                    metadata_only,
+                    removed: e.removed,
+                    metadata_only: e.metadata_only,
+                    removal_expected: e.removal_expected,
+                    req_context: req_context.map(|c| c.clone_ref(py)),
                 },
             )?
             .into_any()),
             Some(f) => {
                 let event = f.event_cls.bind(py);
-                if metadata_only {
-                    let kwargs = pyo3::types::PyDict::new(py);
-                    kwargs.set_item("metadata_only", true)?;
-                    event.call((keys, f.medium.bind(py), removed), Some(&kwargs))
-                } else {
-                    event.call1((keys, f.medium.bind(py), removed))
+                if !(e.metadata_only || e.removal_expected) {
+                    return event.call1((keys, f.medium.bind(py), e.removed));
                 }
+                let kwargs = pyo3::types::PyDict::new(py);
+                if e.metadata_only {
+                    kwargs.set_item(pyo3::intern!(py, "metadata_only"), true)?;
+                }
+                if e.removal_expected {
+                    kwargs.set_item(pyo3::intern!(py, "removal_expected"), true)?;
+                }
+                if let (Some(ctx), true) = (req_context, f.event_takes_context) {
+                    kwargs.set_item(pyo3::intern!(py, "req_context"), ctx)?;
+                }
+                event.call((keys, f.medium.bind(py), e.removed), Some(&kwargs))
             }
         }
     }

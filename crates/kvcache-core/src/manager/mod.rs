@@ -1,4 +1,5 @@
-//! The CPU offloading manager, decision-identical to vLLM 0.33.0's `CPUOffloadingManager`.
+//! The CPU offloading manager, decision-identical to vLLM 0.33.0's and 0.34.0's
+//! `CPUOffloadingManager` (the release is a setting, [`VllmSemantics`]).
 //!
 //! It owns the chunk pool ([`table`]: ids handed out in vLLM's order, reference counts in one
 //! contiguous table), the evictable and write-pending counts, the `store_threshold` access
@@ -19,6 +20,7 @@
 //! O(1) expected, plus O(log n) for an LRU insertion into the middle of a large request group.
 
 mod request;
+mod semantics;
 mod table;
 mod tracker;
 
@@ -28,6 +30,7 @@ use crate::policy::Protected;
 use crate::policy::{Access, EntryId, Policy, PolicyExt};
 use crate::registry::RequestToken;
 use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
+pub use semantics::VllmSemantics;
 #[cfg(any(test, feature = "validate"))]
 use table::PENDING;
 pub use table::{ChunkId, ChunkRecord, ChunkTable, TableRecord, FREE, MAX_CHUNKS};
@@ -78,6 +81,8 @@ pub struct Event {
     pub removed: bool,
     /// A failed store's cleanup: no public eviction happened.
     pub metadata_only: bool,
+    /// A stored event announcing that a removal event will follow (vLLM 0.34).
+    pub removal_expected: bool,
 }
 
 /// Usage figures since the last call to [`Manager::take_stats`] (vLLM's `get_stats`).
@@ -100,6 +105,8 @@ pub struct ManagerConfig {
     /// Offers a key needs before it is stored; values below 2 store on the first offer.
     pub store_threshold: i64,
     pub max_tracker_size: usize,
+    /// The vLLM release whose decisions the manager reproduces.
+    pub semantics: VllmSemantics,
 }
 
 /// Heap bytes by structure.
@@ -357,8 +364,16 @@ impl<P: Policy<ChunkId>> Manager<P> {
         Ok(chunks)
     }
 
-    pub fn touch(&mut self, keys: &[Key<'_>]) {
+    /// vLLM 0.33's `touch`: marks keys recently used. vLLM 0.34 has no `touch`.
+    pub fn touch(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
+        if !self.config.semantics.has_touch() {
+            return Err(CoreError::Unsupported {
+                what: "touch",
+                semantics: self.config.semantics.name(),
+            });
+        }
         self.policy.touch_keys(keys, &self.table);
+        Ok(())
     }
 
     /// Unpins chunks after their loads finished.
@@ -408,11 +423,21 @@ impl<P: Policy<ChunkId>> Manager<P> {
     ) -> CoreResult<Option<StoreOutput>> {
         debug_assert_eq!(keys.len(), positions.len());
         self.check_unique(keys)?;
+        // vLLM 0.34: which keys an earlier offer of this request counted toward the
+        // threshold (they do not count again, and are not skipped stores again).
+        let counted: Vec<bool> =
+            if self.tracker.is_some() && self.config.semantics.counts_once_per_request() {
+                let req = self.requests.get(token).ok_or(CoreError::StaleRequest)?;
+                keys.iter().map(|&k| req.is_counted(k)).collect()
+            } else {
+                Vec::new()
+            };
+        let was_counted = |i: usize| counted.get(i).copied().unwrap_or(false);
         // Each key is looked up once. Recorded: store candidates (not resident; `ghost` is
         // any entry the policy keeps for them) and ready resident keys, in offer order.
         let mut recorded: Vec<Recorded<'_>> = Vec::with_capacity(keys.len());
         let mut protected = Vec::new();
-        let mut num_candidates = 0;
+        let mut skipped = 0u64;
         let tracker = self.tracker.as_ref();
         let resolved = self.policy.find_many(keys);
         for (i, ((&key, &position), &entry)) in
@@ -432,12 +457,14 @@ impl<P: Policy<ChunkId>> Manager<P> {
                 }
                 continue;
             }
-            num_candidates += 1;
-            // After this offer is recorded, a tracked candidate counts one more; an untracked
-            // one at most 1, below any threshold >= 2.
+            // After this offer is recorded, a tracked candidate counts one more (unless this
+            // request counted it already); an untracked one at most 1, below any threshold
+            // >= 2.
             if let Some(t) = tracker {
                 let c = t.count(key);
-                if c == 0 || i64::from(c) + 1 < self.config.store_threshold {
+                let after = i64::from(c) + i64::from(!was_counted(i));
+                if c == 0 || after < self.config.store_threshold {
+                    skipped += u64::from(!was_counted(i));
                     continue;
                 }
             }
@@ -457,8 +484,12 @@ impl<P: Policy<ChunkId>> Manager<P> {
 
         // Nothing can fail from here on.
         if let Some(tracker) = &mut self.tracker {
-            tracker.record(keys);
-            self.stores_skipped += (num_candidates - num_to_store) as u64;
+            tracker.record(keys, was_counted);
+            self.stores_skipped += skipped;
+        }
+        if !counted.is_empty() {
+            let req = self.requests.get_mut(token).expect("checked above");
+            req.count(&self.hasher, keys);
         }
         let entries = self.record_access(token, &recorded, observed);
         let req = self.requests.get_mut(token).expect("checked above");
@@ -507,6 +538,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
                     keys: evicted.clone(),
                     removed: true,
                     metadata_only: false,
+                    removal_expected: false,
                 });
             }
         }
@@ -540,8 +572,10 @@ impl<P: Policy<ChunkId>> Manager<P> {
     }
 
     /// Marks pending stores done: ready and evictable on success, dropped on failure. Keys that
-    /// are absent or already ready are ignored.
-    pub fn complete_store(&mut self, keys: &[Key<'_>], success: bool) {
+    /// are absent or already ready are ignored. Returns how many keys it completed (with
+    /// events on, they make one event).
+    pub fn complete_store(&mut self, keys: &[Key<'_>], success: bool) -> usize {
+        let mut completed = 0;
         let mut done = Vec::new();
         let resolved = self.policy.find_many(keys);
         for (&key, &found) in keys.iter().zip(&resolved) {
@@ -556,6 +590,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
                 continue;
             }
             self.num_write_pending -= 1;
+            completed += 1;
             if success {
                 self.table.record(chunk).set_ref_cnt(0);
                 self.num_evictable += 1;
@@ -573,8 +608,10 @@ impl<P: Policy<ChunkId>> Manager<P> {
                 keys: done,
                 removed: !success,
                 metadata_only: !success,
+                removal_expected: success && self.config.semantics.stored_events_expect_removal(),
             });
         }
+        completed
     }
 
     /// The keys a request observed, in the order [`finish_request`](Self::finish_request) asks
@@ -829,6 +866,7 @@ mod tests {
             enable_events: false,
             store_threshold: 1,
             max_tracker_size: 16,
+            semantics: VllmSemantics::default(),
         };
         let bytes = [
             crate::testing::manager_key(1),
@@ -862,6 +900,7 @@ mod tests {
             enable_events: false,
             store_threshold: 1,
             max_tracker_size: 16,
+            semantics: VllmSemantics::default(),
         };
         // 2^32 - 1 chunks: nothing per chunk up front (the key index is presized, capped).
         let m = Manager::<LruPolicy<ChunkId>>::new(config(MAX_CHUNKS)).unwrap();

@@ -4,7 +4,9 @@
 //! cache group, and which of them it stored (inserted), reused (read while ready) or missed on
 //! store. When the request finishes, the policy sees one access per key in prefix order. The
 //! registry owns this state; the request's context holds only a [`RequestToken`], and the state
-//! lives until the token is released (its context died) or the cache is reset.
+//! lives until the token is released (its context died) or the cache is reset. Under vLLM 0.34
+//! semantics with a `store_threshold` it also remembers every key the request offered, which
+//! counts toward the threshold once per request (vLLM's `counted_keys`).
 
 use crate::index::{KeyIndex, Keyed};
 use crate::key::{Key, KeyBuf, KeyHash, KeyHasher};
@@ -38,10 +40,28 @@ impl Keyed for SeenKey {
     }
 }
 
+/// A key the request offered for store, counted toward `store_threshold` (vLLM 0.34).
+pub(crate) struct CountedKey {
+    key: KeyBuf,
+}
+
+impl Keyed for CountedKey {
+    fn key_buf(&self) -> &KeyBuf {
+        &self.key
+    }
+    fn key_buf_mut(&mut self) -> &mut KeyBuf {
+        &mut self.key
+    }
+}
+
 /// One request's accesses. `S` is the policy's own per-request state (LRU's rank).
 pub(crate) struct RequestAccess<S> {
     pub(crate) seen: Slab<SeenKey>,
     pub(crate) index: KeyIndex,
+    /// Keys counted toward `store_threshold` (kept apart from `seen`: a counted key is not
+    /// necessarily observed, and `seen`'s order is the request's first-seen order).
+    counted: Slab<CountedKey>,
+    counted_index: KeyIndex,
     pub(crate) finished: bool,
     pub(crate) policy_state: S,
 }
@@ -51,6 +71,8 @@ impl<S: Default> RequestAccess<S> {
         RequestAccess {
             seen: Slab::default(),
             index: KeyIndex::default(),
+            counted: Slab::default(),
+            counted_index: KeyIndex::default(),
             finished: false,
             policy_state: S::default(),
         }
@@ -87,6 +109,21 @@ impl<S> RequestAccess<S> {
         (idx, new)
     }
 
+    /// Whether an earlier offer of this request counted `key` toward `store_threshold`.
+    pub(crate) fn is_counted(&self, key: Key<'_>) -> bool {
+        self.counted_index.find(&self.counted, key).is_some()
+    }
+
+    /// Remembers that this request counted `keys` toward `store_threshold`.
+    pub(crate) fn count(&mut self, hasher: &KeyHasher, keys: &[Key<'_>]) {
+        for &key in keys {
+            self.counted_index
+                .find_or_insert(&mut self.counted, hasher, key, || CountedKey {
+                    key: KeyBuf::new(key.bytes),
+                });
+        }
+    }
+
     pub(crate) fn set_handle(&mut self, idx: Idx, handle: EntryId) {
         self.seen.get_mut(idx).handle = Some(handle);
     }
@@ -115,7 +152,10 @@ impl<S> RequestAccess<S> {
     }
 
     fn heap_bytes(&self) -> usize {
-        self.seen.allocation_size() + self.index.allocation_size()
+        self.seen.allocation_size()
+            + self.index.allocation_size()
+            + self.counted.allocation_size()
+            + self.counted_index.allocation_size()
     }
 
     /// Empties a released request's tables for the next request, keeping their memory.
@@ -125,6 +165,8 @@ impl<S> RequestAccess<S> {
     {
         self.seen.clear_keep_memory();
         self.index.clear_keep_memory();
+        self.counted.clear_keep_memory();
+        self.counted_index.clear_keep_memory();
         self.finished = false;
         self.policy_state = S::default();
     }

@@ -5,7 +5,8 @@
 //! `max_tracker_size`. Keys of an offer already tracked move to the most recent end and count
 //! once more (and are safe from eviction during this offer); new keys start at 1, evicting the
 //! least recent unprotected entries to make room, and are skipped when only protected entries
-//! remain.
+//! remain. Under vLLM 0.34 a key the request counted in an earlier offer stays tracked (and
+//! protected, and moves) but does not count again.
 
 use crate::index::{KeyIndex, Keyed};
 use crate::key::{Key, KeyBuf, KeyHasher};
@@ -45,15 +46,20 @@ impl AccessTracker {
     }
 
     /// Records one offer of `keys` (in offer order, duplicates counted as vLLM counts them).
-    pub fn record(&mut self, keys: &[Key<'_>]) {
+    /// `counted(i)`: `keys[i]` was already counted for this request, so it does not count
+    /// again.
+    pub fn record(&mut self, keys: &[Key<'_>], counted: impl Fn(usize) -> bool) {
         let found = self.index.find_many(&self.slab, keys);
         // Protected: tracked keys of this offer (distinct entries).
         let mut protected = 0usize;
         let mut seen = hashbrown::HashSet::<_, foldhash::fast::FixedState>::default();
-        for &idx in found.iter().flatten() {
+        for (i, idx) in found.iter().enumerate() {
+            let Some(idx) = *idx else { continue };
             self.order.move_to_back(&mut self.slab, idx);
-            let t = self.slab.get_mut(idx);
-            t.count = t.count.saturating_add(1);
+            if !counted(i) {
+                let t = self.slab.get_mut(idx);
+                t.count = t.count.saturating_add(1);
+            }
             if seen.insert(idx) {
                 protected += 1;
             }
@@ -98,18 +104,33 @@ mod tests {
         let h = KeyHasher::global();
         let k = |b: &'static [u8]| Key::new(&h, b);
         let mut t = AccessTracker::new(2);
-        t.record(&[k(b"a"), k(b"b")]);
-        t.record(&[k(b"a"), k(b"c")]);
+        t.record(&[k(b"a"), k(b"b")], |_| false);
+        t.record(&[k(b"a"), k(b"c")], |_| false);
         // "b" was the oldest unprotected entry; "a" was protected by this offer.
         assert_eq!(
             (t.count(k(b"a")), t.count(k(b"b")), t.count(k(b"c"))),
             (2, 0, 1)
         );
         // Both tracked keys are protected: a new key is not tracked.
-        t.record(&[k(b"a"), k(b"c"), k(b"d")]);
+        t.record(&[k(b"a"), k(b"c"), k(b"d")], |_| false);
         assert_eq!(
             (t.count(k(b"a")), t.count(k(b"c")), t.count(k(b"d"))),
             (3, 2, 0)
+        );
+    }
+
+    #[test]
+    fn a_counted_key_moves_and_stays_protected_without_counting() {
+        let h = KeyHasher::global();
+        let k = |b: &'static [u8]| Key::new(&h, b);
+        let mut t = AccessTracker::new(2);
+        t.record(&[k(b"a"), k(b"b")], |_| false);
+        // "a" was counted before: it moves to the recent end (so "b" is the oldest) and is
+        // protected, but keeps its count.
+        t.record(&[k(b"a"), k(b"c")], |i| i == 0);
+        assert_eq!(
+            (t.count(k(b"a")), t.count(k(b"b")), t.count(k(b"c"))),
+            (1, 0, 1)
         );
     }
 }
