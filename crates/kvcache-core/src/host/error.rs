@@ -30,6 +30,17 @@ pub enum HostError {
         position: usize,
         bound: u64,
     },
+    /// A device address (at `position` of a job's pointers, for `reference` of `group`) that
+    /// is not inside the blocks `[start, end)` of the tensor that reference names
+    /// (`OutOfRangeError`).
+    PointerOutOfRange {
+        address: u64,
+        position: usize,
+        group: usize,
+        reference: usize,
+        start: u64,
+        end: u64,
+    },
     /// A group index outside the layout's `groups` (`OutOfRangeError`).
     NoSuchGroup { group: usize, groups: usize },
     /// The region is registered already, or a registration is under way
@@ -72,6 +83,18 @@ impl fmt::Display for HostError {
             } => write!(
                 f,
                 "{what} id {id} at position {position} is out of range [0, {bound})"
+            ),
+            HostError::PointerOutOfRange {
+                address,
+                position,
+                group,
+                reference,
+                start,
+                end,
+            } => write!(
+                f,
+                "device pointer {address:#x} at position {position} (group {group}, reference \
+                 {reference}) is outside its tensor's blocks [{start:#x}, {end:#x})"
             ),
             HostError::NoSuchGroup { group, groups } => {
                 write!(f, "group {group} is out of range: the layout has {groups} groups")

@@ -15,7 +15,9 @@
 //! span gives the number of blocks and the logical index of the first one. The first block
 //! enters its first chunk at slot `first_index % blocks_per_chunk` (the *skip*), and the last
 //! chunk may be short: a group of `n` blocks with skip `s` spans `ceil((s + n) / bpc)` chunks.
-//! This is vLLM 0.33.0's `GPULoadStoreSpec(group_sizes, block_indices)` contract.
+//! This is vLLM 0.33.0's `GPULoadStoreSpec(group_sizes, block_indices)` contract; vLLM 0.34.0
+//! names the same blocks by device address, which [`TransferLayout::block_ids_from_pointers`]
+//! turns back into block ids.
 //!
 //! # Coalescing
 //! Pages are enumerated group by group, chunk by chunk, tensor by tensor, block by block, and a
@@ -280,6 +282,9 @@ impl RunBuilder {
 struct Group {
     /// `(tensor, bytes)`, one per distinct tensor (the largest size asked for it).
     refs: Vec<GroupRef>,
+    /// The references as given, in order and with repeats: what a caller that names device
+    /// pages per reference (vLLM's device pointers) enumerates.
+    given: Vec<GroupRef>,
     /// Sum of the sizes as given (duplicates included): vLLM's per-block accounting.
     logical_bytes_per_block: u64,
     /// Sum of `refs` sizes: bytes moved per block.
@@ -523,6 +528,7 @@ impl TransferLayout {
             let bytes_per_block = distinct.iter().map(|r| r.bytes).sum();
             checked.push(Group {
                 refs: distinct,
+                given: refs,
                 logical_bytes_per_block: logical,
                 bytes_per_block,
                 num_blocks,
@@ -959,5 +965,6 @@ impl Request {
     }
 }
 
+mod pointers;
 #[cfg(test)]
 mod tests;

@@ -1,10 +1,14 @@
 //! `_core.TransferLayout` (validated geometry) and `_core.Plan` (one job's copy runs).
 
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use kvcache_core::host::{
     CopyGuard, CopyRuns, Direction, GroupRef, GroupSpan, HostError, HostGeometry, HostRegion,
     LayerGeometry, Lease, PlanScratch, Request, TransferLayout,
+};
+use numpy::{
+    PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods,
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::ffi;
@@ -187,6 +191,51 @@ fn out_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<i64>> {
         ));
     }
     Ok(buf)
+}
+
+/// A 1-d uint64 numpy array, read in place when it is contiguous and aligned (as vLLM's
+/// are), else copied through the buffer protocol, which handles any strides.
+struct Words<'py> {
+    view: PyReadonlyArray1<'py, u64>,
+    obj: Bound<'py, PyAny>,
+}
+
+impl Words<'_> {
+    fn get(&self) -> PyResult<Cow<'_, [u64]>> {
+        Ok(match self.view.as_slice() {
+            Ok(slice) => Cow::Borrowed(slice),
+            Err(_) => Cow::Owned(PyBuffer::<u64>::get(&self.obj)?.to_vec(self.obj.py())?),
+        })
+    }
+}
+
+/// `obj` as [`Words`]: exactly a 1-d numpy array of native uint64 (what vLLM's
+/// `DevicePointers` hold); anything else is refused with `InvalidTypeError`, a byte-swapped
+/// or otherwise foreign dtype included, since its values would be read as other addresses.
+fn words<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<Words<'py>> {
+    let refuse = || {
+        typed(
+            |e| &e.invalid_type,
+            format!(
+                "{what} must be a 1-d numpy uint64 array, got {}",
+                type_name(obj)
+            ),
+        )
+    };
+    let array = obj.cast::<PyArray1<u64>>().map_err(|_| refuse())?;
+    if !array.dtype().is_equiv_to(&numpy::dtype::<u64>(obj.py())) {
+        return Err(refuse());
+    }
+    let view = array.try_readonly().map_err(|_| {
+        typed(
+            |e| &e.invalid_argument,
+            format!("{what} is being written elsewhere"),
+        )
+    })?;
+    Ok(Words {
+        view,
+        obj: obj.clone(),
+    })
 }
 
 fn piece_bytes_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -463,6 +512,34 @@ impl PyTransferLayout {
                 lease: Mutex::new(Some(lease)),
             }),
         })
+    }
+
+    /// The device block ids (an int64 array, group after group) that device pointers name,
+    /// as vLLM 0.34's connector gives them: `ptrs` and `sizes` are 1-d uint64 numpy arrays in
+    /// (group, reference, block) order, `group_block_counts` and `group_data_ref_counts` one
+    /// int per group. Every pointer must start a block of its reference's tensor, the
+    /// references of a group must agree on the blocks, every size must be its reference's
+    /// bytes and every count must match the layout; else `InvalidTypeError` (not uint64
+    /// arrays), `OutOfRangeError` (a pointer outside its tensor) or `InvalidArgumentError`.
+    fn block_ids_from_pointers<'py>(
+        &self,
+        py: Python<'py>,
+        ptrs: &Bound<'py, PyAny>,
+        sizes: &Bound<'py, PyAny>,
+        group_block_counts: &Bound<'py, PyAny>,
+        group_data_ref_counts: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let groups = self.shared.layout.num_groups();
+        let counts = small_ints("group_block_counts", group_block_counts, groups)?;
+        let refs = small_ints("group_data_ref_counts", group_data_ref_counts, groups)?;
+        let ptrs = words("ptrs", ptrs)?;
+        let sizes = words("sizes", sizes)?;
+        let ids = self
+            .shared
+            .layout
+            .block_ids_from_pointers(&ptrs.get()?, &sizes.get()?, &counts, &refs)
+            .py_err()?;
+        Ok(PyArray1::from_vec(py, ids))
     }
 
     /// A group's distinct references as `(device base, block stride, segment offset, page
