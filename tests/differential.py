@@ -1,4 +1,5 @@
-"""A pair of policies, vLLM 0.33.0's and ours, driven op by op and compared after every op.
+"""A pair of policies, the installed vLLM's (0.33.0 or 0.34.0) and ours, driven op by op and
+compared after every op.
 
 The operations follow how vLLM's ``CPUOffloadingManager`` drives a policy: chunks are inserted
 pending (``ref_cnt == -1``), become ready and evictable when their store completes, are pinned
@@ -199,8 +200,11 @@ class Differential:
             self.ours.mark_evictable(key)
 
     def touch(self, keys: list[bytes], ctx: Any) -> None:
-        self.ref.touch(keys, ctx)
-        self.ours.touch(keys, ctx)
+        # vLLM 0.34's policies have no touch (ours keep it, outside vLLM's protocol): the op
+        # then does nothing to either, so both releases draw the same random sequence.
+        if hasattr(self.ref, "touch"):
+            self.ref.touch(keys, ctx)
+            self.ours.touch(keys, ctx)
 
     def on_store_miss(self, keys: list[bytes], ctx: Any) -> None:
         self.ref.on_store_miss(keys, ctx)

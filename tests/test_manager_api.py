@@ -3,6 +3,7 @@ accounting, request state lifetime, and typed errors that leave the manager unch
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 
@@ -110,11 +111,48 @@ def test_memory_usage_is_reported_per_structure() -> None:
 
 
 def test_store_threshold_skips_first_offers() -> None:
-    m = kvcache.OffloadingManager(8, store_threshold=2, max_tracker_size=16)
+    """Under vLLM 0.33 every offer counts; under 0.34 a key counts once per request, so the
+    same request offering it again is neither a store nor another skipped store, and a
+    second request's offer stores it."""
+    old = kvcache.OffloadingManager(
+        8, store_threshold=2, max_tracker_size=16, vllm_semantics="0.33"
+    )
     ctx = kvcache.ReqContext("r")
-    assert m.prepare_store(KEYS[:2], ctx).keys_to_store == []
-    assert m.prepare_store(KEYS[:2], ctx).keys_to_store == KEYS[:2]
-    assert m.get_stats().stores_skipped == 2
+    assert old.prepare_store(KEYS[:2], ctx).keys_to_store == []
+    assert old.prepare_store(KEYS[:2], ctx).keys_to_store == KEYS[:2]
+    assert old.get_stats().stores_skipped == 2
+
+    new = kvcache.OffloadingManager(
+        8, store_threshold=2, max_tracker_size=16, vllm_semantics="0.34"
+    )
+    ctx = kvcache.ReqContext("r")
+    assert new.prepare_store(KEYS[:2], ctx).keys_to_store == []
+    assert new.prepare_store(KEYS[:2], ctx).keys_to_store == []
+    assert new.get_stats().stores_skipped == 2
+    assert new.prepare_store(KEYS[:3], kvcache.ReqContext("s")).keys_to_store == KEYS[:2]
+    assert new.get_stats().stores_skipped == 1  # KEYS[2]: that request's first offer
+    new.validate()
+
+
+def test_stored_events_carry_the_request_under_vllm_034() -> None:
+    for semantics in ("0.33", "0.34"):
+        m = kvcache.OffloadingManager(8, enable_events=True, vllm_semantics=semantics)
+        ctx = kvcache.ReqContext("r")
+        out = m.prepare_store(KEYS[:2], ctx)
+        m.complete_store(out.keys_to_store, ctx)
+        m.complete_store(m.prepare_store(KEYS[2:3], ctx).keys_to_store, ctx, success=False)
+        stored, failed = m.take_events()
+        assert (stored.removed, failed.removed, failed.metadata_only) == (False, True, True)
+        assert stored.removal_expected is (semantics == "0.34")
+        assert stored.req_context is (ctx if semantics == "0.34" else None)
+        assert failed.removal_expected is False
+        assert failed.req_context is None
+        with (
+            pytest.raises(kvcache.UnsupportedOperationError)
+            if semantics == "0.34"
+            else (contextlib.nullcontext())
+        ):
+            m.touch(KEYS[:1], ctx)
 
 
 def test_constructor_is_keyword_only_and_validates() -> None:

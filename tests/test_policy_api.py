@@ -163,7 +163,8 @@ def test_positions_honour_a_method_shadowed_on_the_instance() -> None:
 
 
 def test_lru_request_state_belongs_to_each_policy_and_dies_with_the_context() -> None:
-    first, second = kvcache.LRUCachePolicy(8), kvcache.LRUCachePolicy(8)
+    first = kvcache.LRUCachePolicy(8, vllm_semantics="0.33")
+    second = kvcache.LRUCachePolicy(8, vllm_semantics="0.33")
     ctx = kvcache.ReqContext("shared")
     key = make_key(1)
     ctx.set_offload_key_position(key, 16)
@@ -202,7 +203,7 @@ def test_import_kvcache_imports_neither_vllm_nor_torch() -> None:
 
 
 def populated(cls: type) -> tuple[kvcache.BaseCachePolicy, kvcache.ReqContext]:
-    policy = cls(4)
+    policy = cls(4, vllm_semantics="0.33")  # touch exists only in vLLM 0.33's protocol
     ctx = kvcache.ReqContext("r")
     for i in range(3):
         ctx.set_offload_key_position(make_key(i), 16 * (i + 1))
@@ -370,3 +371,61 @@ def test_arc_on_request_finished_honours_a_set_subclass_membership() -> None:
     assert policy._debug_state()["t2"] == []
     policy.on_request_finished([keys], set(), set(keys), ctx)
     assert policy._debug_state()["t2"] == keys[::-1]
+
+
+@pytest.mark.parametrize("cls", POLICIES)
+def test_touch_is_vllm_033_only_and_its_refusal_changes_nothing(cls: type) -> None:
+    policy, ctx = populated(cls)
+    policy.touch([make_key(0)], ctx)
+    newer = cls(4, vllm_semantics="0.34")
+    newer.insert(make_key(0), ready(0), ctx)
+    before = snapshot(newer)
+    with pytest.raises(kvcache.UnsupportedOperationError) as info:
+        newer.touch([make_key(0)], ctx)
+    assert isinstance(info.value, NotImplementedError)
+    assert snapshot(newer) == before
+
+
+def test_lru_store_miss_is_a_touch_under_vllm_033_only() -> None:
+    """vLLM 0.33's protocol defaults on_store_miss to touch (LRU inherits it: a resident key
+    named in a miss gets a fresh rank); 0.34's default does nothing."""
+    ranks = {}
+    for semantics in ("0.33", "0.34"):
+        policy = kvcache.LRUCachePolicy(4, vllm_semantics=semantics)
+        for i in range(2):
+            policy.insert(make_key(i), ready(i))
+        policy.on_store_miss([make_key(0)])
+        ranks[semantics] = policy._debug_state()["ranks"][make_key(0)]
+        assert policy.vllm_semantics == semantics
+        policy.validate()
+    assert ranks == {"0.33": (3, 0), "0.34": (1, 0)}
+
+
+@pytest.mark.parametrize(
+    ("installed", "expected"),
+    [("0.33.0", "0.33"), ("0.34.0+cu129", "0.34"), ("0.35.0", "0.34"), (None, "0.34")],
+)
+def test_the_default_semantics_follow_the_installed_vllm(
+    monkeypatch: pytest.MonkeyPatch, installed: str | None, expected: str
+) -> None:
+    import kvcache._semantics as semantics
+
+    monkeypatch.setattr(semantics, "installed_vllm_version", lambda: installed)
+    assert kvcache.LRUCachePolicy(4).vllm_semantics == expected
+    assert kvcache.ARCCachePolicy(4).vllm_semantics == expected
+    assert kvcache.OffloadingManager(4).vllm_semantics == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("0.32", kvcache.InvalidArgumentError),
+        ("", kvcache.InvalidArgumentError),
+        (0.34, kvcache.InvalidTypeError),
+        (b"0.34", kvcache.InvalidTypeError),
+    ],
+)
+def test_a_bad_semantics_name_is_refused_typed(value: object, error: type) -> None:
+    for make in (kvcache.LRUCachePolicy, kvcache.ARCCachePolicy, kvcache.OffloadingManager):
+        with pytest.raises(error):
+            make(4, vllm_semantics=value)

@@ -72,6 +72,7 @@ mod key;
 pub mod manager;
 mod policy;
 mod registry;
+mod semantics;
 mod slab;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
@@ -82,9 +83,10 @@ pub use chunk::{HasRefCnt, RefCounts, SelfCounted};
 pub use error::{CoreError, CoreResult};
 pub use key::{Key, KeyBuf, KeyHash, KeyHasher};
 pub use lru::RequestGroup;
-pub use manager::{LookupResult, Manager, ManagerConfig, VllmSemantics};
+pub use manager::{LookupResult, Manager, ManagerConfig};
 pub use policy::{
     Access, EntryId, Evicted, Inspection, Policy, PolicyExt, Protected, RankedEntry, Stat,
 };
 pub use registry::{Registry, RequestToken};
+pub use semantics::VllmSemantics;
 pub use slab::prefetch;

@@ -17,6 +17,7 @@ use hashbrown::HashSet;
 use crate::chunk::RefCounts;
 use crate::error::{CoreError, CoreResult};
 use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::semantics::VllmSemantics;
 use crate::slab::Idx;
 
 /// A handle to one entry of a policy: valid until that entry is removed (after which its slot
@@ -131,10 +132,18 @@ pub trait Policy<C>: Sized {
     /// The keys were used; given head to tail, applied tail to head (so the head ends most
     /// recent). `None` entries are skipped.
     fn touch(&mut self, ids: &[Option<EntryId>], counts: &impl RefCounts<C>);
-    /// Store misses, head to tail, seen before their keys are inserted. By default a touch
-    /// (vLLM's default), which only moves resident keys.
-    fn on_store_miss(&mut self, ids: &[Option<EntryId>], counts: &impl RefCounts<C>) {
-        self.touch(ids, counts);
+    /// Store misses, head to tail, seen before their keys are inserted. By default what
+    /// vLLM's protocol does by default: a touch (which only moves resident keys) under 0.33,
+    /// nothing under 0.34.
+    fn on_store_miss(
+        &mut self,
+        ids: &[Option<EntryId>],
+        counts: &impl RefCounts<C>,
+        semantics: VllmSemantics,
+    ) {
+        if semantics.store_miss_touches() {
+            self.touch(ids, counts);
+        }
     }
     /// A request observed keys for the first time, with their token positions.
     fn on_request_access(
@@ -251,9 +260,14 @@ pub trait PolicyExt<C>: Policy<C> {
         self.touch(&ids, counts);
     }
 
-    fn on_store_miss_keys(&mut self, keys: &[Key<'_>], counts: &impl RefCounts<C>) {
+    fn on_store_miss_keys(
+        &mut self,
+        keys: &[Key<'_>],
+        counts: &impl RefCounts<C>,
+        semantics: VllmSemantics,
+    ) {
         let ids = self.find_many(keys);
-        self.on_store_miss(&ids, counts);
+        self.on_store_miss(&ids, counts, semantics);
     }
 
     /// The chunk's `ref_cnt` went to 0. [`CoreError::KeyNotFound`] if not resident.

@@ -77,8 +77,10 @@ pub enum PolicyOp {
     Touch {
         keys: Vec<K>,
     },
+    /// Store misses, with the default `on_store_miss` of one vLLM release.
     StoreMiss {
         keys: Vec<K>,
+        semantics: VllmSemantics,
     },
     Access {
         request: u8,
@@ -120,7 +122,10 @@ impl<'a> Arbitrary<'a> for PolicyOp {
                 load: u.arbitrary()?,
             },
             9..=10 => PolicyOp::Touch { keys: keys(u)? },
-            11 => PolicyOp::StoreMiss { keys: keys(u)? },
+            11 => PolicyOp::StoreMiss {
+                keys: keys(u)?,
+                semantics: *u.choose(&VllmSemantics::ALL)?,
+            },
             12..=13 => PolicyOp::Access {
                 request: request(u)?,
                 keys: keys(u)?
@@ -290,13 +295,13 @@ impl<P: Policy<TestChunk>> PolicyHarness<P> {
                     }
                 }
             }
-            PolicyOp::Touch { keys } | PolicyOp::StoreMiss { keys } => {
+            PolicyOp::Touch { keys } | PolicyOp::StoreMiss { keys, .. } => {
                 let raw: Vec<[u8; 1]> = keys.iter().map(|k| [k.0]).collect();
                 let ks: Vec<Key<'_>> = raw.iter().map(|k| p.key(k)).collect();
-                if matches!(op, PolicyOp::Touch { .. }) {
-                    p.touch_keys(&ks, &SelfCounted);
+                if let PolicyOp::StoreMiss { semantics, .. } = op {
+                    p.on_store_miss_keys(&ks, &SelfCounted, *semantics);
                 } else {
-                    p.on_store_miss_keys(&ks, &SelfCounted);
+                    p.touch_keys(&ks, &SelfCounted);
                 }
             }
             PolicyOp::Access { request, keys } => {

@@ -4,7 +4,7 @@
 //! Every batch call converts and validates all of its input before the core is touched, so a
 //! bad element anywhere raises with nothing changed.
 
-use kvcache_core::{Key, KeyHasher};
+use kvcache_core::{Key, KeyHasher, VllmSemantics};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -377,4 +377,41 @@ pub fn text(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
             format!("{what} must be valid Unicode text, got a lone surrogate"),
         )
     })
+}
+
+/// A `vllm_semantics` argument: `"0.33"`, `"0.34"`, or None (resolved by the caller with
+/// [`default_semantics`]).
+pub fn semantics_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<VllmSemantics>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    let py = obj.py();
+    let name = obj.cast::<PyString>().map_err(|_| {
+        new_err(
+            py,
+            &exceptions(py).invalid_type,
+            format!(
+                "vllm_semantics must be a string such as {:?} or None",
+                VllmSemantics::default().name()
+            ),
+        )
+    })?;
+    let name = name.to_str()?;
+    VllmSemantics::from_name(name).map(Some).ok_or_else(|| {
+        let names: Vec<_> = VllmSemantics::ALL.iter().map(|s| s.name()).collect();
+        new_err(
+            py,
+            &exceptions(py).invalid_argument,
+            format!("vllm_semantics must be one of {names:?} or None, got {name:?}"),
+        )
+    })
+}
+
+/// The semantics to follow when none is given: the installed vLLM's, else the newest (decided
+/// in Python, by `kvcache._semantics.default_semantics`, from the package metadata).
+pub fn default_semantics(py: Python<'_>) -> PyResult<VllmSemantics> {
+    let name = py
+        .import(pyo3::intern!(py, "kvcache._semantics"))?
+        .call_method0(pyo3::intern!(py, "default_semantics"))?;
+    Ok(semantics_arg(&name)?.unwrap_or_default())
 }

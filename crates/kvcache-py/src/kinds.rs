@@ -6,23 +6,37 @@
 //! ([`class_methods!`]).
 
 use kvcache_core::manager::{ChunkId, Manager, ManagerConfig};
-use kvcache_core::{CoreResult, Policy};
+use kvcache_core::{CoreResult, Policy, VllmSemantics};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use pyo3::PyClass;
 
 use crate::chunk::PyChunk;
+use crate::conversion::default_semantics;
 use crate::manager_ops::ManagerOps;
 use crate::policy::BaseCachePolicy;
 
 /// The Python class of a policy: a `BaseCachePolicy` over the core policy `P`.
-fn class_initializer<P, T>(cache_capacity: usize, class: T) -> PyClassInitializer<T>
+/// `vllm_semantics` None: the installed vLLM's, else the newest.
+fn class_initializer<P, T>(
+    py: Python<'_>,
+    cache_capacity: usize,
+    vllm_semantics: Option<VllmSemantics>,
+    class: T,
+) -> PyResult<PyClassInitializer<T>>
 where
     P: Policy<PyChunk> + Send + 'static,
     P::Request: Send,
     T: PyClass<BaseType = BaseCachePolicy>,
 {
-    PyClassInitializer::from(BaseCachePolicy::new::<P>(cache_capacity)).add_subclass(class)
+    let semantics = match vllm_semantics {
+        Some(semantics) => semantics,
+        None => default_semantics(py)?,
+    };
+    Ok(
+        PyClassInitializer::from(BaseCachePolicy::new::<P>(cache_capacity, semantics))
+            .add_subclass(class),
+    )
 }
 
 /// The methods of a policy's Python class: the constructor, and for ARC its adaptive target.
@@ -31,8 +45,18 @@ macro_rules! class_methods {
         #[pymethods]
         impl Arc {
             #[new]
-            fn new(cache_capacity: Count) -> PyClassInitializer<Self> {
-                class_initializer::<kvcache_core::$policy<PyChunk>, _>(cache_capacity.0, Arc)
+            #[pyo3(signature = (cache_capacity, *, vllm_semantics = None))]
+            fn new(
+                py: Python<'_>,
+                cache_capacity: Count,
+                #[pyo3(from_py_with = semantics_arg)] vllm_semantics: Option<VllmSemantics>,
+            ) -> PyResult<PyClassInitializer<Self>> {
+                class_initializer::<kvcache_core::$policy<PyChunk>, _>(
+                    py,
+                    cache_capacity.0,
+                    vllm_semantics,
+                    Arc,
+                )
             }
 
             /// ARC's adaptive target size of T1, in `[0, cache_capacity]`.
@@ -50,8 +74,18 @@ macro_rules! class_methods {
         #[pymethods]
         impl $kind {
             #[new]
-            fn new(cache_capacity: Count) -> PyClassInitializer<Self> {
-                class_initializer::<kvcache_core::$policy<PyChunk>, _>(cache_capacity.0, $kind)
+            #[pyo3(signature = (cache_capacity, *, vllm_semantics = None))]
+            fn new(
+                py: Python<'_>,
+                cache_capacity: Count,
+                #[pyo3(from_py_with = semantics_arg)] vllm_semantics: Option<VllmSemantics>,
+            ) -> PyResult<PyClassInitializer<Self>> {
+                class_initializer::<kvcache_core::$policy<PyChunk>, _>(
+                    py,
+                    cache_capacity.0,
+                    vllm_semantics,
+                    $kind,
+                )
             }
         }
     };
@@ -105,9 +139,11 @@ macro_rules! policies {
         mod classes {
             use pyo3::prelude::*;
 
+            use kvcache_core::VllmSemantics;
+
             use super::class_initializer;
             use crate::chunk::PyChunk;
-            use crate::conversion::Count;
+            use crate::conversion::{semantics_arg, Count};
             use crate::policy::BaseCachePolicy;
 
             $(

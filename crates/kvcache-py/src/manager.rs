@@ -22,7 +22,8 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 use crate::chunk::{fill_record_view, release_record_view};
 use crate::context::{require_context, ContextTypeCache, PositionWalk, Positions};
 use crate::conversion::{
-    collect_keys, count, int_in_range, key_bytes, text, with_core_keys, Flag, PyKey,
+    collect_keys, count, default_semantics, int_in_range, key_bytes, semantics_arg, text,
+    with_core_keys, Flag, PyKey,
 };
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
@@ -266,7 +267,10 @@ impl PyManager {
             enable_events: enable_events.0,
             store_threshold,
             max_tracker_size,
-            semantics: vllm_semantics.unwrap_or_default(),
+            semantics: match vllm_semantics {
+                Some(semantics) => semantics,
+                None => default_semantics(py)?,
+            },
         };
         let ops = kind.new_manager(config).py_err()?;
         Ok(PyManager {
@@ -708,32 +712,6 @@ fn module_path_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
 
 fn store_threshold_arg(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
     int_in_range(obj, "store_threshold", "a 64-bit int")
-}
-
-fn semantics_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<VllmSemantics>> {
-    if obj.is_none() {
-        return Ok(None);
-    }
-    let py = obj.py();
-    let name = obj.cast::<pyo3::types::PyString>().map_err(|_| {
-        new_err(
-            py,
-            &exceptions(py).invalid_type,
-            format!(
-                "vllm_semantics must be a string such as {:?} or None",
-                VllmSemantics::default().name()
-            ),
-        )
-    })?;
-    let name = name.to_str()?;
-    VllmSemantics::from_name(name).map(Some).ok_or_else(|| {
-        let names: Vec<_> = VllmSemantics::ALL.iter().map(|s| s.name()).collect();
-        new_err(
-            py,
-            &exceptions(py).invalid_argument,
-            format!("vllm_semantics must be one of {names:?} or None, got {name:?}"),
-        )
-    })
 }
 
 fn max_tracker_size_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {

@@ -7,7 +7,9 @@
 //! reads reference counts straight from chunk memory. Calls are serialised by the object's lock
 //! (see `guard`).
 
-use kvcache_core::{Access, Evicted, Policy, PolicyExt, Registry, SelfCounted, Stat};
+use kvcache_core::{
+    Access, CoreError, Evicted, Policy, PolicyExt, Registry, SelfCounted, Stat, VllmSemantics,
+};
 use pyo3::gc::{PyTraverseError, PyVisit};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
@@ -34,6 +36,7 @@ pub trait PolicyOps: Send {
     fn remove(&mut self, key: &PyKey<'_, '_>) -> PyResult<()>;
     fn touch(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<()>;
     fn on_store_miss(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<()>;
+    fn semantics(&self) -> VllmSemantics;
     fn on_request_access(
         &mut self,
         keys: &Bound<'_, PyAny>,
@@ -66,15 +69,18 @@ pub trait PolicyOps: Send {
 /// stored on the request contexts) and the context type cache.
 pub struct Host<P: Policy<PyChunk>> {
     policy: P,
+    /// The vLLM release whose protocol the policy follows (`touch`, `on_store_miss`).
+    semantics: VllmSemantics,
     owner: Owner,
     contexts: ContextTypeCache,
     requests: Registry<P::Request>,
 }
 
 impl<P: Policy<PyChunk>> Host<P> {
-    pub fn new(capacity: usize) -> Self {
+    pub fn new(capacity: usize, semantics: VllmSemantics) -> Self {
         Host {
             policy: P::new(capacity),
+            semantics,
             owner: Owner::default(),
             contexts: ContextTypeCache::positions(),
             requests: Registry::default(),
@@ -166,11 +172,31 @@ where
     }
 
     fn touch(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        if !self.semantics.has_touch() {
+            return Err(CoreError::Unsupported {
+                what: "touch",
+                semantics: self.semantics.name(),
+            })
+            .py_err();
+        }
         self.with_keys(keys, |p, ks| p.touch_keys(ks, &SelfCounted))
     }
 
     fn on_store_miss(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.with_keys(keys, |p, ks| p.on_store_miss_keys(ks, &SelfCounted))
+        // One plain function per release (`with_keys` runs no closure state: see its safety
+        // argument).
+        match self.semantics {
+            VllmSemantics::V0_33 => self.with_keys(keys, |p, ks| {
+                p.on_store_miss_keys(ks, &SelfCounted, VllmSemantics::V0_33)
+            }),
+            VllmSemantics::V0_34 => self.with_keys(keys, |p, ks| {
+                p.on_store_miss_keys(ks, &SelfCounted, VllmSemantics::V0_34)
+            }),
+        }
+    }
+
+    fn semantics(&self) -> VllmSemantics {
+        self.semantics
     }
 
     fn on_request_access(
@@ -357,13 +383,16 @@ pub struct BaseCachePolicy {
 }
 
 impl BaseCachePolicy {
-    pub fn new<P>(capacity: usize) -> Self
+    pub fn new<P>(capacity: usize, semantics: VllmSemantics) -> Self
     where
         P: Policy<PyChunk> + Send + 'static,
         P::Request: Send,
     {
         BaseCachePolicy {
-            inner: Guarded::new(Box::new(Host::<P>::new(capacity)), "cache policy"),
+            inner: Guarded::new(
+                Box::new(Host::<P>::new(capacity, semantics)),
+                "cache policy",
+            ),
         }
     }
 
@@ -428,7 +457,14 @@ impl BaseCachePolicy {
         self.inner.lock(py)?.remove(&key)
     }
 
+    /// The vLLM release whose policy protocol this policy follows (`"0.33"` or `"0.34"`).
+    #[getter]
+    fn vllm_semantics(&self, py: Python<'_>) -> PyResult<&'static str> {
+        Ok(self.inner.lock(py)?.semantics().name())
+    }
+
     /// Marks keys recently used (the last key first, so the first key ends most recent).
+    /// vLLM 0.33's protocol only: under 0.34 semantics it raises `UnsupportedOperationError`.
     #[pyo3(signature = (keys, req_context=None))]
     fn touch(
         &self,
@@ -440,8 +476,8 @@ impl BaseCachePolicy {
         self.inner.lock(py)?.touch(&keys)
     }
 
-    /// Store misses before insertion: ARC adapts to ghost hits; LRU treats them as a touch
-    /// (vLLM's default), which only affects resident keys.
+    /// Store misses before insertion: ARC adapts to ghost hits; LRU takes the protocol's
+    /// default, a touch under vLLM 0.33 (it only affects resident keys) and nothing under 0.34.
     #[pyo3(signature = (keys, req_context=None))]
     fn on_store_miss(
         &self,

@@ -23,6 +23,7 @@ use crate::index::Keyed;
 use crate::key::{Key, KeyBuf};
 use crate::policy::{Access, EntryId, Evicted, Inspection, Policy, Stat};
 use crate::slab::{Idx, Links, List};
+use crate::semantics::VllmSemantics;
 
 /// Which ARC list an entry is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -289,8 +290,13 @@ impl<C> Policy<C> for ArcPolicy<C> {
         }
     }
 
-    /// Only ghost hits matter: they adapt `target_t1_size`.
-    fn on_store_miss(&mut self, ids: &[Option<EntryId>], _counts: &impl RefCounts<C>) {
+    /// Only ghost hits matter: they adapt `target_t1_size` (alike in every vLLM release).
+    fn on_store_miss(
+        &mut self,
+        ids: &[Option<EntryId>],
+        _counts: &impl RefCounts<C>,
+        _semantics: VllmSemantics,
+    ) {
         for &EntryId(idx) in ids.iter().rev().flatten() {
             self.adapt_to_ghost_hit(idx);
         }
@@ -437,7 +443,7 @@ mod tests {
             [b"b", b"c"]
         );
         assert_eq!(lists(&p)[2], vec![b"b".to_vec(), b"c".to_vec()]);
-        p.on_store_miss_keys(&keys(&p, &[b"b"]), &SelfCounted);
+        p.on_store_miss_keys(&keys(&p, &[b"b"]), &SelfCounted, VllmSemantics::V0_34);
         assert_eq!(p.target_t1_size, 1.0);
         // Inserting a ghost's key turns that ghost back into a T1 entry.
         insert(&mut p, b"b", 9, -1);

@@ -20,7 +20,6 @@
 //! O(1) expected, plus O(log n) for an LRU insertion into the middle of a large request group.
 
 mod request;
-mod semantics;
 mod table;
 mod tracker;
 
@@ -29,8 +28,8 @@ use crate::key::{Key, KeyBuf, KeyHasher};
 use crate::policy::Protected;
 use crate::policy::{Access, EntryId, Policy, PolicyExt};
 use crate::registry::RequestToken;
+pub use crate::semantics::VllmSemantics;
 use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
-pub use semantics::VllmSemantics;
 #[cfg(any(test, feature = "validate"))]
 use table::PENDING;
 pub use table::{ChunkId, ChunkRecord, ChunkTable, TableRecord, FREE, MAX_CHUNKS};
@@ -508,7 +507,8 @@ impl<P: Policy<ChunkId>> Manager<P> {
             }
         }
         if !new_misses.is_empty() {
-            self.policy.on_store_miss(&new_misses, &self.table);
+            self.policy
+                .on_store_miss(&new_misses, &self.table, self.config.semantics);
         }
 
         if num_to_store == 0 {

@@ -1,13 +1,16 @@
-//! The vLLM release whose manager decisions the [`Manager`](super::Manager) reproduces.
+//! The vLLM release whose decisions the [`Manager`](crate::Manager) and the policies reproduce.
 //!
-//! vLLM 0.33 and 0.34 share the chunk pool, the policies and the request bookkeeping, and
-//! differ in three places, each asked of this one setting rather than tested by version at
-//! the call site:
+//! vLLM 0.33 and 0.34 share the chunk pool, the policies' own rules and the request
+//! bookkeeping, and differ in four places, each asked of this one setting rather than tested
+//! by version at the call site:
 //! - `store_threshold`: under 0.34 a key counts toward the threshold once per request, so an
 //!   offer a request repeats (a retry after a failed store, a re-offer after preemption) does
 //!   not count again, and only a request's first offer of a key can be a skipped store;
 //! - stored events announce that a removal will follow (`removal_expected`) under 0.34;
-//! - `touch` is part of the manager protocol under 0.33 only.
+//! - `touch` is part of the manager and policy protocols under 0.33 only;
+//! - the policy protocol's default `on_store_miss` is a `touch` under 0.33 and does nothing
+//!   under 0.34 (LRU takes the default, so under 0.33 a store miss naming a resident key
+//!   refreshes it; ARC has its own).
 
 /// A vLLM release's manager semantics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -45,8 +48,13 @@ impl VllmSemantics {
         self == VllmSemantics::V0_34
     }
 
-    /// The manager protocol has `touch`.
+    /// The manager and policy protocols have `touch`.
     pub fn has_touch(self) -> bool {
+        self == VllmSemantics::V0_33
+    }
+
+    /// The policy protocol's default `on_store_miss` is a `touch`.
+    pub fn store_miss_touches(self) -> bool {
         self == VllmSemantics::V0_33
     }
 }
