@@ -711,6 +711,31 @@ class TransferEngine:
         queue: Queue = "expedited" if expedited else "load"
         return self._submit(queue, gpu_block_ids, chunk_ids, group_sizes, block_indices)
 
+    def block_ids_from_pointers(
+        self,
+        ptrs: object,
+        sizes: object,
+        *,
+        group_block_counts: Sequence[int],
+        group_data_ref_counts: Sequence[int],
+    ) -> Any:
+        """The device block ids (an int64 numpy array, group after group) that a job's device
+        pointers name, for :meth:`store`/:meth:`load` with ``group_sizes=group_block_counts``.
+
+        The layout of vLLM 0.34's ``DevicePointers``: ``ptrs`` and ``sizes`` are 1-d numpy
+        uint64 arrays with one entry per (group, reference, block), in that order, where a
+        group's references are the ``groups`` this engine was built with (repeats included).
+        Nothing is trusted: every pointer must be ``base + b * block_stride`` of its
+        reference's layer with ``0 <= b < num_blocks``, every reference of a group must name
+        the same blocks, every size must be the reference's bytes and the counts must match
+        the layout, else ``OutOfRangeError`` (a pointer outside its layer),
+        ``InvalidTypeError`` (not uint64 arrays, a count that is not an int) or
+        ``InvalidArgumentError`` (anything else). One Rust pass; nothing is queued."""
+        self._check_open()
+        return self._layout.block_ids_from_pointers(
+            ptrs, sizes, group_block_counts, group_data_ref_counts
+        )
+
     def plan(
         self,
         *,
