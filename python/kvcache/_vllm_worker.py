@@ -1,10 +1,25 @@
-"""``CPUOffloadingWorker``: vLLM 0.33.0's ``OffloadingWorker`` contract on ``kvcache.transfer``.
+"""``CPUOffloadingWorker``: vLLM's ``OffloadingWorker`` contract on ``kvcache.transfer``.
+
+One class serves both supported releases, each with its own contract: under vLLM 0.33 a
+job's device side is a ``GPULoadStoreSpec`` (block ids), under vLLM 0.34 ``DevicePointers``
+(one device address per group, data reference and block, resolved by the connector). A small
+per-release front (``kvcache._vllm_fronts``), picked once at import from the running vLLM,
+reads that side; everything after it is the same for both.
+
+Under 0.34 the worker recovers validated block ids from the pointers (in Rust, one pass:
+every pointer must start a block of the registered KV tensor its reference names, the
+references of a group must agree, sizes and counts must match) and plans them exactly as a
+0.33 job. We chose that over copying from the pointers as given: vLLM's connector resolves
+the pointers from block ids with nothing between, so the ids are the job; an untrusted
+address never reaches a copy; and the one planner (validation, partial chunks, padded
+pages, shared tensors, merging of contiguous pages) and its conformance tests serve both
+releases. vLLM's own 0.34 worker ignores the pointers' sizes (it copies each reference's page
+bytes); ours refuses a job whose sizes are not those bytes.
 
 vLLM's worker builds one descriptor per (block, layer reference) in numpy on every job and
 copies them through ``cuMemcpyBatchAsync`` or a Triton kernel. This one plans the job in Rust
-(validation, partial chunks, padded pages, shared tensors, merging of pages contiguous on both
-sides) and submits it with one call; host memory is a pool of this rank's chunks, pinned in
-the background. Imports vLLM (through ``kvcache.vllm``); ``import kvcache`` does not.
+and submits it with one call; host memory is a pool of this rank's chunks, pinned in the
+background. Imports vLLM (through ``kvcache.vllm``); ``import kvcache`` does not.
 
 Host layout: chunk ``c`` of this rank holds, for every KV tensor in order, ``blocks_per_chunk``
 page slots of the tensor's (padded) page size, back to back: the layout of this rank's slot
@@ -19,7 +34,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
@@ -27,6 +41,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvcache._core import InvalidArgumentError, InvalidTypeError, TransferError, _refuse_pickling
+from kvcache._vllm_fronts import Front, front_for
+from kvcache._vllm_version import VLLM_SEMANTICS
 from kvcache.transfer import HostChunkPool, TransferEngine
 
 if TYPE_CHECKING:
@@ -150,11 +166,10 @@ def _split_repeats(
     return parts
 
 
-def _check_specs(gpu: object, cpu: object) -> None:
-    if not isinstance(gpu, GPULoadStoreSpec):
-        raise InvalidTypeError(f"the GPU side must be a GPULoadStoreSpec, got {type(gpu).__name__}")
+def _chunk_ids(cpu: object) -> Any:
     if not isinstance(cpu, CPULoadStoreSpec):
         raise InvalidTypeError(f"the CPU side must be a CPULoadStoreSpec, got {type(cpu).__name__}")
+    return cpu.block_ids
 
 
 class CPUOffloadingWorker(OffloadingWorker):
@@ -167,12 +182,20 @@ class CPUOffloadingWorker(OffloadingWorker):
     ``success=False`` (never as success) and logged with the job id, direction and cause.
     Regular loads, expedited loads and stores run on three queues.
 
+    The device side of a job is the running release's (see the module docs): ``device`` is
+    a ``DevicePointers`` under vLLM 0.34, a ``GPULoadStoreSpec`` under 0.33; any other type
+    raises ``InvalidTypeError``. A failed job is reported in that release's shape (0.34:
+    ``success=False`` without size or time).
+
     Start-up self-check (``self_check=True``): before returning, random bytes make a round
     trip through scratch memory by every copy method the worker's jobs may use
     (:meth:`TransferEngine.self_check`); if any raises, fails or moves a wrong byte, the worker
     releases what it built and raises :class:`SelfCheckError` (``kvcache.vllm`` then falls back
     to vLLM's worker).
     """
+
+    #: How this vLLM release hands over a job's device side (chosen once, at import).
+    front: Front = front_for(VLLM_SEMANTICS)
 
     def __reduce__(self) -> Any:
         # Its engine and host pool live in this process only (as vLLM's worker's do).
@@ -238,17 +261,16 @@ class CPUOffloadingWorker(OffloadingWorker):
         if job_id in self._by_vllm:
             raise InvalidArgumentError(f"transfer job {job_id} is already in flight")
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
+    def submit_store(self, job_id: int, device: object, dst_spec: LoadStoreSpec) -> bool:
         """GPU blocks -> host chunks, asynchronously."""
         self._check_new(job_id)
-        _check_specs(src_spec, dst_spec)
+        chunks = _chunk_ids(dst_spec)
+        job = self.front.device_job(self.engine, device)
         engine_job = self.engine.store(
-            src_spec.block_ids,
-            dst_spec.block_ids,  # type: ignore[attr-defined]
-            group_sizes=src_spec.group_sizes,
-            block_indices=src_spec.block_indices,
+            job.block_ids,
+            chunks,
+            group_sizes=job.group_sizes,
+            block_indices=job.block_indices,
         )
         self._track(job_id, [engine_job], "store, GPU -> CPU")
         return True
@@ -257,21 +279,21 @@ class CPUOffloadingWorker(OffloadingWorker):
         self,
         job_id: int,
         src_spec: LoadStoreSpec,
-        dst_spec: GPULoadStoreSpec,
+        device: object,
         expedited: bool = False,
     ) -> bool:
         """Host chunks -> GPU blocks, asynchronously; an expedited load has a queue of its
         own."""
         self._check_new(job_id)
-        _check_specs(dst_spec, src_spec)
-        chunks = src_spec.block_ids  # type: ignore[attr-defined]
+        chunks = _chunk_ids(src_spec)
+        job = self.front.device_job(self.engine, device)
         try:
             engine_jobs = [
                 self.engine.load(
                     chunks,
-                    dst_spec.block_ids,
-                    group_sizes=dst_spec.group_sizes,
-                    block_indices=dst_spec.block_indices,
+                    job.block_ids,
+                    group_sizes=job.group_sizes,
+                    block_indices=job.block_indices,
                     expedited=expedited,
                 )
             ]
@@ -279,9 +301,9 @@ class CPUOffloadingWorker(OffloadingWorker):
             parts = _split_repeats(
                 self.engine.blocks_per_chunk,
                 chunks,
-                dst_spec.block_ids,
-                dst_spec.group_sizes,
-                dst_spec.block_indices,
+                job.block_ids,
+                job.group_sizes,
+                job.block_indices,
             )
             if parts is None:
                 raise
@@ -321,10 +343,12 @@ class CPUOffloadingWorker(OffloadingWorker):
             del self._by_vllm[job_id]
             if not ok:
                 logger.error("kvcache transfer job %d (%s) failed: %s", job_id, direction, error)
+                out.append(self.front.failed(job_id, nbytes, seconds))
+                continue
             out.append(
                 TransferResult(
                     job_id=job_id,
-                    success=ok,
+                    success=True,
                     transfer_size=nbytes,
                     transfer_time=seconds,
                 )
