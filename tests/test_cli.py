@@ -277,13 +277,13 @@ def test_divergence_exits_1(
     vllm = vllm_backend()
     liar = Backend(
         name="liar",
-        make=lambda n, p, *, enable_events=False: _LieOnce(
+        make=lambda n, p, *, enable_events=False, store_threshold=1: _LieOnce(
             vllm.make(n, p, enable_events=enable_events), vllm.hit
         ),
         hit=vllm.hit,
         req_context=vllm.req_context,
     )
-    monkeypatch.setattr(cli, "get_backend", lambda name: liar)
+    monkeypatch.setattr(cli, "get_backend", lambda name, semantics=None: liar)
     rc, out, err = run(
         ["replay", "--compare-vllm", "--requests", "60", "--capacity", "50%", "--policy", "lru"],
         capsys,
@@ -677,7 +677,7 @@ def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_vllm_backends_without_vllm(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     result = run(["replay", "--requests", "5", *argv], capsys)
-    assert_one_line_error(*result, "needs vLLM 0.33.0")
+    assert_one_line_error(*result, "needs vLLM 0.33.0 or 0.34.0")
 
 
 def test_rust_policies_backend_under_an_untested_vllm() -> None:
@@ -688,7 +688,7 @@ def test_rust_policies_backend_under_an_untested_vllm() -> None:
     env = subprocess_env()
     env.pop("KVCACHE_ALLOW_UNTESTED_VLLM", None)
     code = (
-        "import sys, vllm; vllm.__version__ = '0.34.0'; from kvcache.cli import main; "
+        "import sys, vllm; vllm.__version__ = '0.35.0'; from kvcache.cli import main; "
         "sys.exit(main(['replay', '--requests', '5', '--backend', 'vllm-rust-policies']))"
     )
     proc = run_python(["-c", code], env=env, timeout=300)
@@ -696,7 +696,7 @@ def test_rust_policies_backend_under_an_untested_vllm() -> None:
         proc.returncode,
         proc.stdout,
         proc.stderr,
-        "tested against vLLM 0.33.0",
+        "tested against vLLM 0.33.0 or 0.34.0",
         "KVCACHE_ALLOW_UNTESTED_VLLM=1",
     )
 

@@ -48,13 +48,15 @@ class FakeContext:
 class FakeManager:
     """Unbounded cache: a key is HIT once its store completed, HIT_PENDING while in flight.
 
-    ``fail_prepare`` makes ``prepare_store`` of those request ids return None.
+    ``fail_prepare`` makes ``prepare_store`` of those request ids return None;
+    ``fail_prepare_times`` only for their first N calls.
     """
 
     calls: list[tuple[Any, ...]] = field(default_factory=list)
     ready: set[bytes] = field(default_factory=set)
     in_flight: set[bytes] = field(default_factory=set)
     fail_prepare: set[str] = field(default_factory=set)
+    fail_prepare_times: dict[str, int] = field(default_factory=dict)
     next_chunk: int = 0
 
     def on_new_request(self, ctx: FakeContext) -> None:
@@ -75,6 +77,9 @@ class FakeManager:
     def prepare_store(self, keys: Any, ctx: FakeContext) -> Any:
         self.calls.append(("store", ctx.req_id, tuple(keys)))
         if ctx.req_id in self.fail_prepare:
+            return None
+        if self.fail_prepare_times.get(ctx.req_id, 0) > 0:
+            self.fail_prepare_times[ctx.req_id] -= 1
             return None
         to_store = [k for k in keys if k not in self.ready and k not in self.in_flight]
         self.in_flight.update(to_store)
@@ -100,7 +105,7 @@ class FakeManager:
 def fake_backend(manager: FakeManager) -> Backend:
     return Backend(
         name="fake",
-        make=lambda num_chunks, policy, *, enable_events=False: manager,
+        make=lambda num_chunks, policy, *, enable_events=False, store_threshold=1: manager,
         hit="HIT",
         req_context=FakeContext,
     )
@@ -110,7 +115,7 @@ def fake_backend_factory(name: str) -> Backend:
     """A backend that builds a fresh FakeManager for every replay."""
     return Backend(
         name=name,
-        make=lambda num_chunks, policy, *, enable_events=False: FakeManager(),
+        make=lambda num_chunks, policy, *, enable_events=False, store_threshold=1: FakeManager(),
         hit="HIT",
         req_context=FakeContext,
     )
@@ -167,7 +172,7 @@ def test_lag_0_completes_immediately_and_full_hits_skip_prepare_store() -> None:
         "new", "lookup", "lookup", "load", "load_done", "finished",
     ]  # fmt: skip
     assert run.hits == 2
-    assert run.script[1] == (2, None, NOT_CALLED)
+    assert run.script[1] == (2, None, NOT_CALLED, ())
 
 
 def test_default_lag_is_8() -> None:
@@ -199,6 +204,48 @@ def test_failed_prepare_and_failed_stores() -> None:
     assert run.script[1][2] is None
 
 
+def test_a_failed_prepare_is_offered_again_each_step_while_in_flight() -> None:
+    """As vLLM's scheduler retries a failed store on its next steps: r0's keys are offered
+    again after r1's and r2's own stores, until a prepare succeeds; the stored keys join r0's
+    store jobs and complete with it."""
+    mgr = FakeManager(fail_prepare_times={"r0": 2})
+    wl = workload([1, 2], [3], [4], [5])
+    run = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=3))
+    stores = [(c[1], c[2]) for c in mgr.calls if c[0] == "store"]
+    k1, k2, k3, k4, k5 = (key(i) for i in range(1, 6))
+    assert stores == [
+        ("r0", (k1, k2)), ("r1", (k3,)), ("r0", (k1, k2)), ("r2", (k4,)), ("r0", (k1, k2)),
+        ("r3", (k5,)),
+    ]  # fmt: skip
+    assert (run.failed_prepares, run.reoffers, run.stored, run.store_jobs) == (2, 2, 5, 4)
+    assert ("store_done", "r0", (k1, k2), True) in mgr.calls
+    assert run.script[1][3] == (None,)
+    assert len(run.script[2][3]) == 1
+
+
+def test_a_preempted_request_offers_all_its_keys_again_at_the_next_step() -> None:
+    mgr = FakeManager()
+    wl = workload([1, 2], [1, 2, 3], [4], [5])
+    run = replay(
+        fake_backend(mgr),
+        wl,
+        policy="lru",
+        num_chunks=10,
+        options=ReplayOptions(lag=2, preempt_every=2),
+    )
+    k1, k2, k3 = key(1), key(2), key(3)
+    stores = [(c[1], c[2]) for c in mgr.calls if c[0] == "store"]
+    # r1 (the 2nd request) is preempted; at the next step it offers every key again.
+    assert stores[:3] == [("r0", (k1, k2)), ("r1", (k1, k2, k3)), ("r2", (key(4),))]
+    assert stores[3] == ("r1", (k1, k2, k3))
+    # r3 (the 4th) is preempted too, but finishes before a next step re-offers it.
+    assert run.reoffers == 1
+    with pytest.raises(ConfigError, match="preempt-every"):
+        ReplayOptions(preempt_every=-1)
+    with pytest.raises(ConfigError, match="store-threshold"):
+        ReplayOptions(store_threshold=-1)
+
+
 def test_empty_request_counts_nothing() -> None:
     mgr = FakeManager()
     run = replay(
@@ -228,9 +275,11 @@ def test_bad_options_are_config_errors() -> None:
 def test_null_manager_reproduces_the_recorded_answers() -> None:
     wl = workload([1, 2], [1, 2, 3], [1, 2, 3, 4], [5], [1, 2, 3, 4, 5])
     mgr = FakeManager(fail_prepare={"r3"})
-    real = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=1))
+    options = ReplayOptions(lag=2, preempt_every=2)
+    real = replay(fake_backend(mgr), wl, policy="lru", num_chunks=10, options=options)
+    assert real.reoffers > 0
     null = null_backend(fake_backend(FakeManager()), wl, real.script)
-    again = replay(null, wl, policy="lru", num_chunks=10, options=ReplayOptions(lag=1))
+    again = replay(null, wl, policy="lru", num_chunks=10, options=options)
     assert again.counters() == real.counters()
     assert again.script == real.script
     # It really is stateless: lookups are plain dict probes of the recorded answers.
@@ -244,7 +293,9 @@ def test_time_backend_pairs_real_and_null_runs() -> None:
     wl = workload([1, 2], [1, 2, 3], [1, 2, 3, 4])
     managers: list[FakeManager] = []
 
-    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> FakeManager:
+    def make(
+        num_chunks: int, policy: str, *, enable_events: bool = False, store_threshold: int = 1
+    ) -> FakeManager:
         managers.append(FakeManager())
         return managers[-1]
 
@@ -303,7 +354,9 @@ def test_time_backends_interleaves_repeats() -> None:
     order: list[str] = []
 
     def backend(name: str) -> Backend:
-        def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> FakeManager:
+        def make(
+            num_chunks: int, policy: str, *, enable_events: bool = False, store_threshold: int = 1
+        ) -> FakeManager:
             order.append(name)
             return FakeManager()
 
@@ -320,7 +373,9 @@ def test_grid_warms_up_each_backend_and_policy_before_timing() -> None:
     made: list[tuple[str, int, FakeManager]] = []
 
     def backend(name: str) -> Backend:
-        def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> FakeManager:
+        def make(
+            num_chunks: int, policy: str, *, enable_events: bool = False, store_threshold: int = 1
+        ) -> FakeManager:
             manager = FakeManager()
             made.append((policy, num_chunks, manager))
             return manager
@@ -369,7 +424,9 @@ def test_options_reach_every_replay_of_the_grid() -> None:
     wl = workload(*[[i] for i in range(30)])
     made: list[FakeManager] = []
 
-    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> FakeManager:
+    def make(
+        num_chunks: int, policy: str, *, enable_events: bool = False, store_threshold: int = 1
+    ) -> FakeManager:
         made.append(FakeManager())
         return made[-1]
 

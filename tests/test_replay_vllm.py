@@ -15,6 +15,7 @@ import pytest
 
 from kvcache.replay import (
     Backend,
+    ConfigError,
     ReplayOptions,
     SyntheticChat,
     Workload,
@@ -73,7 +74,7 @@ def test_counters_are_consistent(
         assert 0.0 <= run.hit_ratio <= 1.0
         incomplete = sum(
             1
-            for keys, (n_hit, _, _) in zip(wl.requests, run.script, strict=True)
+            for keys, (n_hit, *_) in zip(wl.requests, run.script, strict=True)
             if n_hit < len(keys)
         )
         assert sum(run.stops.values()) == incomplete
@@ -193,7 +194,9 @@ class _Perturbing:
 def perturbed(vllm: Backend, kind: str, at: int) -> tuple[Backend, dict[str, Any]]:
     state: dict[str, Any] = {"request": -1, "evictions": 0, "perturbed_at": None}
 
-    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> _Perturbing:
+    def make(
+        num_chunks: int, policy: str, *, enable_events: bool = False, store_threshold: int = 1
+    ) -> _Perturbing:
         inner = vllm.make(num_chunks, policy, enable_events=enable_events)
         return _Perturbing(inner, kind, at, state, vllm.hit)
 
@@ -300,6 +303,36 @@ def test_kvcache_backend_matches_vllm(
             options=ReplayOptions(fail_store_every=fail_store_every),
         )
         assert result.matched, result.divergence
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_re_offers_under_a_threshold_match_vllm_and_tell_the_releases_apart(
+    vllm: Backend, wl: Workload, policy: str
+) -> None:
+    """With store_threshold 2, re-offered stores (retries, preemptions) are where vLLM 0.33 and
+    0.34 differ: ours at the installed release's semantics matches vLLM decision for decision,
+    and ours at the other release's does not."""
+    options = ReplayOptions(store_threshold=2, preempt_every=3, lag=4)
+    num_chunks = wl.unique_blocks // 2
+    same = compare_backends(
+        vllm, kvcache_backend(vllm.semantics), wl, policy=policy, num_chunks=num_chunks,
+        options=options,
+    )  # fmt: skip
+    assert same.matched, same.divergence
+    other = {"0.33": "0.34", "0.34": "0.33"}[vllm.semantics]
+    differs = compare_backends(
+        vllm, kvcache_backend(other), wl, policy=policy, num_chunks=num_chunks, options=options
+    )
+    assert not differs.matched
+
+
+def test_vllms_manager_runs_only_the_installed_semantics(vllm: Backend) -> None:
+    other = {"0.33": "0.34", "0.34": "0.33"}[vllm.semantics]
+    with pytest.raises(ConfigError, match="--backend kvcache only"):
+        vllm_backend(other)
+    with pytest.raises(ConfigError, match="--backend kvcache only"):
+        rust_policies_backend(other)
+    assert vllm_backend(vllm.semantics).semantics == vllm.semantics
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

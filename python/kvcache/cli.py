@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
 import kvcache
+from kvcache._semantics import VLLM_SEMANTICS
 from kvcache.replay.backends import (
     BACKENDS,
     POLICY_CLASSES,
@@ -183,6 +184,29 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
         default=0,
         metavar="K",
         help="complete every K-th store job with success=False (default 0: never)",
+    )
+    ex.add_argument(
+        "--preempt-every",
+        type=_non_negative_int,
+        default=0,
+        metavar="K",
+        help="preempt every K-th request once: rescheduled at the next step, it offers its keys "
+        "again (default 0: never)",
+    )
+    ex.add_argument(
+        "--store-threshold",
+        type=_non_negative_int,
+        default=1,
+        metavar="N",
+        help="offers a key needs before it is stored (vLLM's store_threshold; default 1: at once)",
+    )
+    ex.add_argument(
+        "--vllm-semantics",
+        choices=VLLM_SEMANTICS,
+        default=None,
+        help="decide as this vLLM release (default: the installed vLLM's, else the newest, "
+        f"{VLLM_SEMANTICS[-1]}); they differ when a request offers a key again under "
+        "--store-threshold >= 2",
     )
     ex.add_argument(
         "--repeat",
@@ -381,14 +405,18 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
     if args.plot:
         check_plot_path(args.plot)
     options = ReplayOptions(
-        lag=args.lag, fail_store_every=args.fail_store_every, drain_events=args.events
+        lag=args.lag,
+        fail_store_every=args.fail_store_every,
+        preempt_every=args.preempt_every,
+        store_threshold=args.store_threshold,
+        drain_events=args.events,
     )
     workload = _load_workload(args)
     block = _block_size(args, workload.block_tokens)
     capacities = resolve_capacities(specs, unique_blocks=workload.unique_blocks, block=block)
     capacities = _dedupe(capacities, workload, stderr)
-    backend: Backend = get_backend(args.backend)
-    reference = vllm_backend() if args.compare_vllm else None
+    backend: Backend = get_backend(args.backend, args.vllm_semantics)
+    reference = vllm_backend(args.vllm_semantics) if args.compare_vllm else None
 
     progress: GridProgress | RunLines | None = None
     if not args.quiet:

@@ -3,19 +3,21 @@
 The driver only duck-types vLLM's ``OffloadingManager`` methods, so a backend is a small adapter
 that says how to build a manager and how to talk to it:
 
-* ``make(num_chunks, policy, *, enable_events=False)`` builds a fresh manager;
+* ``make(num_chunks, policy, *, enable_events=False, store_threshold=1)`` builds a fresh
+  manager;
 * ``hit`` is the value the manager's ``lookup`` returns for a readable block (compared with
   ``==``, never by name: a Rust enum need not be the same object on every access);
 * ``req_context(req_id)`` builds the per-request context the manager expects;
-* ``name`` labels the results.
+* ``name`` labels the results, and ``semantics`` says which vLLM release's decisions the
+  manager makes (``"0.33"`` or ``"0.34"``).
 
 Backends:
 
 ``vllm``
-    vLLM 0.33.0's ``CPUOffloadingManager`` with its built-in policy; the reference. vLLM is
-    imported only here, lazily (it costs ~10 s and drags in torch).
+    The installed vLLM's (0.33.0 or 0.34.0) ``CPUOffloadingManager`` with its built-in policy;
+    the reference. vLLM is imported only here, lazily (it costs ~10 s and drags in torch).
 ``kvcache``
-    Our Rust ``kvcache.OffloadingManager``.
+    Our Rust ``kvcache.OffloadingManager``, with either release's semantics.
 ``vllm-rust-policies``
     vLLM's manager loading our Rust policies by name (configuration only, no kvcache manager).
 
@@ -32,6 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcache._core import POLICY_KINDS, KvCacheError
+from kvcache._semantics import (
+    RELEASE_OF,
+    default_semantics,
+    installed_vllm_version,
+    semantics_of,
+)
 from kvcache.replay.errors import BackendUnavailable, ConfigError
 
 __all__ = [
@@ -54,8 +62,8 @@ logger = logging.getLogger(__name__)
 POLICIES: tuple[str, ...] = tuple(POLICY_KINDS)
 #: Backends selectable by name (the null baseline is built from a recorded run, not by name).
 BACKENDS: tuple[str, ...] = ("kvcache", "vllm", "vllm-rust-policies")
-#: The vLLM release the replay's reference and our adapter are checked against.
-REFERENCE_VLLM = "0.33.0"
+#: The vLLM releases the replay's reference and our adapter are checked against.
+REFERENCE_VLLM: tuple[str, ...] = tuple(RELEASE_OF.values())
 
 #: vLLM's policy class names (what ``eviction_policy`` names in its configuration), which are
 #: also our Rust classes' names in ``kvcache.vllm``.
@@ -88,19 +96,12 @@ class Backend:
     make: Callable[..., Any]
     hit: Any
     req_context: Callable[[str], Any]
+    semantics: str = ""
 
 
 def _check_policy(policy: str) -> None:
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
-
-
-def installed_vllm_version() -> str | None:
-    """The installed vLLM's version from its package metadata (vLLM is not imported)."""
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _import_vllm_manager() -> tuple[Any, Any, Any]:
@@ -114,32 +115,62 @@ def _import_vllm_manager() -> tuple[Any, Any, Any]:
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
     except ImportError as exc:
         raise BackendUnavailable(
-            f"this backend needs vLLM {REFERENCE_VLLM} (pip install 'kvcache-offload[vllm]'), "
+            f"this backend needs vLLM {' or '.join(REFERENCE_VLLM)} "
+            "(pip install 'kvcache-offload[vllm]'), "
             f"which does not import here: {exc}"
         ) from None
     finally:
         logging.disable(previous)
     version = installed_vllm_version()
-    if version != REFERENCE_VLLM:
+    if version is None or semantics_of(version) is None:
         logger.warning(
-            "vLLM %s is installed; the replay's reference is vLLM %s", version, REFERENCE_VLLM
+            "vLLM %s is installed; the replay's reference is vLLM %s",
+            version,
+            " or ".join(REFERENCE_VLLM),
         )
     return CPUOffloadingManager, ReqContext, LookupResult
 
 
-def vllm_backend() -> Backend:
+def _installed_semantics(requested: str | None) -> str:
+    """The installed vLLM's semantics, which a backend running vLLM's manager follows; a
+    request for the other release's is refused."""
+    installed = default_semantics()
+    if requested is not None and requested != installed:
+        raise ConfigError(
+            f"vLLM's own manager decides as the installed vLLM ({installed}); "
+            f"--vllm-semantics {requested} runs with --backend kvcache only"
+        )
+    return installed
+
+
+def vllm_backend(semantics: str | None = None) -> Backend:
     """vLLM's own ``CPUOffloadingManager`` with its built-in ``lru``/``arc`` policy."""
+    semantics = _installed_semantics(semantics)
     manager_cls, req_context_cls, lookup_result = _import_vllm_manager()
 
-    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> Any:
+    def make(
+        num_chunks: int, policy: str, *, enable_events: bool = False, store_threshold: int = 1
+    ) -> Any:
         _check_policy(policy)
-        return manager_cls(num_chunks, cache_policy=policy, enable_events=enable_events)
+        return manager_cls(
+            num_chunks,
+            cache_policy=policy,
+            enable_events=enable_events,
+            store_threshold=store_threshold,
+        )
 
-    return Backend(name="vllm", make=make, hit=lookup_result.HIT, req_context=req_context_cls)
+    return Backend(
+        name="vllm",
+        make=make,
+        hit=lookup_result.HIT,
+        req_context=req_context_cls,
+        semantics=semantics,
+    )
 
 
-def kvcache_backend() -> Backend:
-    """Our Rust ``kvcache.OffloadingManager`` (with kvcache's ``ReqContext`` and result types)."""
+def kvcache_backend(semantics: str | None = None) -> Backend:
+    """Our Rust ``kvcache.OffloadingManager`` (with kvcache's ``ReqContext`` and result types),
+    deciding as vLLM ``semantics`` (None: the installed vLLM's, else the newest)."""
     try:
         kvcache = importlib.import_module("kvcache")
     except ImportError as exc:
@@ -147,20 +178,36 @@ def kvcache_backend() -> Backend:
             f"the kvcache package does not import ({exc}); run `make build`"
         ) from None
 
-    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> Any:
+    try:
+        semantics = kvcache._semantics.resolve_semantics(semantics)
+    except KvCacheError as exc:
+        raise ConfigError(str(exc)) from None
+
+    def make(
+        num_chunks: int, policy: str, *, enable_events: bool = False, store_threshold: int = 1
+    ) -> Any:
         _check_policy(policy)
         return kvcache.OffloadingManager(
-            num_chunks, cache_policy=policy, enable_events=enable_events
+            num_chunks,
+            cache_policy=policy,
+            enable_events=enable_events,
+            store_threshold=store_threshold,
+            vllm_semantics=semantics,
         )
 
     return Backend(
-        name="kvcache", make=make, hit=kvcache.LookupResult.HIT, req_context=kvcache.ReqContext
+        name="kvcache",
+        make=make,
+        hit=kvcache.LookupResult.HIT,
+        req_context=kvcache.ReqContext,
+        semantics=semantics,
     )
 
 
-def rust_policies_backend() -> Backend:
+def rust_policies_backend(semantics: str | None = None) -> Backend:
     """vLLM's Python manager loading our Rust policies by name (``kvcache.vllm``): what an
     operator gets from configuration alone, without kvcache's manager."""
+    semantics = _installed_semantics(semantics)
     manager_cls, req_context_cls, lookup_result = _import_vllm_manager()
     try:
         importlib.import_module("kvcache.vllm")
@@ -171,26 +218,35 @@ def rust_policies_backend() -> Backend:
         # problem of this machine, reported like a missing vLLM.
         raise BackendUnavailable(str(exc)) from None
 
-    def make(num_chunks: int, policy: str, *, enable_events: bool = False) -> Any:
+    def make(
+        num_chunks: int, policy: str, *, enable_events: bool = False, store_threshold: int = 1
+    ) -> Any:
         _check_policy(policy)
         return manager_cls(
             num_chunks,
             cache_policy=POLICY_CLASSES[policy],
             cache_policy_module_path="kvcache.vllm",
             enable_events=enable_events,
+            store_threshold=store_threshold,
         )
 
     return Backend(
-        name="vllm-rust-policies", make=make, hit=lookup_result.HIT, req_context=req_context_cls
+        name="vllm-rust-policies",
+        make=make,
+        hit=lookup_result.HIT,
+        req_context=req_context_cls,
+        semantics=semantics,
     )
 
 
-def get_backend(name: str) -> Backend:
-    """Resolve a backend by name (``kvcache``, ``vllm`` or ``vllm-rust-policies``)."""
+def get_backend(name: str, semantics: str | None = None) -> Backend:
+    """Resolve a backend by name (``kvcache``, ``vllm`` or ``vllm-rust-policies``);
+    ``semantics`` as for :func:`kvcache_backend` (vLLM's manager takes only the installed
+    release's)."""
     if name == "vllm":
-        return vllm_backend()
+        return vllm_backend(semantics)
     if name == "kvcache":
-        return kvcache_backend()
+        return kvcache_backend(semantics)
     if name == "vllm-rust-policies":
-        return rust_policies_backend()
+        return rust_policies_backend(semantics)
     raise ConfigError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")

@@ -20,7 +20,9 @@ __all__ = ["Comparison", "compare_decisions", "format_key"]
 
 # In causal order within a step, so the first reported difference is the cause: an eviction
 # that differs also changes which chunk ids the same step hands out.
-_FIELDS = ("hits", "stop", "store", "evicted_keys", "keys_to_store", "block_ids", "events")
+_FIELDS = (
+    "hits", "stop", "store", "evicted_keys", "keys_to_store", "block_ids", "events", "reoffers",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

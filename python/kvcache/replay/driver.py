@@ -10,13 +10,21 @@ Semantics (fixed; every backend gets exactly this sequence of calls):
    (``MISS``, or ``HIT_PENDING`` for a block whose store has not completed yet). The hits form
    the loadable prefix: ``prepare_load(hits)``.
 3. ``prepare_store(all the remaining keys)`` -- not called when every key hit. ``None`` is a
-   failed prepare (nothing evictable enough): counted, nothing stored.
-4. The request's transfers complete once ``lag`` later requests have been issued (default 8;
-   ``0`` completes each request right after it is issued): ``complete_load(hits)``,
-   ``complete_store(keys_to_store, success=...)`` and then ``on_request_finished(ctx)``.
-   With ``fail_store_every=K`` every K-th store job (a request with a non-empty
-   ``keys_to_store``) completes with ``success=False``; off by default.
-5. After the last request everything still pending completes, oldest first.
+   failed prepare (nothing evictable enough): counted, nothing stored, and the same keys are
+   offered again at each later step while the request is in flight, as vLLM's scheduler
+   retries a failed store on its next step.
+4. Re-offers, after the step's own store, oldest request first: the retries above, and with
+   ``preempt_every=K`` every K-th request is preempted once and rescheduled at the next step,
+   which offers all its keys again (vLLM's scheduler restarts a rescheduled request at token
+   0). A re-offer that stores keys adds them to the request's store jobs. With
+   ``store_threshold >= 2`` re-offers are where vLLM 0.33 and 0.34 differ (0.34 counts a key
+   once per request).
+5. The request's transfers complete once ``lag`` later requests have been issued (default 8;
+   ``0`` completes each request right after it is issued, leaving nothing to re-offer):
+   ``complete_load(hits)``, ``complete_store(keys_to_store, success=...)`` per store job, and
+   then ``on_request_finished(ctx)``. With ``fail_store_every=K`` every K-th store job (a
+   non-empty ``keys_to_store``) completes with ``success=False``; off by default.
+6. After the last request everything still pending completes, oldest first.
 
 Counting: ``lookups`` counts every key of every request (also those after the first non-hit,
 which the driver never asks about), so ``hits + misses == lookups`` and hit ratio is
@@ -26,9 +34,10 @@ included; ``failed_store_keys`` says how many of them failed), ``evicted`` the k
 
 Two recordings come out of a run:
 
-* the *script*, always: per request ``(hits, first non-hit result, prepare_store result)``, a
-  few appends per request. :class:`kvcache.replay.baseline.NullManager` replays it to measure
-  the driver's own cost; recording it in every run keeps that cost identical in both.
+* the *script*, always: per request ``(hits, first non-hit result, prepare_store result, the
+  step's re-offer results)``, a few appends per request.
+  :class:`kvcache.replay.baseline.NullManager` replays it to measure the driver's own cost;
+  recording it in every run keeps that cost identical in both.
 * the *decision log*, with ``record=True`` (untimed use): per request the lookup outcome,
   ``keys_to_store``, chunk ids (``store_spec.block_ids``), ``evicted_keys`` and the events taken
   after the request's step. :mod:`kvcache.replay.compare` compares two of them.
@@ -61,9 +70,10 @@ __all__ = [
 #: Script entry for a request whose keys all hit: ``prepare_store`` was not called.
 NOT_CALLED: Any = type("NotCalled", (), {"__repr__": lambda self: "NOT_CALLED"})()
 
-#: One request of a run's script: (hits, first non-HIT lookup result or None, prepare_store
-#: result: the manager's output, None for a failed prepare, or NOT_CALLED).
-ScriptStep = tuple[int, Any, Any]
+#: One request step of a run's script: (hits, first non-HIT lookup result or None,
+#: prepare_store result: the manager's output, None for a failed prepare, or NOT_CALLED; the
+#: results of the step's re-offers, in call order).
+ScriptStep = tuple[int, Any, Any, tuple[Any, ...]]
 
 #: A normalised event: ("stored" | "removed" | "removed-metadata", keys, medium name).
 EventRecord = tuple[str, tuple[bytes, ...], str]
@@ -75,11 +85,16 @@ class ReplayOptions:
 
     ``lag``: a request's loads and stores complete once ``lag`` later requests were issued.
     ``fail_store_every``: every K-th store job completes with ``success=False`` (0: never).
+    ``preempt_every``: every K-th request is preempted and re-offers its keys (0: never).
+    ``store_threshold``: the manager's ``store_threshold`` (offers a key needs before it is
+    stored; below 2: at once).
     ``drain_events``: enable the manager's events and take them after every request step.
     """
 
     lag: int = 8
     fail_store_every: int = 0
+    preempt_every: int = 0
+    store_threshold: int = 1
     drain_events: bool = False
 
     def __post_init__(self) -> None:
@@ -87,6 +102,12 @@ class ReplayOptions:
             raise ConfigError(f"lag must be >= 0, not {self.lag}")
         if self.fail_store_every < 0:
             raise ConfigError(f"fail-store-every must be >= 0, not {self.fail_store_every}")
+        if self.preempt_every < 0:
+            raise ConfigError(f"preempt-every must be >= 0, not {self.preempt_every}")
+        if not 0 <= self.store_threshold <= 1_000_000:
+            raise ConfigError(
+                f"store-threshold must be between 0 and 1000000, not {self.store_threshold}"
+            )
 
 
 #: The driver's defaults: lag 8, no failed stores, events off.
@@ -112,6 +133,11 @@ class Decision:
     block_ids: tuple[int, ...]
     evicted_keys: tuple[bytes, ...]
     events: tuple[EventRecord, ...]
+    #: The step's re-offers: (request step, "ok" or "failed", keys to store, chunk ids,
+    #: evicted keys) each.
+    reoffers: tuple[
+        tuple[int, str, tuple[bytes, ...], tuple[int, ...], tuple[bytes, ...]], ...
+    ] = ()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -119,6 +145,7 @@ class ReplayRun:
     """Counters, time and recordings of one replay."""
 
     backend: str
+    semantics: str
     policy: str
     num_chunks: int
     requests: int
@@ -127,6 +154,7 @@ class ReplayRun:
     stored: int
     evicted: int
     failed_prepares: int
+    reoffers: int
     store_jobs: int
     failed_stores: int
     failed_store_keys: int
@@ -152,6 +180,7 @@ class ReplayRun:
             "stored": self.stored,
             "evicted": self.evicted,
             "failed_prepares": self.failed_prepares,
+            "reoffers": self.reoffers,
             "store_jobs": self.store_jobs,
             "failed_stores": self.failed_stores,
             "failed_store_keys": self.failed_store_keys,
@@ -169,24 +198,52 @@ def _event_record(event: Any) -> EventRecord:
     return kind, tuple(event.keys), medium_name if isinstance(medium_name, str) else str(medium)
 
 
-def _decision(
-    step: int, hits: int, stop: Any, out: Any, events: tuple[EventRecord, ...]
-) -> Decision:
-    stop_name = None if stop is None else result_name(stop)
+def _outcome(out: Any) -> tuple[str, tuple[bytes, ...], tuple[int, ...], tuple[bytes, ...]]:
     if out is NOT_CALLED or out is None:
-        return Decision(
-            step, hits, stop_name, "none" if out is NOT_CALLED else "failed", (), (), (), events
-        )
-    return Decision(
-        step,
-        hits,
-        stop_name,
+        return ("none" if out is NOT_CALLED else "failed"), (), (), ()
+    return (
         "ok",
         tuple(out.keys_to_store),
         tuple(map(int, out.store_spec.block_ids)),
         tuple(out.evicted_keys),
-        events,
     )
+
+
+def _decision(
+    step: int,
+    hits: int,
+    stop: Any,
+    out: Any,
+    events: tuple[EventRecord, ...],
+    reoffers: list[tuple[int, Any]],
+) -> Decision:
+    stop_name = None if stop is None else result_name(stop)
+    store, keys, ids, evicted = _outcome(out)
+    return Decision(
+        step,
+        hits,
+        stop_name,
+        store,
+        keys,
+        ids,
+        evicted,
+        events,
+        tuple((req, *_outcome(result)) for req, result in reoffers),
+    )
+
+
+class _InFlight:
+    """A request between its step and its completion: its context, the keys it loads, its
+    store jobs ``(keys, success)`` and the keys it will offer again (None: none)."""
+
+    __slots__ = ("ctx", "load", "reoffer", "step", "stores")
+
+    def __init__(self, step: int, ctx: Any, load: tuple[bytes, ...]) -> None:
+        self.step = step
+        self.ctx = ctx
+        self.load = load
+        self.stores: list[tuple[Any, bool]] = []
+        self.reoffer: Any = None
 
 
 def replay(
@@ -211,7 +268,9 @@ def replay(
     lag = options.lag
     fail_store_every = options.fail_store_every
     take = options.drain_events or record
-    manager = backend.make(num_chunks, policy, enable_events=take)
+    manager = backend.make(
+        num_chunks, policy, enable_events=take, store_threshold=options.store_threshold
+    )
     requests = workload.requests
     total = len(requests)
     bt = workload.block_tokens
@@ -228,12 +287,42 @@ def replay(
 
     script: list[ScriptStep] = []
     decisions: list[Decision] | None = [] if record else None
-    pending: deque[tuple[Any, tuple[bytes, ...], Any, bool]] = deque()
-    hits = stored = evicted = failed_prepares = 0
-    store_seq = failed_stores = failed_store_keys = 0
+    pending: deque[_InFlight] = deque()
+    hits = stored = evicted = failed_prepares = num_reoffers = 0
+    store_seq = store_jobs = failed_stores = failed_store_keys = 0
     tick = max(1, total // 50)
     next_tick = tick if progress is not None else total + 1
     no_keys: tuple[bytes, ...] = ()
+    preempt_every = options.preempt_every
+
+    def store_job(job: _InFlight, out: Any) -> None:
+        """Accounts for one prepare_store result of ``job``."""
+        nonlocal stored, evicted, failed_prepares, store_seq, store_jobs
+        nonlocal failed_stores, failed_store_keys
+        if out is None:
+            failed_prepares += 1
+            return
+        to_store = out.keys_to_store
+        stored += len(to_store)
+        evicted += len(out.evicted_keys)
+        if not to_store:
+            return
+        store_jobs += 1
+        success = True
+        if fail_store_every:
+            store_seq += 1
+            if store_seq % fail_store_every == 0:
+                success = False
+                failed_stores += 1
+                failed_store_keys += len(to_store)
+        job.stores.append((to_store, success))
+
+    def finish(job: _InFlight) -> None:
+        if job.load:
+            complete_load(job.load, job.ctx)
+        for keys_done, ok in job.stores:
+            complete_store(keys_done, job.ctx, success=ok)
+        on_request_finished(job.ctx)
 
     start = time.perf_counter_ns()
     for idx, keys in enumerate(requests):
@@ -257,53 +346,46 @@ def replay(
         if n_hit:
             prepare_load(load_keys, ctx)
 
-        success = True
+        job = _InFlight(idx, ctx, load_keys)
         if n_hit < len(keys):
-            out = prepare_store(keys[n_hit:], ctx)
+            offer = keys[n_hit:]
+            out = prepare_store(offer, ctx)
+            store_job(job, out)
             if out is None:
-                failed_prepares += 1
-                to_store = no_keys
-            else:
-                to_store = out.keys_to_store
-                stored += len(to_store)
-                evicted += len(out.evicted_keys)
-                if fail_store_every and to_store:
-                    store_seq += 1
-                    if store_seq % fail_store_every == 0:
-                        success = False
-                        failed_stores += 1
-                        failed_store_keys += len(to_store)
+                job.reoffer = offer
         else:
             out = NOT_CALLED
-            to_store = no_keys
-        script.append((n_hit, stop, out))
-        pending.append((ctx, load_keys, to_store, success))
+        # Re-offers of requests still in flight (this step's own request is not among them).
+        reoffers: list[tuple[int, Any]] = []
+        for waiting in pending:
+            again = waiting.reoffer
+            if again is None:
+                continue
+            result = prepare_store(again, waiting.ctx)
+            num_reoffers += 1
+            store_job(waiting, result)
+            waiting.reoffer = again if result is None else None
+            reoffers.append((waiting.step, result))
+        if preempt_every and (idx + 1) % preempt_every == 0 and job.reoffer is None:
+            job.reoffer = keys  # preempted now: rescheduled next step, from token 0
+        pending.append(job)
+        script.append((n_hit, stop, out, tuple(result for _, result in reoffers)))
 
         if len(pending) > lag:
-            done_ctx, done_load, done_store, done_ok = pending.popleft()
-            if done_load:
-                complete_load(done_load, done_ctx)
-            if done_store:
-                complete_store(done_store, done_ctx, success=done_ok)
-            on_request_finished(done_ctx)
+            finish(pending.popleft())
         if take:
             if decisions is None:
                 for _event in take_events():  # consumed, as the scheduler does, not kept
                     pass
             else:
                 events = tuple(map(_event_record, take_events()))
-                decisions.append(_decision(idx, n_hit, stop, out, events))
+                decisions.append(_decision(idx, n_hit, stop, out, events, reoffers))
         if idx == next_tick:
             progress(idx, total)  # type: ignore[misc]
             next_tick += tick
 
     while pending:
-        done_ctx, done_load, done_store, done_ok = pending.popleft()
-        if done_load:
-            complete_load(done_load, done_ctx)
-        if done_store:
-            complete_store(done_store, done_ctx, success=done_ok)
-        on_request_finished(done_ctx)
+        finish(pending.popleft())
     if take:
         if decisions is None:
             for _event in take_events():
@@ -315,12 +397,10 @@ def replay(
     if progress is not None:
         progress(total, total)
 
-    store_jobs = sum(
-        1 for _, _, out in script if out is not NOT_CALLED and out is not None and out.keys_to_store
-    )
-    stops = Counter(result_name(stop) for _, stop, _ in script if stop is not None)
+    stops = Counter(result_name(step[1]) for step in script if step[1] is not None)
     return ReplayRun(
         backend=backend.name,
+        semantics=backend.semantics,
         policy=policy,
         num_chunks=num_chunks,
         requests=total,
@@ -329,6 +409,7 @@ def replay(
         stored=stored,
         evicted=evicted,
         failed_prepares=failed_prepares,
+        reoffers=num_reoffers,
         store_jobs=store_jobs,
         failed_stores=failed_stores,
         failed_store_keys=failed_store_keys,

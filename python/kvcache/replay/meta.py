@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import kvcache
-from kvcache.replay.backends import installed_vllm_version
+from kvcache._semantics import installed_vllm_version
 from kvcache.replay.capacity import BlockSize
 from kvcache.replay.driver import ReplayOptions
 from kvcache.replay.workload import Workload
@@ -80,6 +80,8 @@ def run_metadata(
         "reference": reference,
         "lag": options.lag,
         "fail_store_every": options.fail_store_every,
+        "preempt_every": options.preempt_every,
+        "store_threshold": options.store_threshold,
         "events": options.drain_events,
         "repeat": repeat,
         "bytes_per_block": None if block is None else block.bytes,

@@ -66,9 +66,18 @@ def format_table(
         header.append(f"block: {block_source}")
     if rows:
         first = rows[0]
+        opts = first.options
+        setting = [f"lag {opts.lag}"]
+        if opts.store_threshold >= 2:
+            setting.append(f"store_threshold {opts.store_threshold}")
+        if opts.preempt_every:
+            setting.append(f"preempt every {opts.preempt_every}")
+        if opts.fail_store_every:
+            setting.append(f"fail every {opts.fail_store_every}th store")
         header.append(
-            f"backend: {first.run.backend}, lag {first.options.lag}, "
-            f"best of {first.timing.repeat}; ns/visit = (replay - null replay) / lookups"
+            f"backend: {first.run.backend} (vLLM {first.run.semantics} semantics), "
+            f"{', '.join(setting)}, best of {first.timing.repeat}; "
+            "ns/visit = (replay - null replay) / lookups"
         )
     columns = [("policy", "<"), ("capacity", ">")]
     if sized:

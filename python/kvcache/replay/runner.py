@@ -205,6 +205,7 @@ class Row:
         run, timing = self.run, self.timing
         row: dict[str, Any] = {
             "backend": run.backend,
+            "vllm_semantics": run.semantics,
             "policy": run.policy,
             "capacity": run.num_chunks,
             "capacity_spec": self.capacity.spec,
@@ -219,12 +220,15 @@ class Row:
             "stored": run.stored,
             "evicted": run.evicted,
             "failed_prepares": run.failed_prepares,
+            "reoffers": run.reoffers,
             "store_jobs": run.store_jobs,
             "failed_stores": run.failed_stores,
             "failed_store_keys": run.failed_store_keys,
             "lookup_stops": run.stops,
             "lag": self.options.lag,
             "fail_store_every": self.options.fail_store_every,
+            "preempt_every": self.options.preempt_every,
+            "store_threshold": self.options.store_threshold,
             "events": self.options.drain_events,
             "ns_per_visit": timing.ns_per_visit,
             "manager_ns": timing.manager_ns,
