@@ -15,6 +15,7 @@ from tests.vllm_worker_oracle import (
     Geometry,
     build_pairs,
     canonical,
+    device_side,
     make_tensors,
     offloading_config,
     vllm_on_cpu,
@@ -36,6 +37,12 @@ def gpu_spec(block_ids: list[int], sizes: list[int], starts: list[int]) -> Any:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     return GPULoadStoreSpec(block_ids, sizes, starts)
+
+
+def dev(caches: Any, block_ids: list[int], sizes: list[int], starts: list[int]) -> Any:
+    """The device side of a job over these blocks as the installed release's connector passes
+    it to a worker built on ``caches`` (0.34.0: device pointers, 0.33.0: the spec)."""
+    return device_side(gpu_spec(block_ids, sizes, starts), caches)
 
 
 def cpu_spec(chunk_ids: list[int]) -> Any:
@@ -174,28 +181,28 @@ def test_submission_errors_are_typed_and_change_nothing() -> None:
 
     with vllm_on_cpu():
         (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=3)
-    worker = pair.our_worker
+    worker, caches = pair.our_worker, pair.our_caches
     before = bytes(memoryview(worker.pool))
     try:
         with pytest.raises(kvcache.OutOfRangeError):  # block 64 of 64
-            worker.submit_store(1, gpu_spec([0, 64], [2], [0]), cpu_spec([0]))
+            worker.submit_store(1, dev(caches, [0, 64], [2], [0]), cpu_spec([0]))
         with pytest.raises(kvcache.OutOfRangeError):  # chunk beyond the pool
-            worker.submit_store(1, gpu_spec([0, 1], [2], [0]), cpu_spec([10_000]))
+            worker.submit_store(1, dev(caches, [0, 1], [2], [0]), cpu_spec([10_000]))
         with pytest.raises(kvcache.InvalidArgumentError):  # 3 blocks from slot 0 need 2 chunks
-            worker.submit_store(1, gpu_spec([0, 1, 2], [3], [0]), cpu_spec([0]))
+            worker.submit_store(1, dev(caches, [0, 1, 2], [3], [0]), cpu_spec([0]))
         with pytest.raises(kvcache.OutOfRangeError):  # a repeat does not excuse a bad id
-            worker.submit_load(1, cpu_spec([0, 1]), gpu_spec([5, 6, 5, 700], [4], [0]))
+            worker.submit_load(1, cpu_spec([0, 1]), dev(caches, [5, 6, 5, 700], [4], [0]))
         with pytest.raises(kvcache.InvalidTypeError):  # vLLM numbers jobs with ints
-            worker.submit_store(None, gpu_spec([0, 1], [2], [0]), cpu_spec([0]))  # type: ignore[arg-type]
+            worker.submit_store(None, dev(caches, [0, 1], [2], [0]), cpu_spec([0]))  # type: ignore[arg-type]
         with pytest.raises(kvcache.InvalidTypeError):  # the host side must be CPU chunks
-            worker.submit_store(1, gpu_spec([0, 1], [2], [0]), gpu_spec([0], [1], [0]))
+            worker.submit_store(1, dev(caches, [0, 1], [2], [0]), gpu_spec([0], [1], [0]))
         with pytest.raises(kvcache.InvalidTypeError):
-            worker.submit_load(1, gpu_spec([0], [1], [0]), gpu_spec([0, 1], [2], [0]))
+            worker.submit_load(1, gpu_spec([0], [1], [0]), dev(caches, [0, 1], [2], [0]))
         assert worker.get_finished() == []
         assert bytes(memoryview(worker.pool)) == before
-        assert worker.submit_store(1, gpu_spec([0, 1], [2], [0]), cpu_spec([0]))
+        assert worker.submit_store(1, dev(caches, [0, 1], [2], [0]), cpu_spec([0]))
         with pytest.raises(kvcache.InvalidArgumentError, match="already in flight"):
-            worker.submit_store(1, gpu_spec([2, 3], [2], [0]), cpu_spec([1]))
+            worker.submit_store(1, dev(caches, [2, 3], [2], [0]), cpu_spec([1]))
         worker.wait({1})
         (result,) = worker.get_finished()
         assert (result.job_id, result.success, result.transfer_size) == (1, True, 2 * 2 * 256)
@@ -215,7 +222,7 @@ def test_a_failed_copy_is_reported_and_logged_never_as_success(
 
     with vllm_on_cpu():
         (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=4)
-    worker = pair.our_worker
+    worker, caches = pair.our_worker, pair.our_caches
     backend = worker.engine._backend
     real_collect = backend.collect
 
@@ -226,7 +233,7 @@ def test_a_failed_copy_is_reported_and_logged_never_as_success(
 
     backend.collect = failing_collect
     try:
-        worker.submit_load(9, cpu_spec([0]), gpu_spec([4, 5], [2], [0]), expedited=True)
+        worker.submit_load(9, cpu_spec([0]), dev(caches, [4, 5], [2], [0]), expedited=True)
         with caplog.at_level(logging.ERROR, logger="kvcache.vllm"):
             worker.wait({9})
             (result,) = worker.get_finished()
@@ -244,12 +251,12 @@ def test_queues_and_shutdown() -> None:
     require_oracle()
     with vllm_on_cpu():
         (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=5)
-    worker = pair.our_worker
+    worker, caches = pair.our_worker, pair.our_caches
     copiers = worker.engine._backend._copiers
     assert len({id(c) for c in copiers.values()}) == 3  # store, load, expedited: own threads
-    worker.submit_store(1, gpu_spec(list(range(8)), [8], [0]), cpu_spec([0, 1, 2, 3]))
-    worker.submit_load(2, cpu_spec([5]), gpu_spec([40, 41], [2], [0]))
-    worker.submit_load(3, cpu_spec([6]), gpu_spec([50, 51], [2], [0]), expedited=True)
+    worker.submit_store(1, dev(caches, list(range(8)), [8], [0]), cpu_spec([0, 1, 2, 3]))
+    worker.submit_load(2, cpu_spec([5]), dev(caches, [40, 41], [2], [0]))
+    worker.submit_load(3, cpu_spec([6]), dev(caches, [50, 51], [2], [0]), expedited=True)
     worker.wait({999})  # not ours: ignored
     worker.shutdown()  # waits for every job, then releases the pool
     assert sorted(r.job_id for r in worker.get_finished()) == [1, 2, 3]
@@ -267,15 +274,15 @@ def test_a_load_naming_a_block_twice_matches_vllms_worker() -> None:
     with vllm_on_cpu():
         (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=6)
         try:
-            for worker in (pair.vllm_worker, pair.our_worker):
+            for worker, caches in pair.workers():
                 assert worker.submit_store(
-                    1, gpu_spec(list(range(8)), [8], [0]), cpu_spec([0, 1, 2, 3])
+                    1, dev(caches, list(range(8)), [8], [0]), cpu_spec([0, 1, 2, 3])
                 )
                 worker.wait({1})
                 worker.get_finished()
             results = []
-            for worker in (pair.vllm_worker, pair.our_worker):
-                spec = gpu_spec([20, 21, 20, 0, 22, 0, 0], [7], [1])
+            for worker, caches in pair.workers():
+                spec = dev(caches, [20, 21, 20, 0, 22, 0, 0], [7], [1])
                 assert worker.submit_load(2, cpu_spec([0, 1, 2, 3]), spec)
                 worker.wait({2})
                 (r,) = worker.get_finished()
@@ -294,7 +301,7 @@ def test_a_split_load_that_fails_part_way_leaves_no_stray_result() -> None:
     with vllm_on_cpu():
         (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=8)
         try:
-            worker = pair.our_worker
+            worker, caches = pair.our_worker, pair.our_caches
             real_load = worker.engine.load
             calls = []
 
@@ -305,13 +312,13 @@ def test_a_split_load_that_fails_part_way_leaves_no_stray_result() -> None:
                 return real_load(*args, **kwargs)
 
             worker.engine.load = load_then_fail
-            spec = gpu_spec([20, 21, 20, 0, 22, 0, 0], [7], [1])
+            spec = dev(caches, [20, 21, 20, 0, 22, 0, 0], [7], [1])
             with pytest.raises(kvcache.TransferError):
                 worker.submit_load(2, cpu_spec([0, 1, 2, 3]), spec)
             worker.engine.load = real_load
             worker.engine.wait(None)
             assert worker.get_finished() == []
-            assert worker.submit_load(3, cpu_spec([0]), gpu_spec([5, 6], [2], [0]))
+            assert worker.submit_load(3, cpu_spec([0]), dev(caches, [5, 6], [2], [0]))
             worker.wait({3})
             assert [(r.job_id, r.success) for r in worker.get_finished()] == [(3, True)]
         finally:
@@ -364,16 +371,16 @@ def test_an_expedited_load_overtakes_a_regular_load_held_in_flight() -> None:
     require_oracle()
     with vllm_on_cpu():
         (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=9)
-    worker, tensors = pair.our_worker, pair.our_tensors
+    worker, tensors, caches = pair.our_worker, pair.our_tensors, pair.our_caches
     copiers = worker.engine._backend._copiers
     held = HeldCopier(copiers["load"])
     copiers["load"] = held
     try:
-        assert worker.submit_store(1, gpu_spec([0, 1, 2, 3], [4], [0]), cpu_spec([0, 1]))
+        assert worker.submit_store(1, dev(caches, [0, 1, 2, 3], [4], [0]), cpu_spec([0, 1]))
         worker.wait({1})
         assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
-        assert worker.submit_load(2, cpu_spec([0]), gpu_spec([40, 41], [2], [0]))
-        assert worker.submit_load(3, cpu_spec([1]), gpu_spec([50, 51], [2], [0]), expedited=True)
+        assert worker.submit_load(2, cpu_spec([0]), dev(caches, [40, 41], [2], [0]))
+        assert worker.submit_load(3, cpu_spec([1]), dev(caches, [50, 51], [2], [0]), expedited=True)
         worker.wait({3})
         assert [(r.job_id, r.success) for r in worker.get_finished()] == [(3, True)]
         assert all(torch.equal(t[[50, 51]], t[[2, 3]]) for t in tensors)
@@ -386,3 +393,97 @@ def test_an_expedited_load_overtakes_a_regular_load_held_in_flight() -> None:
     finally:
         held.release()
         pair.shutdown()
+
+
+def test_null_block_placeholders_in_a_store_match_vllms_worker() -> None:
+    """vLLM 0.34.0's scheduler keeps the null block (block 0) in a store wherever the request's
+    block table has one inside a chunk, so that the blocks after it keep their slots: the
+    store reads block 0 (zeroed on a GPU, random bytes here) into those slots. Both workers
+    must fill every slot alike, the placeholders' included, and report the same size."""
+    require_oracle()
+    from tests.vllm_worker_oracle import device_bytes
+
+    with vllm_on_cpu():
+        (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=10)
+        try:
+            results = []
+            for worker, caches in pair.workers():
+                # Chunks of 2 blocks: [0, 7] [0, 0] [9, 0] [11]: placeholders first, inside and
+                # last in a chunk, and a short final chunk.
+                spec = dev(caches, [0, 7, 0, 0, 9, 0, 11], [7], [0])
+                assert worker.submit_store(1, spec, cpu_spec([3, 1, 4, 2]))
+                worker.wait({1})
+                (r,) = worker.get_finished()
+                results.append((r.job_id, r.success, r.transfer_size))
+            assert results[0] == results[1] == (1, True, 7 * 2 * 256)
+            ours = pair.our_host().numpy()
+            assert ours.tobytes() == pair.vllm_host_slot().contiguous().numpy().tobytes()
+            # Chunk 1 holds block 0's pages twice (each tensor's two slots), chunk 3 block 7.
+            null = [t[0].numpy().tobytes() for t in pair.our_tensors]
+            assert ours[1].tobytes() == null[0] * 2 + null[1] * 2
+            assert ours[3][256:512].tobytes() == pair.our_tensors[0][7].numpy().tobytes()
+            # Loading them back into fresh blocks moves the same bytes on both sides.
+            for worker, caches in pair.workers():
+                assert worker.submit_load(2, cpu_spec([3, 1]), dev(caches, [20, 21, 22], [3], [0]))
+                worker.wait({2})
+                assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, True)]
+            assert device_bytes(pair.our_tensors) == device_bytes(pair.vllm_tensors)
+        finally:
+            pair.shutdown()
+
+
+def failing_copy(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+
+def test_a_failed_copy_is_reported_in_the_releases_shape() -> None:
+    """vLLM 0.34.0's worker reports a copy that fails as ``TransferResult(job_id,
+    success=False)`` (no size, no time) and clears the pending device error; ours reports
+    the same result for a failed copy. vLLM 0.33.0's worker cannot report one (the copy's
+    error escapes its submit), and ours reports success=False with the job's size."""
+    require_oracle()
+    from kvcache.transfer._engine import JobResult
+    from tests.vllm_worker_oracle import CLEARED_DEVICE_ERRORS, pointers_release
+
+    with vllm_on_cpu(copy=failing_copy):
+        (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=11)
+        backend = pair.our_worker.engine._backend
+        real_collect = backend.collect
+
+        def failing_collect() -> list[JobResult]:
+            return [r._replace(success=False, error="injected") for r in real_collect()]
+
+        backend.collect = failing_collect
+        try:
+            ours = []
+            for job_id, store in ((1, True), (2, False)):
+                spec = dev(pair.our_caches, [4, 5], [2], [0])
+                if store:
+                    assert pair.our_worker.submit_store(job_id, spec, cpu_spec([0]))
+                else:
+                    assert pair.our_worker.submit_load(job_id, cpu_spec([1]), spec, True)
+                pair.our_worker.wait({job_id})
+                ours += pair.our_worker.get_finished()
+            if pointers_release():
+                cleared = len(CLEARED_DEVICE_ERRORS)
+                theirs = []
+                for job_id, store in ((1, True), (2, False)):
+                    spec = dev(pair.vllm_caches, [4, 5], [2], [0])
+                    if store:
+                        assert pair.vllm_worker.submit_store(job_id, spec, cpu_spec([0]))
+                    else:
+                        assert pair.vllm_worker.submit_load(job_id, cpu_spec([1]), spec, True)
+                    pair.vllm_worker.wait({job_id})
+                    theirs += pair.vllm_worker.get_finished()
+                assert len(CLEARED_DEVICE_ERRORS) == cleared + 2
+                assert ours == theirs
+                assert [(r.transfer_size, r.transfer_time) for r in ours] == [(None, None)] * 2
+            else:
+                spec = dev(pair.vllm_caches, [4, 5], [2], [0])
+                with pytest.raises(RuntimeError, match="injected"):
+                    pair.vllm_worker.submit_store(1, spec, cpu_spec([0]))
+                assert [r.transfer_size for r in ours] == [2 * 2 * 256] * 2
+            assert [(r.job_id, r.success) for r in ours] == [(1, False), (2, False)]
+        finally:
+            backend.collect = real_collect
+            pair.shutdown()

@@ -1,13 +1,19 @@
-"""kvcache's vLLM worker against vLLM 0.33.0's own worker, on identical CPU tensors.
+"""kvcache's vLLM worker against the installed vLLM's own worker (0.33.0 or 0.34.0), on
+identical CPU tensors.
 
 vLLM's ``CPUOffloadingWorker`` runs as built by its ``CPUOffloadingSpec.get_worker`` (shared
 /dev/shm region, per-rank slots, its descriptor logic), with only its CUDA edges faked and its
 batch copy replaced by a byte copy (see ``tests/vllm_worker_oracle.py``). Ours runs through
-``kvcache.vllm.CPUOffloadingSpec.get_worker`` on the same tensors (the Rust CPU copier).
+``kvcache.vllm.CPUOffloadingSpec.get_worker`` on the same tensors (the Rust CPU copier). Each
+job's device side is what that release's connector passes: the ``GPULoadStoreSpec`` under
+0.33.0, under 0.34.0 the ``DevicePointers`` vLLM's ``resolve_device_pointers`` makes of it for
+each worker's own tensors.
+
 Random geometries (1-3 KV groups sharing tensors, padded pages, strided blocks, any of 1-16
 blocks per chunk, 1-4 ranks, tensor and pipeline parallel: each stage's ranks hold their own
 tensors) and random job sequences (partial first and last chunks, stores
-that skip leading null blocks, loads naming a block twice, several jobs in flight, expedited
+that skip leading null blocks, stores reading the null block in place of some of their blocks
+(vLLM 0.34.0's placeholders), loads naming a block twice, several jobs in flight, expedited
 loads, then batches with stores and loads in flight together); after every batch with a store,
 every host byte of each rank's slot is identical, after every batch with a load every device
 byte, and every job's result (success, transfer_size) is the same. The same sequences also run
@@ -38,6 +44,7 @@ from tests.vllm_worker_oracle import (
     device_bytes,
     vllm_on_cpu,
 )
+from tests.vllm_worker_oracle import submit as submit_job
 
 pytestmark = pytest.mark.oracle
 
@@ -76,6 +83,12 @@ def random_job(
         cpu += [chunks.pop() for _ in range(need)]
     if not gpu:
         return None
+    if store and rng.integers(0, 3) == 0:
+        # Null blocks inside the job's chunks: vLLM 0.34.0's scheduler keeps them in a store
+        # as placeholders (copied, so later blocks keep their slots); block 0 is the null
+        # block and is never drawn otherwise.
+        for p in rng.choice(len(gpu), int(rng.integers(1, len(gpu) + 1)), replace=False):
+            gpu[int(p)] = 0
     if not store and len(gpu) > 1 and rng.integers(0, 3) == 0:
         # A destination named twice (vLLM's scheduler repeats the null block in a Mamba
         # group's gaps): vLLM's worker writes it twice, the later occurrence last.
@@ -90,14 +103,14 @@ def submit(pair: RankPair, job_id: int, job: Job) -> None:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    for worker in (pair.vllm_worker, pair.our_worker):
-        # Fresh spec objects for each worker, as the connector would pass them.
+    for worker, caches in pair.workers():
+        # Fresh spec objects for each worker, as the connector would pass them (under 0.34.0
+        # resolved to device pointers on that worker's own caches).
         gpu = GPULoadStoreSpec(job.block_ids, job.group_sizes, job.block_indices)
         cpu = CPULoadStoreSpec(job.chunk_ids)
-        if job.store:
-            assert worker.submit_store(job_id, gpu, cpu)
-        else:
-            assert worker.submit_load(job_id, cpu, gpu, expedited=job.expedited)
+        assert submit_job(
+            worker, caches, job_id, store=job.store, gpu=gpu, cpu=cpu, expedited=job.expedited
+        )
 
 
 def finish(pairs: list[RankPair], job_ids: list[int]) -> None:
@@ -145,7 +158,7 @@ def draw_batch(
     """Jobs to have in flight together (``kinds``: store or not, per job). They never share a
     destination, nor does a load read a chunk a store writes or write a block a store reads:
     ids are drawn without replacement across the whole batch."""
-    blocks = [int(b) for b in rng.permutation(geometry.num_blocks)]
+    blocks = [int(b) for b in rng.permutation(np.arange(1, geometry.num_blocks))]
     chunks = [int(c) for c in rng.permutation(num_chunks)]
     batch = []
     for store in kinds:

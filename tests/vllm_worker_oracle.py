@@ -1,4 +1,5 @@
-"""vLLM 0.33.0's own CPU offloading worker, run on CPU tensors as the oracle.
+"""vLLM's own CPU offloading worker (0.33.0 or 0.34.0, whichever is installed), run on CPU
+tensors as the oracle.
 
 vLLM's worker needs CUDA only at its edges. Inside :func:`vllm_on_cpu` (a context manager):
 
@@ -7,15 +8,23 @@ vLLM's worker needs CUDA only at its edges. Inside :func:`vllm_on_cpu` (a contex
 - ``torch.Event`` (as vLLM's worker module sees torch) is an event that is always complete;
 - ``PIN_MEMORY`` is off (no ``cudaHostRegister``, no pinned descriptor buffers);
 - the batch copy ``ops.swap_blocks_batch`` is a byte copy of every descriptor, or a no-op
-  when timing submission only (``copy=False``);
-- the one ``assert gpu_tensor.is_cuda or gpu_tensor.is_xpu`` of its handler is removed from the
-  handler's ``__init__`` (the source is recompiled without that statement);
+  when timing submission only (``copy=False``), or a function the caller gives (to fail it);
+- 0.33.0: the one ``assert gpu_tensor.is_cuda or gpu_tensor.is_xpu`` of its handler is removed
+  from the handler's ``__init__`` (the source is recompiled without that statement); 0.34.0's
+  handler holds no device tensors and has no such assertion (checked);
+- 0.34.0: clearing the CUDA error a failed copy left pending is a no-op that counts its calls
+  (there is no CUDA runtime to clear it in);
 - the cross-rank barrier of its shared region is a no-op (one process plays every rank).
 
 Everything else is vLLM's code as installed: the spec's chunk sizing, the shared /dev/shm
 region and its per-rank slot views, descriptor building (``compute_sub_block_ptrs``, partial
 chunks, groups), job ordering and result accounting. So the descriptors vLLM's worker would hand
 to the GPU are exactly the ones copied here.
+
+A job's device side is the installed release's: :func:`device_side` turns the one
+``GPULoadStoreSpec`` a test draws into what that release's connector passes (0.34.0: vLLM's
+``resolve_device_pointers`` over the worker's own canonical caches, as the connector does), so
+both workers of a pair are driven through the same vLLM code.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import dataclasses
 import inspect
 import textwrap
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -142,22 +151,64 @@ def _handler_init_without_device_assert(handler_cls: type) -> Any:
     return namespace["__init__"]
 
 
+def pointers_release() -> bool:
+    """Whether the installed vLLM hands its worker device pointers (0.34.0) rather than a
+    ``GPULoadStoreSpec`` (0.33.0)."""
+    from kvcache._vllm_version import VLLM_SEMANTICS
+
+    return VLLM_SEMANTICS != "0.33"
+
+
+def device_side(gpu: Any, kv_caches: Any) -> Any:
+    """What the installed release's connector passes a worker for the device side of a job
+    over ``gpu`` (a ``GPULoadStoreSpec``), on the worker's ``kv_caches``."""
+    if not pointers_release():
+        return gpu
+    from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+
+    return resolve_device_pointers(gpu, kv_caches)
+
+
+#: Calls of vLLM 0.34.0's ``_clear_pending_device_error`` under :func:`vllm_on_cpu`.
+CLEARED_DEVICE_ERRORS: list[None] = []
+
+
+def _check_no_device_assert(handler_cls: type) -> None:
+    """vLLM 0.34.0's handler takes no device tensors, so it has nothing to assert about them;
+    if one comes back, the oracle must learn to remove it again."""
+    params = inspect.signature(handler_cls.__init__).parameters
+    source = inspect.getsource(handler_cls.__init__)
+    if "gpu_tensors" in params or "is_cuda" in source:
+        raise RuntimeError(
+            f"{handler_cls.__name__}.__init__ takes device tensors again: vLLM's worker "
+            "changed; update tests/vllm_worker_oracle.py"
+        )
+
+
 @contextlib.contextmanager
-def vllm_on_cpu(*, copy: bool = True) -> Iterator[None]:
+def vllm_on_cpu(*, copy: bool | Callable[..., None] = True) -> Iterator[None]:
     """Patches vLLM's worker-side modules so that its CPU offloading worker runs on CPU
-    tensors (see the module docs); undone on exit."""
+    tensors (see the module docs); undone on exit. ``copy``: True for the byte copy, False
+    for none, or the batch copy to use."""
     from vllm.v1.kv_offload.cpu import gpu_worker, spec
 
     handler = gpu_worker.SingleDirectionOffloadingHandler
+    batch = copy if callable(copy) else byte_copy if copy else no_copy
     patches: list[tuple[Any, str, Any]] = [
         (spec, "current_platform", _FakePlatform()),
         (spec, "_all_workers_barrier", lambda: None),
         (gpu_worker, "current_platform", _FakePlatform()),
         (gpu_worker, "torch", _TorchWithFakeEvent()),
         (gpu_worker, "PIN_MEMORY", False),
-        (gpu_worker, "ops", SimpleNamespace(swap_blocks_batch=byte_copy if copy else no_copy)),
-        (handler, "__init__", _handler_init_without_device_assert(handler)),
+        (gpu_worker, "ops", SimpleNamespace(swap_blocks_batch=batch)),
     ]
+    if pointers_release():
+        _check_no_device_assert(handler)
+        patches.append(
+            (gpu_worker, "_clear_pending_device_error", lambda: CLEARED_DEVICE_ERRORS.append(None))
+        )
+    else:
+        patches.append((handler, "__init__", _handler_init_without_device_assert(handler)))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, value in patches:
@@ -296,6 +347,13 @@ class RankPair:
     our_spec: Any
     vllm_worker: Any
     our_worker: Any
+    #: The canonical caches each worker was built on (device pointers resolve against them).
+    vllm_caches: Any = None
+    our_caches: Any = None
+
+    def workers(self) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+        """(worker, its canonical caches): vLLM's, then ours."""
+        return (self.vllm_worker, self.vllm_caches), (self.our_worker, self.our_caches)
 
     def vllm_host_slot(self) -> torch.Tensor:
         """This rank's bytes of vLLM's shared region, as ``(num_chunks, bytes used)``."""
@@ -334,6 +392,8 @@ def build_pairs(
         our_tensors = _fresh_copies(base)
         vllm_spec = VllmSpec(config)
         our_spec = kvcache.vllm.CPUOffloadingSpec(config)
+        vllm_caches = canonical(local, vllm_tensors)
+        our_caches = canonical(local, our_tensors)
         pairs.append(
             RankPair(
                 rank=rank,
@@ -341,8 +401,10 @@ def build_pairs(
                 our_tensors=our_tensors,
                 vllm_spec=vllm_spec,
                 our_spec=our_spec,
-                vllm_worker=vllm_spec.get_worker(canonical(local, vllm_tensors)),
-                our_worker=our_spec.get_worker(canonical(local, our_tensors)),
+                vllm_worker=vllm_spec.get_worker(vllm_caches),
+                our_worker=our_spec.get_worker(our_caches),
+                vllm_caches=vllm_caches,
+                our_caches=our_caches,
             )
         )
     return pairs
@@ -361,3 +423,22 @@ def _fresh_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def device_bytes(tensors: list[torch.Tensor]) -> list[bytes]:
     """Every byte of every tensor's storage (pages and the padding between them)."""
     return [bytes(t.untyped_storage()) for t in tensors]
+
+
+def submit(
+    worker: Any,
+    kv_caches: Any,
+    job_id: int,
+    *,
+    store: bool,
+    gpu: Any,
+    cpu: Any,
+    expedited: bool = False,
+) -> bool:
+    """Submits one job to ``worker`` as the installed release's connector does: the device
+    side from ``gpu`` (a ``GPULoadStoreSpec``) through :func:`device_side` on the worker's
+    ``kv_caches``, the host side ``cpu``."""
+    device = device_side(gpu, kv_caches)
+    if store:
+        return bool(worker.submit_store(job_id, device, cpu))
+    return bool(worker.submit_load(job_id, cpu, device, expedited=expedited))
