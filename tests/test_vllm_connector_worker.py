@@ -1,4 +1,5 @@
-"""vLLM 0.33.0's own connector builds and drives kvcache's worker, against vLLM's worker.
+"""vLLM's own connector (0.33.0 or 0.34.0, whichever is installed) builds and drives
+kvcache's worker, against vLLM's worker.
 
 For each KV cache configuration, two engines' worker-role ``OffloadingConnector`` objects (one
 per rank) run side by side over byte-identical CPU "GPU" caches: one engine configured for
@@ -10,7 +11,11 @@ reallocated blocks, asynchronous and synchronous loads, then a shutdown with a l
 submitted), go through both, and after every step the two must agree on every byte of the
 KV caches and of the host chunks, on the jobs reported complete, on the requests finished
 receiving and on the transfer sizes recorded in the connector's stats; every load must have
-put the stored pages into its fresh blocks.
+put the stored pages into its fresh blocks. Under 0.34.0 the connector hands each worker the
+device pointers it resolves from a job's ``GPULoadStoreSpec`` on that worker's canonical
+caches. A second test makes every copy of both workers fail: 0.34.0's connector must record
+the same failed jobs and the same failed loads (``failed_recving``) for both, and raise for a
+failed synchronous load; 0.33.0's connector cannot handle a failed result and stops at it.
 
 Real (vLLM's code as installed):
 
@@ -41,9 +46,11 @@ Faked or replaced:
 - ``allocate_kv_cache`` of ``vllm.v1.worker.utils`` (that module does not import without
   ``einops``): :func:`allocate` repeats its loop (one zeroed backing buffer, vLLM's
   ``create_kv_cache_views`` for every ``KVCacheTensor``);
-- the scheduler: the jobs are built as ``OffloadingConnectorScheduler`` builds them
-  (``GPULoadStoreSpec`` per group, null blocks skipped, first block index as the offset,
-  ``CPULoadStoreSpec`` chunk ids in group order), over block tables and chunk ids drawn here;
+- the scheduler: the jobs are built as the installed release's
+  ``OffloadingConnectorScheduler`` builds them (``GPULoadStoreSpec`` per group, first block
+  index as the offset, ``CPULoadStoreSpec`` chunk ids in group order; a store skips leading
+  null blocks under 0.33.0 and starts at their chunk under 0.34.0, which keeps the null blocks
+  inside a chunk as placeholders), over block tables and chunk ids drawn here;
 - the forward pass: the test waits (``OffloadingWorker.wait``) for the jobs the connector
   does not wait for itself (the deferred stores it just submitted, asynchronous loads)
   before ``get_finished``, so every step reports deterministically.
@@ -51,8 +58,8 @@ Faked or replaced:
 Tensor parallelism runs every rank's connector in this one process (vLLM's cross-rank
 barrier is a no-op under the fakes). Not built here: Mamba "align" mode (whose loads can name
 the null block twice: see tests/test_worker_conformance.py), MLA/replicated layouts,
-pipeline/context parallelism, HiSparse, canonical-layout offloading (vLLM 0.33.0's CPU spec
-does not use it), head-outer layouts (``LHBNC``, ROCm only: vLLM's connector then offloads a
+pipeline/context parallelism, HiSparse, canonical-layout offloading (vLLM's CPU spec does
+not use it), head-outer layouts (``LHBNC``, ROCm only: vLLM's connector then offloads a
 head slice per block, for both workers alike).
 """
 
@@ -70,7 +77,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import require_oracle
-from tests.vllm_worker_oracle import vllm_on_cpu
+from tests.vllm_worker_oracle import pointers_release, vllm_on_cpu
 
 pytestmark = pytest.mark.oracle
 
@@ -240,7 +247,13 @@ CASES = {
 def vllm_config(case: Case, extra: dict[str, Any], rank: int, engine_id: str) -> Any:
     """Rank ``rank``'s configuration (ranks of one engine share ``engine_id``)."""
     import torch
-    from vllm.config import DeviceConfig, KVTransferConfig, ParallelConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ParallelConfig,
+        VllmConfig,
+    )
 
     transfer = KVTransferConfig(
         kv_connector="OffloadingConnector",
@@ -253,6 +266,8 @@ def vllm_config(case: Case, extra: dict[str, Any], rank: int, engine_id: str) ->
         },
     )
     config = VllmConfig(
+        # The tokens per block of the layers' specs (0.34.0's default is 64, 0.33.0's 16).
+        cache_config=CacheConfig(block_size=TOKENS_PER_BLOCK),
         device_config=DeviceConfig(device="cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=case.tp, rank=rank),
         kv_transfer_config=transfer,
@@ -445,11 +460,14 @@ def gpu_cpu_specs(
     starts: list[int | None],
     chunk_ids: list[dict[int, int]],
     empty_index: Callable[[list[int]], int],
+    *,
+    placeholders: bool = False,
 ) -> tuple[Any, Any]:
-    """The two specs of a job over blocks ``starts[g]:`` of each group (all non-null; None:
-    none of the group, whose block index is then ``empty_index(table)``), as the scheduler
-    builds them: block ids, per-group sizes and first block indices, and the chunk ids of
-    the chunks those blocks fall in, group after group."""
+    """The two specs of a job over blocks ``starts[g]:`` of each group (all non-null unless
+    ``placeholders``; None: none of the group, whose block index is then
+    ``empty_index(table)``), as the scheduler builds them: block ids, per-group sizes and
+    first block indices, and the chunk ids of the chunks those blocks fall in, group after
+    group."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
@@ -464,7 +482,7 @@ def gpu_cpu_specs(
             indices.append(empty_index(table))
             continue
         blocks = table[start:]
-        assert 0 not in blocks
+        assert placeholders or 0 not in blocks
         block_ids += blocks
         sizes.append(len(blocks))
         indices.append(start)
@@ -475,15 +493,21 @@ def gpu_cpu_specs(
 def store_job(
     case: Case, request: Request, chunk_ids: list[dict[int, int]], groups: set[int]
 ) -> Any:
-    """The request's blocks of ``groups`` from the first non-null one on, GPU -> its
+    """The request's blocks of ``groups`` from the first non-null one on (0.33.0's scheduler
+    skips the null blocks before it), or from the start of that block's chunk (0.34.0's keeps
+    the null blocks inside a chunk as placeholders, so every block keeps its slot), GPU -> its
     chunks (another group's block index: 0, as the scheduler leaves it)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
 
-    starts = [
-        next(i for i, b in enumerate(t) if b != 0) if g in groups else None
-        for g, t in enumerate(request.tables)
-    ]
-    src, dst = gpu_cpu_specs(case, request, starts, chunk_ids, lambda table: 0)
+    bpc = case.blocks_per_chunk
+    aligned = pointers_release()
+    starts: list[int | None] = []
+    for g, table in enumerate(request.tables):
+        first = next(i for i, b in enumerate(table) if b != 0) if g in groups else None
+        starts.append(first // bpc * bpc if aligned and first is not None else first)
+    src, dst = gpu_cpu_specs(
+        case, request, starts, chunk_ids, lambda table: 0, placeholders=aligned
+    )
     return TransferJob(req_id=request.req_id, src_spec=src, dst_spec=dst)
 
 
@@ -540,7 +564,14 @@ def step(run: Run, meta: Any, forward_waits_for: set[int]) -> None:
     connector.start_load_kv(None)
     run.worker.wait(set(forward_waits_for))
     connector.wait_for_save()
-    finished_sending, finished_recving = connector.get_finished(set())
+    if pointers_release():
+        # 0.34.0's model runner asks for the failed loads in the same call.
+        results = connector.get_transfer_results(set())
+        finished_sending, finished_recving = results.finished_sending, results.finished_recving
+        failed_recving = results.failed_recving
+    else:
+        finished_sending, finished_recving = connector.get_finished(set())
+        failed_recving = set()
     worker_meta = connector.build_connector_worker_meta()
     connector.clear_connector_metadata()
     stats = worker_meta.transfer_stats if worker_meta is not None else None
@@ -548,6 +579,9 @@ def step(run: Run, meta: Any, forward_waits_for: set[int]) -> None:
         {
             "finished_sending": set(finished_sending),
             "finished_recving": set(finished_recving),
+            "failed_recving": set(failed_recving),
+            # 0.34.0 only: the jobs a worker reported failed, for the scheduler.
+            "failed_jobs": set(getattr(worker_meta, "failed_jobs", None) or ()),
             "completed": set(worker_meta.completed_jobs) if worker_meta is not None else set(),
             # Sorted: the two workers may report a step's stores and loads in another order.
             "store_sizes": sorted(stats.store.sizes) if stats else [],
@@ -749,6 +783,8 @@ def run_case(name: str, seed: int) -> None:
                     assert a["completed"] == b["completed"] == s.completed
                     assert a["finished_recving"] == b["finished_recving"] == s.finished_recving
                     assert a["finished_sending"] == b["finished_sending"] == set()
+                    assert a["failed_recving"] == b["failed_recving"] == set()
+                    assert a["failed_jobs"] == b["failed_jobs"] == set()
                     for key in ("store_sizes", "load_sizes", "store_bytes", "load_bytes"):
                         assert a[key] == b[key], key
                     assert len(a["store_sizes"]) + len(a["load_sizes"]) == len(s.completed)
@@ -808,3 +844,73 @@ def test_the_registered_spec_name_selects_vllms_spec_whatever_the_module_path() 
     shadowed = {"spec_name": "CPUOffloadingSpec", "spec_module_path": "kvcache.vllm"}
     assert OffloadingSpecFactory.get_spec_cls(shadowed) is VllmSpec
     assert OffloadingSpecFactory.get_spec_cls(OURS) is kvcache.vllm.CPUOffloadingSpec
+
+
+def failing_copy(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+
+def failing(run: Run) -> None:
+    """Every copy of our worker in ``run`` fails, as its copy thread would report a copy the
+    device refused."""
+    backend = run.worker.engine._backend
+    collect = backend.collect
+    backend.collect = lambda: [r._replace(success=False, error="injected") for r in collect()]
+
+
+@pytest.mark.parametrize("name", ["full", "full+sliding"])
+def test_failed_copies_reach_vllms_connector_as_failures(name: str) -> None:
+    """Every copy of both workers fails (vLLM's batch copy raises as a CUDA error would, our
+    copy thread reports failure). Under 0.34.0 vLLM's connector gets the same results from
+    both: the failed store and the failed asynchronous load completed and marked failed for
+    the scheduler, the load's request finished receiving and in ``failed_recving``, nothing
+    recorded as moved; a failed synchronous load raises. Under 0.33.0 its connector cannot
+    take a failed result: it stops at ours (and vLLM's worker raises from its submit)."""
+    require_oracle()
+    case = CASES[name]
+    rng = np.random.default_rng([5, 1])
+    bpc = case.blocks_per_chunk
+    theirs: list[Run] = []
+    ours: list[Run] = []
+    with vllm_on_cpu(copy=failing_copy), kvcache_log():
+        try:
+            for runs, extra in ((theirs, {}), (ours, OURS)):
+                runs.append(build_run(case, extra, 5, 0, f"kvcache-test-{uuid.uuid4().hex}"))
+            failing(ours[0])
+            n = 2 * bpc + 1
+            free = [int(b) for b in rng.permutation(np.arange(1, NUM_BLOCKS))]
+            pool = [int(c) for c in rng.permutation(24)]
+            nulls = bpc + 1 if bpc > 1 else 1
+            reqs = {r: draw_request(r, case, free, n, nulls) for r in ("a", "a2", "a3")}
+            chunks = [{c: pool.pop() for c in range((n - 1) // bpc + 1)} for _ in case.null_prefix]
+            every = set(range(len(case.null_prefix)))
+            plan = [
+                lambda: metadata(store_jobs={1: store_job(case, reqs["a"], chunks, every)}),
+                # Submits the deferred store 1 with the asynchronous load 2.
+                lambda: metadata(load_jobs={2: load_job(case, reqs["a2"], chunks, 1, every)}),
+            ]
+            sync = lambda: metadata(  # noqa: E731
+                load_jobs={3: load_job(case, reqs["a3"], chunks, 0, every, sync=True)}
+            )
+            if not pointers_release():
+                step(ours[0], plan[0](), set())
+                with pytest.raises(AssertionError):
+                    step(ours[0], plan[1](), {1, 2})
+                step(theirs[0], plan[0](), set())
+                with pytest.raises(RuntimeError, match="injected"):
+                    step(theirs[0], plan[1](), {1, 2})
+                return
+            for run in (theirs[0], ours[0]):
+                step(run, plan[0](), set())
+                step(run, plan[1](), {1, 2})
+                with pytest.raises(RuntimeError, match="sync load job 3 failed"):
+                    step(run, sync(), set())
+            a, b = theirs[0].steps, ours[0].steps
+            assert a == b
+            assert [s["completed"] for s in b] == [set(), {1, 2}]
+            assert b[1]["failed_jobs"] == {1, 2}
+            assert b[1]["finished_recving"] == b[1]["failed_recving"] == {"a2"}
+            assert b[1]["store_sizes"] == b[1]["load_sizes"] == []
+        finally:
+            for run in theirs + ours:
+                run.connector.shutdown()
