@@ -1,16 +1,19 @@
-"""GPU A/B of kvcache's vLLM worker against vLLM 0.33.0's, on identical layouts, with byte
-checks. One script, sized for under 5 minutes on one H200.
+"""GPU A/B of kvcache's vLLM worker against the installed vLLM's (0.33.0 or 0.34.0), on
+identical layouts, with byte checks. One script, sized for under 5 minutes on one H200.
 
 For each page size (4-64 KiB), both workers get identical KV tensors (16 layers, one group,
 16 blocks per chunk) through their specs' ``get_worker`` and run the same jobs: 1, 64, 1024
 and 6256 blocks (16 to 100,096 page descriptors), fresh (consecutive) and churned (random)
-ids, stores then loads (into other blocks). Every store's chunks are compared byte for byte
-between the two workers' host memory (vLLM's per-tensor host views vs kvcache's pool; the
-layouts are the same), every load's destination blocks on the GPU. Bandwidth is the job's
-bytes over submit-to-completion wall time (median of a few runs), also as a percentage of the
-same run's large single copy in each direction. Next to it, each worker's submit CPU per job:
-the calling thread's CPU time inside ``submit_*`` (what the model runner's step pays), and
-the whole process's CPU time over the same interval (copy threads included).
+ids, stores then loads (into other blocks), each job's device side in the installed release's
+form (0.34.0: the device pointers vLLM's ``resolve_device_pointers`` makes of its block ids,
+outside the timed submit, as the connector does before calling either worker). Every store's
+chunks are compared byte for byte between the two workers' host memory (vLLM's per-tensor
+host views vs kvcache's pool; the layouts are the same), every load's destination blocks on
+the GPU. Bandwidth is the job's bytes over submit-to-completion wall time (median of a few
+runs), also as a percentage of the same run's large single copy in each direction. Next to
+it, each worker's submit CPU per job: the calling thread's CPU time inside ``submit_*`` (what
+the model runner's step pays), and the whole process's CPU time over the same interval (copy
+threads included).
 Start-up is reported too: how long kvcache's worker takes to return (pinning runs in the
 background), how long pinning took, and the calibrated kernel/DMA cut-off for loads.
 
@@ -24,10 +27,10 @@ it), not a guess from the page size. Prints a table and writes JSON (``--json``,
 rewritten after every row so that a run cut short still leaves its rows. A time budget
 (``--budget-s``) skips the remaining rows on a slower machine.
 
-Before anything runs, it checks that the A/B can: vLLM 0.33.0 importable with its compiled
-ops (``vllm._C``), and enough free space in /dev/shm for vLLM's shared host region; if not, it
-says why and exits with status 3. ``--without-vllm`` runs kvcache's side alone instead (byte
-checks against torch indexing).
+Before anything runs, it checks that the A/B can: vLLM 0.33.0 or 0.34.0 importable with its
+compiled ops (``vllm._C``), and enough free space in /dev/shm for vLLM's shared host region;
+if not, it says why and exits with status 3. ``--without-vllm`` runs kvcache's side alone
+instead (byte checks against torch indexing).
 
 vLLM's worker is built in this one process as the only rank (world size 1). Its shared host
 region then waits at a barrier over vLLM's world group, which only vLLM's distributed set-up
@@ -76,6 +79,27 @@ LARGE_JOB_DESCRIPTORS = 1024
 EXIT_AB_INCOMPLETE = 4
 
 
+# The vLLM releases whose worker the A/B runs against (kvcache supports both).
+VLLM_RELEASES = ("0.33.0", "0.34.0")
+
+
+def installed_vllm() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "?"))
+
+
+def device_side(gpu: Any, caches: Any) -> Any:
+    """A job's device side as the installed release's connector passes it: the
+    ``GPULoadStoreSpec`` itself under 0.33.0; under 0.34.0 the device pointers vLLM resolves
+    from it on the worker's canonical caches."""
+    try:
+        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+    except ImportError:  # 0.33.0: no pointers
+        return gpu
+    return resolve_device_pointers(gpu, caches)
+
+
 def out(line: str = "") -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
@@ -106,8 +130,9 @@ class Runner:
     """One worker behind a small API: vLLM's or ours through their specs (vLLM installed), or
     ours through kvcache.transfer directly (no vLLM: same engine, same layout)."""
 
-    def __init__(self, worker: Any, *, host_tensors: Any = None) -> None:
+    def __init__(self, worker: Any, *, caches: Any = None, host_tensors: Any = None) -> None:
         self.worker = worker
+        self.caches = caches  # the canonical caches it was built on (pointers resolve there)
         self.host_tensors = host_tensors  # vLLM's per-tensor host views, for byte checks
 
     def jobs_by_method(self) -> dict[str, int]:
@@ -115,12 +140,17 @@ class Runner:
         older than the counts: its rows then say "?")."""
         return dict(getattr(getattr(self.worker, "engine", None), "jobs_by_method", {}))
 
-    def submit(self, job_id: int, store: bool, blocks: list[int], chunks: list[int]) -> None:
+    def job(self, blocks: list[int], chunks: list[int]) -> tuple[Any, Any]:
+        """A job's arguments, made before its submission is timed (the connector builds and
+        resolves them before calling the worker)."""
         from vllm.v1.kv_offload.base import GPULoadStoreSpec
         from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-        gpu = GPULoadStoreSpec(blocks, [len(blocks)], [0])
-        cpu = CPULoadStoreSpec(chunks)
+        gpu = device_side(GPULoadStoreSpec(blocks, [len(blocks)], [0]), self.caches)
+        return gpu, CPULoadStoreSpec(chunks)
+
+    def submit(self, job_id: int, store: bool, job: tuple[Any, Any]) -> None:
+        gpu, cpu = job
         if store:
             assert self.worker.submit_store(job_id, gpu, cpu)
         else:
@@ -148,10 +178,12 @@ class Runner:
 class EngineRunner(Runner):
     """kvcache's worker logic without vLLM: the engine the worker wraps, built the same way."""
 
-    def submit(self, job_id: int, store: bool, blocks: list[int], chunks: list[int]) -> None:
-        sizes, starts = [len(blocks)], [0]
-        gpu = np.asarray(blocks, dtype=np.int64)
-        cpu = np.asarray(chunks, dtype=np.int64)
+    def job(self, blocks: list[int], chunks: list[int]) -> tuple[Any, Any]:
+        return np.asarray(blocks, dtype=np.int64), np.asarray(chunks, dtype=np.int64)
+
+    def submit(self, job_id: int, store: bool, job: tuple[Any, Any]) -> None:
+        gpu, cpu = job
+        sizes, starts = [len(gpu)], [0]
         engine = self.worker["engine"]
         if store:
             j = engine.store(gpu, cpu, group_sizes=sizes, block_indices=starts)
@@ -216,13 +248,14 @@ class Check:
         self.vllm = "--without-vllm given" if args.without_vllm else self._vllm_status()
 
     def _vllm_status(self) -> str | None:
-        """None when vLLM 0.33.0's worker can run here, else why not."""
+        """None when the installed vLLM's worker can run here, else why not."""
         try:
             import vllm
         except Exception as exc:
             return f"vLLM not importable ({type(exc).__name__}: {exc})"
-        if getattr(vllm, "__version__", "") != "0.33.0":
-            return f"vLLM {getattr(vllm, '__version__', '?')} installed, not 0.33.0"
+        version = getattr(vllm, "__version__", "?")
+        if version not in VLLM_RELEASES:
+            return f"vLLM {version} installed, not {' or '.join(VLLM_RELEASES)}"
         if self.cuda:
             try:
                 import vllm._C  # the compiled ops its worker needs on a GPU
@@ -298,7 +331,7 @@ class Check:
 
     def aligned(self, chunk: int) -> int:
         """A chunk's bytes as vLLM's spec sizes it (rounded to its block alignment)."""
-        align = 4096  # vLLM 0.33.0's CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+        align = 4096  # vLLM's CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT (0.33.0 and 0.34.0)
         if self.vllm is None or not self.cuda:
             try:
                 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VllmSpec
@@ -343,7 +376,7 @@ class Check:
         seed = int(self.rng.integers(1 << 30))
         ours_t = self.tensors(page, seed)
         t0 = time.perf_counter()
-        if self.vllm is None:  # vLLM 0.33.0 is here: ours as vLLM builds it, through the spec
+        if self.vllm is None:  # a tested vLLM is here: ours as vLLM builds it, through the spec
             import kvcache.vllm
 
             spec = kvcache.vllm.CPUOffloadingSpec(self.config(page))
@@ -351,10 +384,11 @@ class Check:
                 raise RuntimeError(
                     f"the spec bought {spec.num_chunks} chunks, the jobs need {self.num_chunks}"
                 )
-            worker = spec.get_worker(self.canonical(ours_t, page))
+            caches = self.canonical(ours_t, page)
+            worker = spec.get_worker(caches)
             if not isinstance(worker, kvcache.vllm.CPUOffloadingWorker):
                 raise RuntimeError(f"kvcache's spec handed over {type(worker).__name__}")
-            ours: Runner = Runner(worker)
+            ours: Runner = Runner(worker, caches=caches)
             pool, describe = worker.pool, worker.describe
         else:
             from kvcache.transfer import HostChunkPool, TransferEngine
@@ -400,8 +434,9 @@ class Check:
             vllm_t = self.tensors(page, seed)
             t0 = time.perf_counter()
             barriers = self.barrier_calls[0]
+            caches = self.canonical(vllm_t, page)
             try:
-                worker = VllmSpec(self.config(page)).get_worker(self.canonical(vllm_t, page))
+                worker = VllmSpec(self.config(page)).get_worker(caches)
             except Exception as exc:  # e.g. a /dev/shm too small for vLLM's shared region
                 # The rows of this page size then lack vLLM's figures; main turns that into
                 # a failed run (EXIT_AB_INCOMPLETE), with this reason.
@@ -412,7 +447,10 @@ class Check:
             built["startup"]["vllm_barrier_calls"] = self.barrier_calls[0] - barriers
             region = getattr(worker, "_mmap_region", None)
             built["startup"]["vllm_pinned"] = bool(region is not None and region.is_pinned)
-            built["vllm"] = Runner(worker, host_tensors=worker._store_handler.dst_tensors)
+            # Its host views: 0.34.0's handler calls them cpu_tensors, 0.33.0's dst_tensors.
+            handler = worker._store_handler
+            host = getattr(handler, "cpu_tensors", None) or handler.dst_tensors
+            built["vllm"] = Runner(worker, caches=caches, host_tensors=host)
             built["vllm_t"] = vllm_t
         return built
 
@@ -440,12 +478,13 @@ class Check:
         """Wall time, the calling thread's submit CPU, the process's CPU over the submit call,
         success, and the copy methods kvcache's engine handed the job to (empty for vLLM)."""
         job_id = int(self.rng.integers(1 << 40))
+        job = runner.job(blocks, chunks)
         before = runner.jobs_by_method()
         self.sync()
         t0 = time.perf_counter()
         c0 = time.thread_time()
         p0 = time.process_time()
-        runner.submit(job_id, store, blocks, chunks)
+        runner.submit(job_id, store, job)
         submit_cpu = time.thread_time() - c0
         submit_process = time.process_time() - p0
         ok = runner.finish(job_id)
@@ -738,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "kvcache": kvcache.__version__,
         "kvcache_path": str(Path(kvcache.__file__).resolve().parent),
-        "vllm": check.vllm or "0.33.0",
+        "vllm": check.vllm or installed_vllm(),
         "ab": check.vllm is None,
         "complete": False,
         "startup": startups,

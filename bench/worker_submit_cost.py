@@ -1,17 +1,23 @@
-"""Submit-side CPU time per transfer job: vLLM 0.33.0's worker vs kvcache's, same jobs, one
-process.
+"""Submit-side CPU time per transfer job: the installed vLLM's worker (0.33.0 or 0.34.0) vs
+kvcache's, same jobs, one process.
 
 What is timed: the model runner thread's CPU time (``time.thread_time_ns``) inside
 ``submit_store``/``submit_load`` of each worker, for the same job specs on the same KV layout
-(one tensor per layer, one group, 16 blocks per chunk). vLLM's worker runs as its spec builds
-it, on CPU tensors with its CUDA edges faked and its batch copy stubbed out
+(one tensor per layer, one group, 16 blocks per chunk), each job's device side in the
+installed release's form: under 0.34.0 the ``DevicePointers`` vLLM's connector resolves from
+the job's block ids (``resolve_device_pointers``) before it calls either worker, which is not
+in the ``submit`` figures; its CPU per job is the ``resolve`` column (next to nothing under
+0.33.0, where the spec is passed as is). vLLM's worker runs as its spec builds it, on CPU
+tensors with its CUDA edges faked and its batch copy stubbed out
 (``tests/vllm_worker_oracle.py``): what remains is its Python/numpy descriptor building and job
 bookkeeping. Ours runs as ``kvcache.vllm.CPUOffloadingSpec.get_worker`` builds it, with the
 copy stubbed the same way (its queue threads build every job's runs and copy nothing): on the
-submitting thread remain spec decoding, validation of every id (O(blocks)) and the hand-off;
-the runs are built on the queue's thread, as on a GPU, where that thread also makes the
-driver calls. Neither worker touches KV or host memory, so tensors and pools are never made
-resident (the 80-layer, 64 KiB points address 10 GiB of "GPU" memory).
+submitting thread remain spec decoding, validation of every id (O(blocks)) and the hand-off
+(under 0.34.0 also the check of every device pointer against the KV tensors, which turns them
+back into block ids: Rust, O(pointers)); the runs are built on the queue's thread, as on a
+GPU, where that thread also makes the driver calls. Neither worker touches KV or host memory,
+so tensors and pools are never made resident (the 80-layer, 64 KiB points address 10 GiB of
+"GPU" memory).
 
 Two figures per job: ``submit`` is the calling thread's CPU time inside submit_store/submit_load
 (what the model runner's step pays: the target is vLLM/ours >= 10); ``total`` is the whole
@@ -56,7 +62,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.vllm_worker_oracle import (
     Geometry,
     canonical,
+    device_side,
     offloading_config,
+    pointers_release,
     vllm_on_cpu,
 )
 
@@ -82,8 +90,9 @@ def no_prefault() -> Iterator[None]:
         region._get_populate_write_fn = saved
 
 
-def build(layers: int, page: int, num_chunks: int) -> tuple[Any, Any, list[Any]]:
-    """vLLM's worker and ours over the same (never touched) tensors."""
+def build(layers: int, page: int, num_chunks: int) -> tuple[Any, Any, list[Any], Any]:
+    """vLLM's worker and ours over the same (never touched) tensors, and their canonical
+    caches."""
     import torch
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VllmSpec
 
@@ -105,11 +114,12 @@ def build(layers: int, page: int, num_chunks: int) -> tuple[Any, Any, list[Any]]
         engine_id=f"bench-{layers}-{page}",
         kvcache_pin="off",
     )
-    vllm_worker = VllmSpec(config).get_worker(canonical(geometry, tensors))
-    ours = kvcache.vllm.CPUOffloadingSpec(config).get_worker(canonical(geometry, tensors))
+    caches = canonical(geometry, tensors)
+    vllm_worker = VllmSpec(config).get_worker(caches)
+    ours = kvcache.vllm.CPUOffloadingSpec(config).get_worker(caches)
     ours.engine._backend.close()
     ours.engine._backend = _CpuBackend(execute=False)
-    return vllm_worker, ours, tensors
+    return vllm_worker, ours, tensors, caches
 
 
 def make_jobs(
@@ -133,7 +143,7 @@ def make_jobs(
 
 
 def time_point(
-    vllm_worker: Any, ours: Any, spare: Any, jobs: list[Any], warmup: int
+    vllm_worker: Any, ours: Any, spare: Any, caches: Any, jobs: list[Any], warmup: int
 ) -> dict[str, float]:
     """Median CPU microseconds per job, per worker and direction: ``submit`` on the calling
     thread alone, and ``total`` for submit + completion + get_finished over every thread of the
@@ -142,7 +152,10 @@ def time_point(
 
     ``handoff``: in the same rounds, after one more (untimed) vLLM job, the calling thread's CPU
     to hand one planned job to ``spare``, an idle ``CpuCopier`` of its own: waking a parked
-    thread, the part of our submit that no code of ours can remove (see ``main``)."""
+    thread, the part of our submit that no code of ours can remove (see ``main``).
+
+    ``resolve``: the calling thread's CPU to make the job's device side from its spec (0.34.0:
+    vLLM's ``resolve_device_pointers``, which its connector runs before either worker)."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
@@ -153,12 +166,16 @@ def time_point(
         for m in ("submit", "total")
     }
     samples["handoff"] = []
+    samples["resolve"] = []
     job_id = 0
     for i, (blocks, chunks) in enumerate(jobs):
         for name, worker in (("vllm", vllm_worker), ("ours", ours)):
             for direction in ("store", "load"):
-                gpu = GPULoadStoreSpec(blocks, [len(blocks)], [0])
+                spec = GPULoadStoreSpec(blocks, [len(blocks)], [0])
                 cpu = CPULoadStoreSpec(chunks)
+                t0 = time.thread_time_ns()
+                gpu = device_side(spec, caches)
+                resolve = time.thread_time_ns() - t0
                 job_id += 1
                 p0 = time.process_time_ns()
                 t0 = time.thread_time_ns()
@@ -175,11 +192,11 @@ def time_point(
                 if i >= warmup:
                     samples[f"{name}_{direction}_submit"].append(submit / 1e3)
                     samples[f"{name}_{direction}_total"].append(total / 1e3)
+                    samples["resolve"].append(resolve / 1e3)
         plan = ours.engine.plan(store=True, gpu_block_ids=blocks[:BPC], chunk_ids=chunks[:1])
         job_id += 1
-        vllm_worker.submit_store(
-            job_id, GPULoadStoreSpec(blocks, [len(blocks)], [0]), CPULoadStoreSpec(chunks)
-        )
+        gpu = device_side(GPULoadStoreSpec(blocks, [len(blocks)], [0]), caches)
+        vllm_worker.submit_store(job_id, gpu, CPULoadStoreSpec(chunks))
         vllm_worker.wait({job_id})
         vllm_worker.get_finished()
         t0 = time.thread_time_ns()
@@ -230,27 +247,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args(argv)
+    import vllm
+
     from kvcache._core import CpuCopier
 
     rng = np.random.default_rng(2024)
     rows = []
+    form = "DevicePointers" if pointers_release() else "GPULoadStoreSpec"
+    print(f"vLLM {vllm.__version__}: the device side of a job is a {form}")
     print(
         f"{'layers':>6} {'page':>6} {'blocks':>6} {'ids':<8} | submit, us CPU/job: "
         f"{'vLLM st':>8} {'ours':>6} {'x':>6} {'vLLM ld':>8} {'ours':>6} {'x':>6} | "
-        f"{'hand-off':>8} {'st x max':>8} | total, us CPU/job: vLLM st/ours, vLLM ld/ours"
+        f"{'hand-off':>8} {'st x max':>8} | total, us CPU/job: vLLM st/ours, vLLM ld/ours | "
+        f"{'resolve':>7}"
     )
     with vllm_on_cpu(copy=False), no_prefault():
         for layers in LAYERS:
             for page in PAGES:
                 num_chunks = 2 * max(JOB_BLOCKS) // BPC
-                vllm_worker, ours, tensors = build(layers, page, num_chunks)
+                vllm_worker, ours, tensors, caches = build(layers, page, num_chunks)
                 spare = CpuCopier(execute=False)
                 for blocks in JOB_BLOCKS:
                     for pattern in PATTERNS:
                         count = (60 if blocks > 16 else 400) // (4 if args.quick else 1)
                         warmup = max(2, count // 10)
                         jobs = make_jobs(rng, pattern, blocks, num_chunks, count)
-                        t = time_point(vllm_worker, ours, spare, jobs, warmup)
+                        t = time_point(vllm_worker, ours, spare, caches, jobs, warmup)
                         row = {
                             "layers": layers,
                             "page_kib": page // KiB,
@@ -270,13 +292,14 @@ def main(argv: list[str] | None = None) -> int:
                             f"{t['ours_load_submit']:>6.1f} {row['ratio_load']:>5.1f}x | "
                             f"{t['handoff']:>8.1f} {row['ceiling_store']:>7.1f}x | "
                             f"{t['vllm_store_total']:>7.0f}/{t['ours_store_total']:<6.0f} "
-                            f"{t['vllm_load_total']:>7.0f}/{t['ours_load_total']:<6.0f}",
+                            f"{t['vllm_load_total']:>7.0f}/{t['ours_load_total']:<6.0f} | "
+                            f"{t['resolve']:>7.1f}",
                             flush=True,
                         )
                 vllm_worker.shutdown()
                 ours.shutdown()
                 spare.shutdown()
-                del vllm_worker, ours, tensors, spare
+                del vllm_worker, ours, tensors, spare, caches
                 gc.collect()
     floor = timer_floor()
     worst = min(rows, key=lambda r: min(r["ratio_store"], r["ratio_load"]))
@@ -303,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(
             json.dumps(
                 {
+                    "vllm": vllm.__version__,
                     "rows": rows,
                     "timer_floor_us": floor,
                     "descriptor_floor_us": descriptors,

@@ -36,7 +36,11 @@ def test_submit_cost_bench_runs_at_toy_sizes(tmp_path: Path) -> None:
         timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(out.read_text())["rows"]
+    import vllm
+
+    report = json.loads(out.read_text())
+    assert report["vllm"] == vllm.__version__  # against the installed release's own worker
+    rows = report["rows"]
     assert {(r["blocks"], r["ids"]) for r in rows} == {
         (b, ids) for b in (16, 32) for ids in ("fresh", "churned")
     }
@@ -46,6 +50,8 @@ def test_submit_cost_bench_runs_at_toy_sizes(tmp_path: Path) -> None:
                 for direction in ("store", "load"):
                     assert r[f"{side}_{direction}_{key}_us"] > 0
         assert r["handoff_us"] > 0
+        assert r["resolve_us"] >= 0  # the connector's pointer resolution (0.34.0)
         assert r["ceiling_store"] == r["vllm_store_submit_us"] / r["handoff_us"]
+    assert f"vLLM {vllm.__version__}: the device side of a job is a" in done.stdout
     assert "smallest vLLM/ours ratio" in done.stdout
     assert "smallest vLLM store / hand-off alone" in done.stdout
