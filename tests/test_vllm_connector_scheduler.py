@@ -1,4 +1,5 @@
-"""vLLM 0.33.0's own scheduler drives kvcache's manager, against vLLM's manager.
+"""vLLM's own scheduler (0.33.0 or 0.34.0, the installed one) drives kvcache's manager,
+against vLLM's manager.
 
 For each KV cache configuration and manager setting, two engines' ``Scheduler`` objects run
 side by side, each with the scheduler-role ``OffloadingConnector`` vLLM builds from its
@@ -55,13 +56,15 @@ Faked or replaced:
   asynchronous one reports its request in ``finished_recving``), a store job one step
   later (the worker submits it at the start of the next step), both reported through
   ``OffloadingWorkerMetadata``; it reports no transfer sizes (the worker test checks the
-  bytes);
+  bytes). Under vLLM 0.34, whose connector handles failed transfers, one setting has every
+  4th store job fail (``failed_jobs``), so the scheduler completes those stores with
+  ``success=False``;
 - the event publisher: the scheduler's ``kv_event_publisher`` is replaced by a recorder.
 
 Not exercised: partial-tail stores (Mamba blocks here are one hash block long, so there
 are none), speculative decoding (EAGLE groups), asynchronous scheduling
-and pipeline/context/tensor parallelism (one worker reports each job), failed or
-delayed-past-one-step transfers, the transfer-size stats the worker reports (the worker
+and pipeline/context/tensor parallelism (one worker reports each job), failed loads,
+transfers delayed past one step, the transfer-size stats the worker reports (the worker
 test's business), synchronous loads on the Mamba layout (see ``COMBINATIONS``).
 """
 
@@ -74,7 +77,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import require_oracle
+from tests.conftest import oracle_semantics, require_oracle
 from tests.test_vllm_connector_worker import (
     CASES,
     OURS,
@@ -273,6 +276,9 @@ class Engine:
     recorder: Recorder
     #: Store jobs the fake worker completes at the next step.
     pending_stores: list[int] = field(default_factory=list)
+    #: Every K-th store job (by job id) fails (0: none; vLLM 0.34's connector only).
+    fail_store_every: int = 0
+    failed_stores: int = 0
 
     @property
     def manager(self) -> Any:
@@ -283,6 +289,8 @@ def build_engine(case: Case, extra: dict[str, Any]) -> Engine:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
+    extra = dict(extra)
+    fail_store_every = extra.pop(FAIL_STORES, 0)
     config, kcc = engine_config(case, extra)
     scheduler = Scheduler(
         config,
@@ -294,7 +302,7 @@ def build_engine(case: Case, extra: dict[str, Any]) -> Engine:
     recorder = Recorder()
     scheduler.kv_event_publisher = recorder
     spy(scheduler.connector, recorder)
-    return Engine(scheduler, recorder)
+    return Engine(scheduler, recorder, fail_store_every=fail_store_every)
 
 
 # --- the workload -------------------------------------------------------------------------
@@ -368,23 +376,33 @@ def model_output(engine: Engine, out: Any) -> Any:
 
     meta = out.kv_connector_metadata
     completed = dict.fromkeys(engine.pending_stores, 1)
+    every = engine.fail_store_every
+    failed = {job_id for job_id in engine.pending_stores if every and job_id % every == 0}
+    engine.failed_stores += len(failed)
     engine.pending_stores = sorted(meta.store_jobs)
     recving = set()
     for job_id, job in meta.load_jobs.items():
         completed[job_id] = 1
         if not job.sync:
             recving.add(job.req_id)
+    worker_meta = None
+    if completed:
+        # vLLM 0.34's worker metadata reports failed jobs; 0.33's has no such field.
+        worker_meta = OffloadingWorkerMetadata(
+            completed_jobs=completed, **({"failed_jobs": failed} if failed else {})
+        )
     kv_output = KVConnectorOutput(
-        finished_recving=recving or None,
-        kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed)
-        if completed
-        else None,
+        finished_recving=recving or None, kv_connector_worker_meta=worker_meta
+    )
+    fields = ModelRunnerOutput.__dataclass_fields__
+    # vLLM 0.33's output also maps request ids to their index; 0.34 dropped the map.
+    index = (
+        {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+        if "req_id_to_index" in fields
+        else {}
     )
     return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        kv_connector_output=kv_output,
+        req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_output, **index
     )
 
 
@@ -394,7 +412,8 @@ def describe_schedule(out: Any) -> tuple[Any, ...]:
         sorted(out.num_scheduled_tokens.items()),
         [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
         list(zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True)),
-        sorted(cached.resumed_req_ids),
+        # vLLM 0.33 lists resumed (preempted) requests apart; 0.34 schedules them as new.
+        sorted(getattr(cached, "resumed_req_ids", ())),
         sorted(out.finished_req_ids),
         sorted(out.preempted_req_ids or ()),
     )
@@ -461,6 +480,10 @@ def tally(counts: Counter[str], described: tuple[Any, ...]) -> None:
         counts[f"{type(event).__name__} {getattr(event, 'medium', None)}"] += 1
 
 
+#: A test-only setting (taken out before the configuration is built): every K-th store job
+#: the fake worker completes fails.
+FAIL_STORES = "_fail_store_every"
+
 #: Manager settings (``kv_connector_extra_config``): each policy; ARC admitting a chunk
 #: only on its second offer (the manager's store tracker, its skipped-store stats).
 SETTINGS = {
@@ -473,6 +496,17 @@ SETTINGS = {
         "eviction_policy": "arc",
         "store_threshold": 2,
         "cpu_bytes_to_use": 64 << 10,
+    },
+    # vLLM 0.34: every 4th store job fails (complete_store(success=False) from the
+    # scheduler), stored events build their self-describing payloads from the request
+    # context the manager attaches to them, and a key counts toward the threshold once per
+    # request.
+    "lru-failing-threshold2": {
+        "eviction_policy": "lru",
+        "store_threshold": 2,
+        "cpu_bytes_to_use": 64 << 10,
+        "self_describing_kv_events": True,
+        FAIL_STORES: 4,
     },
 }
 
@@ -544,6 +578,7 @@ def run_pair(case: Case, extra: dict[str, Any], seed: int, counts: Counter[str])
     for engine in (theirs, ours):
         engine.scheduler.shutdown()
     assert theirs.recorder.calls == ours.recorder.calls
+    counts["failed store jobs"] += theirs.failed_stores
 
 
 #: Left out: the Mamba layout with synchronous loads, where vLLM's own scheduler (with
@@ -562,6 +597,8 @@ COMBINATIONS = [
 def test_scheduler_decisions_match_vllm(case_name: str, setting: str) -> None:
     require_oracle()
     extra = SETTINGS[setting]
+    if FAIL_STORES in extra and oracle_semantics() == "0.33":
+        pytest.skip("vLLM 0.33's connector asserts that every transfer succeeded")
     counts: Counter[str] = Counter()
     for seed in SEEDS:
         run_pair(SCHEDULER_CASES[case_name], extra, seed, counts)
@@ -580,5 +617,7 @@ def test_scheduler_decisions_match_vllm(case_name: str, setting: str) -> None:
     ]
     if "sync_load_budget_bytes" in extra:
         required.append("sync load jobs")
+    if FAIL_STORES in extra:
+        required.append("failed store jobs")
     for what in required:
         assert counts[what] > 0, (what, dict(counts))
