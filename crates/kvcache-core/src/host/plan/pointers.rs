@@ -35,6 +35,36 @@ fn place(layer: &LayerGeometry, address: u64) -> Place {
     }
 }
 
+/// Division by a fixed divisor without a division instruction per call (a few tens of cycles
+/// each, the largest cost of a long job otherwise): a multiply by `floor((2^64 - 1) / d)`
+/// gives the quotient or up to two less, and the remainder test corrects it.
+struct Reciprocal {
+    divisor: u64,
+    magic: u64,
+}
+
+impl Reciprocal {
+    fn new(divisor: u64) -> Self {
+        Reciprocal {
+            divisor,
+            magic: u64::MAX / divisor,
+        }
+    }
+
+    /// `x / divisor`, exactly.
+    #[inline(always)]
+    fn quotient(&self, x: u64) -> u64 {
+        let wide = (u128::from(x) * u128::from(self.magic)) >> 64;
+        // The high half of a 128-bit product of two 64-bit values fits in 64 bits.
+        let mut q = u64::try_from(wide).unwrap_or(u64::MAX);
+        // q <= x / divisor, so q * divisor <= x cannot overflow.
+        while x - q * self.divisor >= self.divisor {
+            q += 1;
+        }
+        q
+    }
+}
+
 /// One group's share of the flat arrays: where its pointers start and how many blocks it has.
 struct GroupSlice<'a> {
     group: usize,
@@ -125,54 +155,117 @@ impl TransferLayout {
         sizes: &[u64],
         out: &mut [i64],
     ) -> HostResult<()> {
-        if s.blocks == 0 {
+        let n = s.blocks;
+        if n == 0 {
             return Ok(());
         }
-        let n = s.blocks;
-        let mut largest = 0u64;
-        for (d, r) in s.refs.iter().enumerate() {
+        // The fast pass only accumulates whether anything is wrong (xor-or, no early exit, so
+        // the loops vectorise); after a failure, `diagnose` finds and names the first culprit.
+        // The first reference's pointers give the blocks: offset from the tensor's base, a
+        // multiple of its stride, below its last block.
+        let first = &self.layers[s.refs[0].tensor];
+        let stride = first.block_stride;
+        let last = (first.num_blocks - 1) * stride;
+        let inverse = Reciprocal::new(stride);
+        let (p0, z0) = (&ptrs[s.first..s.first + n], &sizes[s.first..s.first + n]);
+        let bytes0 = s.refs[0].bytes;
+        let mut offsets = vec![0u64; n];
+        let (mut ok, mut wrong, mut largest) = (true, 0u64, 0u64);
+        for (((&address, &size), id), offset) in p0
+            .iter()
+            .zip(z0)
+            .zip(out.iter_mut())
+            .zip(offsets.iter_mut())
+        {
+            let o = address.wrapping_sub(first.base); // below the base: wraps past `last`
+            let b = inverse.quotient(o);
+            ok &= o <= last && b * stride == o;
+            wrong |= size ^ bytes0;
+            largest = largest.max(b);
+            *offset = o;
+            // Below num_blocks when `ok`, which the layout bounded by the address space.
+            *id = i64::try_from(b).unwrap_or(i64::MAX);
+        }
+        ok &= wrong == 0;
+        // Every other reference must name the same blocks in its own tensor.
+        for (d, r) in s.refs.iter().enumerate().skip(1) {
+            if !ok {
+                break;
+            }
             let start = s.first + d * n;
             let (p, z) = (&ptrs[start..start + n], &sizes[start..start + n]);
+            let layer = &self.layers[r.tensor];
+            let (base, bytes) = (layer.base, r.bytes);
+            let wrong = if largest >= layer.num_blocks {
+                1 // the first reference names a block this (smaller) tensor does not have
+            } else if layer.block_stride == stride {
+                // The usual case (every layer alike): an addition per pointer, no multiply.
+                p.iter()
+                    .zip(z)
+                    .zip(&offsets)
+                    .fold(0u64, |acc, ((&a, &size), &o)| {
+                        acc | (a ^ (base + o)) | (size ^ bytes)
+                    })
+            } else {
+                // Below num_blocks: the layout checked that such an address fits.
+                let at = |id: i64| base + u64::try_from(id).unwrap_or(0) * layer.block_stride;
+                p.iter()
+                    .zip(z)
+                    .zip(out.iter())
+                    .fold(0u64, |acc, ((&a, &size), &id)| {
+                        acc | (a ^ at(id)) | (size ^ bytes)
+                    })
+            };
+            ok &= wrong == 0;
+        }
+        if ok {
+            Ok(())
+        } else {
+            Err(self.diagnose(s, ptrs, sizes, out))
+        }
+    }
+
+    /// The first thing wrong with a group the fast pass refused, in a fixed order: sizes, then
+    /// the first reference's pointers, then each other reference's. `out` holds the blocks
+    /// the first reference names.
+    fn diagnose(&self, s: &GroupSlice<'_>, ptrs: &[u64], sizes: &[u64], out: &[i64]) -> HostError {
+        let n = s.blocks;
+        for (d, r) in s.refs.iter().enumerate() {
+            let start = s.first + d * n;
+            let z = &sizes[start..start + n];
             if let Some(i) = z.iter().position(|&size| size != r.bytes) {
-                return Err(mismatch(format!(
+                return mismatch(format!(
                     "size {} at position {} (group {}, reference {d}) is not the reference's {} \
                      bytes",
                     z[i],
                     start + i,
                     s.group,
                     r.bytes
-                )));
-            }
-            let layer = &self.layers[r.tensor];
-            if d == 0 {
-                for (i, (&address, id)) in p.iter().zip(out.iter_mut()).enumerate() {
-                    match place(layer, address) {
-                        Place::Block(b) => {
-                            largest = largest.max(b);
-                            // Below num_blocks, which the layout bounded by the address space.
-                            *id = i64::try_from(b).unwrap_or(i64::MAX);
-                        }
-                        _ => return Err(self.bad_pointer(s, d, start + i, address, None)),
-                    }
-                }
-                continue;
-            }
-            let wrong = if largest < layer.num_blocks {
-                p.iter().zip(out.iter()).position(|(&address, &id)| {
-                    // Below num_blocks: the layout checked that such an address fits.
-                    let b = u64::try_from(id).unwrap_or(0);
-                    address != layer.base + b * layer.block_stride
-                })
-            } else {
-                // The first reference names a block this (smaller) tensor does not have.
-                out.iter()
-                    .position(|&id| u64::try_from(id).map_or(true, |b| b >= layer.num_blocks))
-            };
-            if let Some(i) = wrong {
-                return Err(self.bad_pointer(s, d, start + i, p[i], Some(out[i])));
+                ));
             }
         }
-        Ok(())
+        let first = &self.layers[s.refs[0].tensor];
+        let p0 = &ptrs[s.first..s.first + n];
+        if let Some(i) = p0
+            .iter()
+            .position(|&a| !matches!(place(first, a), Place::Block(_)))
+        {
+            return self.bad_pointer(s, 0, s.first + i, p0[i], None);
+        }
+        for (d, r) in s.refs.iter().enumerate().skip(1) {
+            let start = s.first + d * n;
+            let p = &ptrs[start..start + n];
+            let layer = &self.layers[r.tensor];
+            let named = |id: i64| u64::try_from(id).ok().filter(|&b| b < layer.num_blocks);
+            let wrong = p.iter().zip(out).position(|(&a, &id)| {
+                // Below num_blocks: the layout checked that such an address fits.
+                named(id).is_none_or(|b| a != layer.base + b * layer.block_stride)
+            });
+            if let Some(i) = wrong {
+                return self.bad_pointer(s, d, start + i, p[i], Some(out[i]));
+            }
+        }
+        mismatch(format!("group {}: the pointers are inconsistent", s.group))
     }
 
     /// The error for the pointer at `position` (reference `d` of the group); `expected` is the

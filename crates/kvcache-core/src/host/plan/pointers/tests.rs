@@ -175,3 +175,35 @@ proptest! {
         prop_assert!(decode(&lay, &p, &s, &c).is_err());
     }
 }
+
+proptest! {
+    #[test]
+    fn the_reciprocal_divides_exactly(
+        x in prop_oneof![any::<u64>(), 0u64..1 << 20, Just(u64::MAX)],
+        d in prop_oneof![1u64..1 << 20, any::<u64>().prop_map(|d| d.max(1)), Just(u64::MAX)],
+    ) {
+        prop_assert_eq!(super::Reciprocal::new(d).quotient(x), x / d);
+    }
+}
+
+#[test]
+fn the_reciprocal_divides_exactly_at_the_edges() {
+    for d in [
+        1,
+        2,
+        3,
+        7,
+        64,
+        96,
+        4096,
+        1 << 32,
+        (1 << 63) - 1,
+        1 << 63,
+        u64::MAX,
+    ] {
+        let r = super::Reciprocal::new(d);
+        for x in [0, 1, d - 1, d, d.wrapping_add(1), u64::MAX - 1, u64::MAX] {
+            assert_eq!(r.quotient(x), x / d, "{x} / {d}");
+        }
+    }
+}
