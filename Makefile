@@ -3,8 +3,9 @@
 #
 #   base         build tools, numpy, tqdm: enough to build the extension and run the replay
 #   wheel-tools  base + zig and auditwheel, for the manylinux wheel
-#   install      everything: base, wheel tools, test and lint tools, and vLLM 0.33.0 (the test
-#                oracle, with the CUDA build of torch: ~6.7 GB)
+#   install      everything: base, wheel tools, test and lint tools, and the two vLLM releases
+#                that are the test oracles (requirements/vllm.txt: 0.34.0 in .venv, 0.33.0 in
+#                .venv/oracle/vllm-0.33.0), with the CUDA build of torch: ~7 GB
 #
 # `make replay` (the main job) needs only the base; `make test` and `make lint` install it all.
 # Versions are pinned by requirements/constraints.txt. A new target depends on the layer it
@@ -19,6 +20,13 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # The wheel's platform tag: torch's Linux wheels (and so vLLM) need glibc 2.28 already.
 MANYLINUX ?= manylinux_2_28
 REPLAY_ARGS ?=
+
+# The vLLM releases (requirements/vllm.txt): the first goes into .venv, each other one into a
+# directory of its own that a test pass puts first on PYTHONPATH.
+VLLM_VERSIONS := $(shell sed -n 's/^vllm==//p' requirements/vllm.txt)
+VLLM_MAIN     := $(firstword $(VLLM_VERSIONS))
+VLLM_OTHERS   := $(wordlist 2,$(words $(VLLM_VERSIONS)),$(VLLM_VERSIONS))
+ORACLE_DIR    := $(VENV)/oracle
 
 BASE        := $(VENV)/.base-installed
 WHEEL_TOOLS := $(VENV)/.wheel-tools-installed
@@ -44,9 +52,13 @@ $(WHEEL_TOOLS): $(BASE) requirements/wheel.txt
 
 # vLLM itself goes in with --no-deps: its full dependency set pulls CUDA kernels never run here;
 # requirements/oracle.txt lists what its kv_offload modules import.
-$(FULL): $(BASE) $(WHEEL_TOOLS) requirements/dev.txt requirements/oracle.txt
+$(FULL): $(BASE) $(WHEEL_TOOLS) requirements/dev.txt requirements/oracle.txt requirements/vllm.txt
 	$(PIP) -r requirements/dev.txt -r requirements/oracle.txt
-	$(PY) -m pip install -q --no-deps vllm==0.33.0
+	$(PY) -m pip install -q --no-deps vllm==$(VLLM_MAIN)
+	for v in $(VLLM_OTHERS); do \
+	  rm -rf $(ORACLE_DIR)/vllm-$$v && \
+	  $(PY) -m pip install -q --no-deps --target $(ORACLE_DIR)/vllm-$$v vllm==$$v || exit 1; \
+	done
 	touch $@
 
 # --- build ----------------------------------------------------------------------------------
@@ -82,9 +94,17 @@ test: install build test-rust test-py
 test-rust:
 	cargo test --workspace -q
 
-# tests/test_wheel.py installs the wheel `make wheel` just built into a clean venv.
+# The whole suite against each vLLM release: first the one in .venv (with
+# tests/test_wheel.py, which installs the wheel `make wheel` just built into a clean venv),
+# then each other one first on PYTHONPATH (everything but the wheel test, which does not
+# depend on the installed vLLM).
 test-py: install build wheel
 	KVCACHE_WHEEL="$(abspath $(wildcard dist/kvcache_offload-*.whl))" $(PY) -m pytest -q
+	for v in $(VLLM_OTHERS); do \
+	  echo "--- pytest against vLLM $$v"; \
+	  PYTHONPATH="$(abspath $(ORACLE_DIR))/vllm-$$v" $(PY) -m pytest -q \
+	    --ignore=tests/test_wheel.py || exit 1; \
+	done
 
 lint: install build
 	cargo fmt --all -- --check

@@ -190,7 +190,9 @@ def run_isolated(script: str, *, max_rss: int = 768 << 20, timeout: float = 120)
     """Runs ``script`` in a fresh interpreter (repository root as cwd, ``report(...)``
     available) and stops it when its resident memory exceeds ``max_rss``."""
     code = _PRELUDE + textwrap.dedent(script)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1")
+    # The caller's PYTHONPATH stays after the root: it may name the vLLM oracle under test.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=ROOT,

@@ -233,10 +233,14 @@ def manager_round(m, r, seq):
 
 
 if TARGET.startswith("policy"):
-    obj = kvcache.LRUCachePolicy(256) if TARGET.endswith("lru") else kvcache.ARCCachePolicy(256)
+    # vLLM 0.33's protocol: the rounds touch.
+    cls = kvcache.LRUCachePolicy if TARGET.endswith("lru") else kvcache.ARCCachePolicy
+    obj = cls(256, vllm_semantics="0.33")
     one_round = policy_round
 else:
-    obj = kvcache.OffloadingManager(256, TARGET.split("-")[1], enable_events=True)
+    obj = kvcache.OffloadingManager(
+        256, TARGET.split("-")[1], enable_events=True, vllm_semantics="0.33"
+    )
     one_round = manager_round
 
 import itertools

@@ -78,8 +78,9 @@ def positions_ctx(name: str = "r") -> kvcache.ReqContext:
 
 
 def policy_env(cls: type) -> Env:
-    """K0, K1 idle; K2 pinned (ref_cnt 1); K3.. absent."""
-    policy = cls(4)
+    """K0, K1 idle; K2 pinned (ref_cnt 1); K3.. absent. vLLM 0.33's protocol, which has
+    touch (under 0.34's, touch refuses before it reads its keys)."""
+    policy = cls(4, vllm_semantics="0.33")
     ctx = positions_ctx()
     for i in range(3):
         policy.insert(K[i], ready(i), ctx)
@@ -102,7 +103,7 @@ def populate_manager(manager: Any) -> kvcache.ReqContext:
 
 
 def manager_env(policy: str) -> Env:
-    manager = kvcache.OffloadingManager(4, policy, enable_events=True)
+    manager = kvcache.OffloadingManager(4, policy, enable_events=True, vllm_semantics="0.33")
     return Env(manager, populate_manager(manager))
 
 
@@ -140,6 +141,9 @@ TARGETS: dict[str, Callable[[], Env | None]] = {
 }
 POLICIES = ["lru", "arc"]
 MANAGERS = ["m-lru", "m-arc", "vm-lru", "vm-arc"]
+#: vLLM 0.33's manager has touch, and so has kvcache.vllm's there; 0.34's has none (read from
+#: the installed vLLM's metadata: collecting the cases imports no vLLM).
+VLLM_HAS_TOUCH = kvcache._semantics.default_semantics() == "0.33"
 
 CASES: list[Any] = []
 CASE_IDS: set[str] = set()
@@ -246,6 +250,8 @@ for target in POLICIES:
             case(target, f"{method}-keys-{cname}", with_collection(call, make), IKE)
 for target in MANAGERS:
     for method, call in COLLECTION_MANAGER_CALLS.items():
+        if method == "touch" and target.startswith("vm-") and not VLLM_HAS_TOUCH:
+            continue  # kvcache.vllm's manager has no touch where vLLM's has none
         for cname, make in BAD_KEY_COLLECTIONS.items():
             case(target, f"{method}-keys-{cname}", with_collection(call, make), IKE)
 
@@ -692,6 +698,8 @@ for target in MANAGERS:
         KeyboardInterrupt,
     )
     for method, call in COLLECTION_MANAGER_CALLS.items():
+        if method == "touch" and target.startswith("vm-") and not VLLM_HAS_TOUCH:
+            continue
         case(
             target,
             f"{method}-gen-raises",
@@ -1108,8 +1116,8 @@ def test_a_name_with_a_lone_surrogate_is_an_argument_error(
 
 def manager_or_policy(kind: str) -> Any:
     return {
-        "lru": lambda: kvcache.LRUCachePolicy(4),
-        "manager": lambda: kvcache.OffloadingManager(4),
+        "lru": lambda: kvcache.LRUCachePolicy(4, vllm_semantics="0.33"),
+        "manager": lambda: kvcache.OffloadingManager(4, vllm_semantics="0.33"),
         "vllm-manager": lambda: vllm_manager(4),
     }[kind]()
 

@@ -45,7 +45,7 @@ class Subject:
 
 
 def a_policy(cls: type) -> Subject:
-    policy = cls(4)
+    policy = cls(4, vllm_semantics="0.33")  # its protocol has touch
     ctx = kvcache.ReqContext("r")
     for i in range(3):
         policy.insert(make_key(i), ready(i), ctx)

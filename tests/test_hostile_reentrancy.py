@@ -119,7 +119,9 @@ def plain_ctx() -> Context:
 
 
 def make_policy(kind: str) -> tuple[Any, Context]:
-    policy = kvcache.LRUCachePolicy(4) if kind == "lru" else kvcache.ARCCachePolicy(4)
+    # vLLM 0.33's protocol: the suites also call touch.
+    cls = kvcache.LRUCachePolicy if kind == "lru" else kvcache.ARCCachePolicy
+    policy = cls(4, vllm_semantics="0.33")
     ctx = plain_ctx()
     for i in range(3):
         policy.insert(K[i], ready(i), ctx)
@@ -129,7 +131,7 @@ def make_policy(kind: str) -> tuple[Any, Context]:
 def make_manager(kind: str) -> tuple[Any, Context]:
     flavour, policy = kind.split("-")
     if flavour == "m":
-        manager = kvcache.OffloadingManager(4, policy, enable_events=True)
+        manager = kvcache.OffloadingManager(4, policy, enable_events=True, vllm_semantics="0.33")
     else:
         from kvcache.vllm import CPUOffloadingManager
 
@@ -186,10 +188,18 @@ POLICY_OUTER: dict[str, tuple[tuple[str, ...], Outer]] = {
     ),
 }
 
+#: vLLM 0.33's manager has touch, and so has kvcache.vllm's there; 0.34's has none (read from
+#: the installed vLLM's metadata).
+VLLM_HAS_TOUCH = kvcache._semantics.default_semantics() == "0.33"
+
 MANAGER_OUTER: dict[str, tuple[tuple[str, ...], Outer]] = {
     "prepare_store-gen": (("*",), lambda m, c, h: m.prepare_store(hooked_keys(h, K[4:6]), c)),
     "prepare_load-gen": (("*",), lambda m, c, h: m.prepare_load(hooked_keys(h, K[:2]), c)),
-    "touch-gen": (("*",), lambda m, c, h: m.touch(hooked_keys(h, K[:2]), c)),
+    # kvcache.vllm's manager has touch only where vLLM's has (0.33).
+    "touch-gen": (
+        ("m-lru", "m-arc", *(("vm-lru", "vm-arc") if VLLM_HAS_TOUCH else ())),
+        lambda m, c, h: m.touch(hooked_keys(h, K[:2]), c),
+    ),
     "complete_store-gen": (("*",), lambda m, c, h: m.complete_store(hooked_keys(h, K[2:3]), c)),
     "complete_store-fail-gen": (
         ("*",),

@@ -280,27 +280,57 @@ def test_bad_kvcache_settings_raise_typed_errors(extra: dict[str, Any], exc: typ
 def test_vllm_version_is_checked() -> None:
     require_oracle()
     import kvcache
-    from kvcache._vllm_version import TESTED_VLLM_VERSION, check_vllm_version
+    from kvcache._vllm_version import TESTED_VLLM_VERSIONS, check_vllm_version
     from kvcache.vllm import UnsupportedVersionError
 
-    check_vllm_version(TESTED_VLLM_VERSION, allow_untested=False)
+    assert TESTED_VLLM_VERSIONS == ("0.33.0", "0.34.0")
+    assert [check_vllm_version(v, allow_untested=False) for v in TESTED_VLLM_VERSIONS] == [
+        "0.33",
+        "0.34",
+    ]
     with pytest.raises(UnsupportedVersionError, match="KVCACHE_ALLOW_UNTESTED_VLLM=1") as info:
-        check_vllm_version("0.34.0", allow_untested=False)
+        check_vllm_version("0.35.0", allow_untested=False)
     assert isinstance(info.value, kvcache.KvCacheError)
     assert isinstance(info.value, RuntimeError)
-    check_vllm_version("0.34.0", allow_untested=True)  # warns, does not raise
+    # Under the override: the newest tested release not newer than the installed one.
+    assert check_vllm_version("0.35.0", allow_untested=True) == "0.34"
+    assert check_vllm_version("0.33.5", allow_untested=True) == "0.33"
+    assert check_vllm_version("0.30.0", allow_untested=True) == "0.33"
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.33.0+cu129", "0.33.0+rocm7.1", "0.33.0.post1"])
+def test_the_adapter_follows_the_running_release() -> None:
+    """kvcache.vllm's manager decides as the installed vLLM, and under 0.34 it has no touch,
+    as vLLM 0.34's manager has none."""
+    require_oracle()
+    import vllm
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager
+
+    import kvcache.vllm
+    from tests.conftest import oracle_semantics
+
+    assert oracle_semantics() == kvcache.vllm.VLLM_SEMANTICS
+    assert vllm.__version__.startswith(kvcache.vllm.VLLM_SEMANTICS)
+    manager = kvcache.vllm.CPUOffloadingManager(8, "lru")
+    assert manager.vllm_semantics == kvcache.vllm.VLLM_SEMANTICS
+    assert hasattr(manager, "touch") == hasattr(VllmManager, "touch")
+    policy = kvcache.vllm.LRUCachePolicy(4)
+    assert policy.vllm_semantics == kvcache.vllm.VLLM_SEMANTICS
+
+
+@pytest.mark.parametrize(
+    "version",
+    ["0.33.0", "0.33.0+cu129", "0.33.0+rocm7.1", "0.33.0.post1", "0.34.0", "0.34.0+cu130"],
+)
 def test_vllm_builds_of_the_tested_release_are_accepted(version: str) -> None:
     require_oracle()
     from kvcache._vllm_version import check_vllm_version
 
-    check_vllm_version(version, allow_untested=False)
+    assert check_vllm_version(version, allow_untested=False) == version[:4]
 
 
 @pytest.mark.parametrize(
-    "version", ["0.33.1", "1!0.33.0", "0.33.0rc1", "0.33.0.dev3+g1234", "0.32.9+cu129", "unknown"]
+    "version",
+    ["0.33.1", "0.34.1", "1!0.33.0", "0.34.0rc1", "0.33.0.dev3+g1234", "0.32.9+cu129", "unknown"],
 )
 def test_other_vllm_releases_are_refused(version: str) -> None:
     require_oracle()
@@ -333,7 +363,10 @@ def run_vllm_process(**env: str) -> str:
         cwd=REPO,
         env={
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO / "python"), str(REPO)]),
+            # The caller's PYTHONPATH last: it may name the vLLM oracle under test.
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO / "python"), str(REPO), os.environ.get("PYTHONPATH", "")]
+            ),
             "VLLM_LOGGING_STREAM": "ext://sys.stderr",
             "VLLM_LOGGING_COLOR": "0",
             **env,
