@@ -33,6 +33,7 @@ import ast
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import inspect
 import textwrap
 import uuid
@@ -151,6 +152,7 @@ def _handler_init_without_device_assert(handler_cls: type) -> Any:
     return namespace["__init__"]
 
 
+@functools.cache
 def pointers_release() -> bool:
     """Whether the installed vLLM hands its worker device pointers (0.34.0) rather than a
     ``GPULoadStoreSpec`` (0.33.0)."""
