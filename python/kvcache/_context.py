@@ -1,8 +1,9 @@
 """A request context with vLLM's ``ReqContext`` methods, for use without vLLM.
 
 kvcache's policies and manager accept vLLM's own ``ReqContext`` or any object with these
-methods. This one mirrors vLLM 0.33.0's: per-request scratch state keyed by type, and the
-end-token position of each key the scheduler recorded. The policies read ``_offload_key_positions``
+methods. This one mirrors vLLM's: per-request scratch state keyed by type, the end-token
+position of each key the scheduler recorded, and (vLLM 0.34) the request's token counts, None
+unless given. The policies read ``_offload_key_positions``
 directly when the object is an unmodified instance of this class or of vLLM's, which saves a
 Python call per key.
 """
@@ -20,13 +21,37 @@ class ReqContext:
     """Per-request context: a request id, typed scratch state, and token positions of keys."""
 
     # __weakref__: kvcache's policies and managers remember the last context weakly.
-    __slots__ = ("__weakref__", "_offload_key_positions", "_state", "kv_transfer_params", "req_id")
+    __slots__ = (
+        "__weakref__",
+        "_offload_key_positions",
+        "_state",
+        "kv_transfer_params",
+        "num_computed_tokens",
+        "num_in_flight_tokens",
+        "num_prompt_tokens",
+        "num_tokens",
+        "req_id",
+    )
 
-    def __init__(self, req_id: str = "", kv_transfer_params: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        req_id: str = "",
+        kv_transfer_params: dict[str, Any] | None = None,
+        *,
+        num_computed_tokens: int | None = None,
+        num_in_flight_tokens: int | None = None,
+        num_prompt_tokens: int | None = None,
+        num_tokens: int | None = None,
+    ) -> None:
         self.req_id = req_id
         self.kv_transfer_params = kv_transfer_params
         self._state: dict[type, Any] = {}
         self._offload_key_positions: dict[bytes, int] = {}
+        # vLLM 0.34's token counts (its scheduler's context reads them live from the request).
+        self.num_computed_tokens = num_computed_tokens
+        self.num_in_flight_tokens = num_in_flight_tokens
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_tokens = num_tokens
 
     def set_state(self, val: Any) -> None:
         self._state[type(val)] = val
@@ -53,4 +78,13 @@ class ReqContext:
         return f"ReqContext(req_id={self.req_id!r})"
 
 
-_FIELDS = ("req_id", "kv_transfer_params", "_state", "_offload_key_positions")
+_FIELDS = (
+    "req_id",
+    "kv_transfer_params",
+    "_state",
+    "_offload_key_positions",
+    "num_computed_tokens",
+    "num_in_flight_tokens",
+    "num_prompt_tokens",
+    "num_tokens",
+)
