@@ -23,8 +23,7 @@ fn place(layer: &LayerGeometry, address: u64) -> Place {
     let Some(offset) = address.checked_sub(layer.base) else {
         return Place::Outside;
     };
-    // A division per block of the group's first reference only: the other references are
-    // checked by multiplying back, which is what keeps a job linear at a few cycles a pointer.
+    // Only for naming what is wrong: the fast pass divides by a reciprocal instead.
     let block = offset / layer.block_stride;
     if block >= layer.num_blocks {
         Place::Outside
