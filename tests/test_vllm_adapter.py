@@ -240,9 +240,11 @@ def test_policy_line_when_vllms_manager_builds_our_policy(
     assert type(manager._policy) is getattr(kvcache, policy)
     lines = [r.getMessage() for r in caplog.records if r.name == "kvcache.vllm"]
     assert lines == [
-        f"kvcache policy ready: manager=vLLM's policy={policy} (kvcache, Rust) worker=vLLM's "
-        "(loaded by vLLM's CachePolicyFactory from kvcache.vllm)"
+        f"kvcache policy ready: manager=vLLM's policy={policy} (kvcache, Rust, vLLM "
+        f"{kvcache.vllm.VLLM_SEMANTICS} protocol) worker=vLLM's (loaded by vLLM's "
+        "CachePolicyFactory from kvcache.vllm)"
     ]
+    assert manager._policy.vllm_semantics == kvcache.vllm.VLLM_SEMANTICS
 
     caplog.clear()
     with caplog.at_level("INFO", logger="kvcache.vllm"):

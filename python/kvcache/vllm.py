@@ -125,9 +125,10 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if sys._getframe(1).f_globals.get("__name__") == _VLLM_POLICY_FACTORY:
         logger.info(
-            "kvcache policy ready: manager=vLLM's policy=%s (kvcache, Rust) worker=vLLM's "
-            "(loaded by vLLM's CachePolicyFactory from %s)",
+            "kvcache policy ready: manager=vLLM's policy=%s (kvcache, Rust, vLLM %s protocol) "
+            "worker=vLLM's (loaded by vLLM's CachePolicyFactory from %s)",
             name,
+            VLLM_SEMANTICS,
             __name__,
         )
     return cls
@@ -451,9 +452,10 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
             pinned = "n/a" if worker is None else "vLLM's"
             cutoff = "n/a"
         logger.info(
-            "kvcache %s ready: manager=%s policy=%s worker=%s pool=%s pinned=%s "
+            "kvcache %s ready: vllm=%s manager=%s policy=%s worker=%s pool=%s pinned=%s "
             "load kernel/DMA cut-off=%s",
             built,
+            VLLM_SEMANTICS,
             self.manager_description(),
             self.policy_kind or self.eviction_policy,
             worker_text,
