@@ -18,6 +18,8 @@ import kvcache
 from kvcache._semantics import VLLM_SEMANTICS
 from kvcache.replay.backends import (
     BACKENDS,
+    BOUND_POLICY,
+    POLICIES,
     POLICY_CLASSES,
     Backend,
     get_backend,
@@ -146,8 +148,10 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
         "--policy",
         default=DEFAULT_POLICIES,
         metavar="LIST",
-        help="comma-separated policies: lru, arc, or vLLM's class names "
-        f"({', '.join(POLICY_CLASSES.values())}) (default {DEFAULT_POLICIES})",
+        help=f"comma-separated policies: {', '.join(POLICIES)}, or vLLM's class names "
+        f"({', '.join(POLICY_CLASSES.values())}); {BOUND_POLICY}, the offline bound (it knows "
+        "the whole workload; kvcache's manager only); all: every policy, then the bound "
+        f"(default {DEFAULT_POLICIES})",
     )
     ex.add_argument(
         "--capacity",
@@ -425,6 +429,7 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
             capacities=len(capacities),
             repeat=args.repeat,
             reference=reference is not None,
+            bounds=policies.count(BOUND_POLICY),
         )
         if stderr.isatty():
             progress = GridProgress(runs=runs, requests=len(workload.requests), stream=stderr)

@@ -63,6 +63,7 @@ macro_rules! declare_policies {
 }
 for_each_policy!(declare_policies);
 
+mod belady;
 mod chunk;
 mod entries;
 mod error;
@@ -77,6 +78,7 @@ mod slab;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
+pub use belady::BeladyPolicy;
 #[cfg(any(test, feature = "testing"))]
 pub use chunk::TestChunk;
 pub use chunk::{HasRefCnt, RefCounts, SelfCounted};

@@ -165,6 +165,12 @@ pub trait Policy<C>: Sized {
     fn set_evictable(&mut self, id: EntryId, evictable: bool) {
         let _ = (id, evictable);
     }
+    /// An offline caller's knowledge that a resident entry's key is next used at `next_use`
+    /// (a request index; `u64::MAX`: never). Only the replay's bound reads it
+    /// ([`BeladyPolicy`](crate::BeladyPolicy)); online policies ignore it.
+    fn hint_next_use(&mut self, id: EntryId, next_use: u64) {
+        let _ = (id, next_use);
+    }
     /// The request is gone: no key will be ranked on its behalf any more.
     fn release_request(&mut self, request: Self::Request) {
         let _ = request;

@@ -183,7 +183,8 @@ impl PolicyProgram {
         Ok(())
     }
 
-    /// Runs the program on every policy of [`crate::for_each_policy!`]; `Err` names the policy.
+    /// Runs the program on every policy of [`crate::for_each_policy!`] and the offline
+    /// [`BeladyPolicy`](crate::BeladyPolicy); `Err` names the policy.
     pub fn run_every_policy(&self) -> Result<(), String> {
         macro_rules! run_all {
             ($($(#[$doc:meta])* $module:ident::$policy:ident as $kind:ident = $class:literal;)*) => {
@@ -195,7 +196,8 @@ impl PolicyProgram {
             };
         }
         crate::for_each_policy!(run_all);
-        Ok(())
+        self.run::<crate::BeladyPolicy<TestChunk>>()
+            .map_err(|e| format!("belady: {e}"))
     }
 }
 
@@ -449,6 +451,11 @@ pub enum ManagerOp {
     Touch {
         keys: Vec<u8>,
     },
+    /// An offline caller's next-use hints (the bound's policy reads them; others ignore them).
+    Hint {
+        keys: Vec<u8>,
+        next: u8,
+    },
     Reset,
     /// Take the events; with `requeue`, put them back and check the next take returns them.
     TakeEvents {
@@ -465,7 +472,7 @@ impl<'a> Arbitrary<'a> for ManagerOp {
                 .map(|_| u.int_in_range(0..=MANAGER_KEYS - 1))
                 .collect()
         };
-        Ok(match u.int_in_range(0..=15)? {
+        Ok(match u.int_in_range(0..=16)? {
             0 => ManagerOp::NewRequest,
             1..=4 => ManagerOp::Step {
                 req: req(u)?,
@@ -481,6 +488,10 @@ impl<'a> Arbitrary<'a> for ManagerOp {
             12 => ManagerOp::Release { req: req(u)? },
             13 => ManagerOp::Touch { keys: keys(u)? },
             14 => ManagerOp::Reset,
+            15 => ManagerOp::Hint {
+                keys: keys(u)?,
+                next: u.arbitrary()?,
+            },
             _ => ManagerOp::TakeEvents {
                 requeue: u.ratio(1, 3)?,
             },
@@ -528,7 +539,8 @@ impl ManagerProgram {
         Ok(())
     }
 
-    /// Runs the program on a manager over every policy of [`crate::for_each_policy!`]; `Err`
+    /// Runs the program on a manager over every policy of [`crate::for_each_policy!`] and the
+    /// replay's offline [`BeladyPolicy`](crate::BeladyPolicy); `Err`
     /// names the policy.
     pub fn run_every_policy(&self) -> Result<(), String> {
         macro_rules! run_all {
@@ -541,7 +553,8 @@ impl ManagerProgram {
             };
         }
         crate::for_each_policy!(run_all);
-        Ok(())
+        self.run::<crate::BeladyPolicy<ChunkId>>()
+            .map_err(|e| format!("belady: {e}"))
     }
 }
 
@@ -743,6 +756,17 @@ impl<P: Policy<ChunkId>> ManagerHarness<P> {
                     }
                     _ => {}
                 }
+            }
+            ManagerOp::Hint { keys, next } => {
+                let bytes: Vec<Vec<u8>> = keys.iter().map(|&k| manager_key(k)).collect();
+                let ks: Vec<Key<'_>> = bytes.iter().map(|b| m.key(b)).collect();
+                // 255 stands for "never used again".
+                let next = if *next == u8::MAX {
+                    u64::MAX
+                } else {
+                    u64::from(*next)
+                };
+                m.hint_next_uses(&ks, &vec![next; ks.len()]);
             }
             ManagerOp::Reset => {
                 m.reset();

@@ -10,8 +10,10 @@
 use std::ffi::c_int;
 use std::ptr;
 
-use kvcache_core::manager::{ChunkRecord, Event, ManagerConfig, StoreOutput, VllmSemantics, FREE};
-use kvcache_core::{CoreError, Key, KeyHasher, RequestToken};
+use kvcache_core::manager::{
+    ChunkId, ChunkRecord, Event, Manager, ManagerConfig, StoreOutput, VllmSemantics, FREE,
+};
+use kvcache_core::{BeladyPolicy, CoreError, Key, KeyHasher, RequestToken};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::gc::{PyTraverseError, PyVisit};
@@ -54,13 +56,17 @@ struct Observed {
     cursor: isize,
 }
 
+/// The replay's offline bound: a manager over [`BeladyPolicy`], not a vLLM policy.
+const BELADY: &str = "belady";
+
 /// vLLM's default bound of the `store_threshold` access tracker.
 const DEFAULT_MAX_TRACKER_SIZE: usize = 64_000;
 
 /// The manager and what the bindings keep beside it.
 struct State {
     ops: Box<dyn ManagerOps>,
-    kind: PolicyKind,
+    /// The policy's short name (`"lru"`, `"arc"`, or the replay's `"belady"`).
+    policy_name: &'static str,
     types: ResultTypes,
     owner: Owner,
     contexts: ContextTypeCache,
@@ -249,7 +255,9 @@ impl PyManager {
     ) -> PyResult<Self> {
         let py = cls.py();
         let module_path = cache_policy_module_path.as_deref();
-        let Some(kind) = PolicyKind::resolve(&cache_policy, module_path) else {
+        let offline = cache_policy == BELADY && module_path.is_none();
+        let kind = PolicyKind::resolve(&cache_policy, module_path);
+        if kind.is_none() && !offline {
             return Err(new_err(
                 py,
                 &exceptions(py).invalid_argument,
@@ -261,7 +269,7 @@ impl PyManager {
                     names(PolicyKind::class_name),
                 ),
             ));
-        };
+        }
         let config = ManagerConfig {
             num_chunks,
             enable_events: enable_events.0,
@@ -272,12 +280,19 @@ impl PyManager {
                 None => default_semantics(py)?,
             },
         };
-        let ops = kind.new_manager(config).py_err()?;
+        let (ops, policy_name) = match kind {
+            Some(kind) => (kind.new_manager(config).py_err()?, kind.name()),
+            None => {
+                let ops: Box<dyn ManagerOps> =
+                    Box::new(Manager::<BeladyPolicy<ChunkId>>::new(config).py_err()?);
+                (ops, BELADY)
+            }
+        };
         Ok(PyManager {
             inner: Guarded::new(
                 State {
                     ops,
-                    kind,
+                    policy_name,
                     types: ResultTypes::from_class(cls)?,
                     owner: Owner::default(),
                     contexts: ContextTypeCache::positions(),
@@ -314,7 +329,7 @@ impl PyManager {
     /// The policy's short name: "lru" or "arc".
     #[getter]
     fn cache_policy(&self, py: Python<'_>) -> PyResult<&'static str> {
-        Ok(self.inner.lock(py)?.kind.name())
+        Ok(self.inner.lock(py)?.policy_name)
     }
 
     #[getter]
@@ -412,6 +427,29 @@ impl PyManager {
             .lock(py)?
             .with_keys(&keys, |ops, ks| ops.touch(ks))?
             .py_err()
+    }
+
+    /// The replay's bound only (`cache_policy="belady"`): when each resident key of `keys`
+    /// is next used (`next_uses`, request indices; `2**64 - 1`: never). Other policies ignore
+    /// it. `InvalidArgumentError` if the lengths differ.
+    fn _hint_next_uses(
+        &self,
+        py: Python<'_>,
+        keys: Bound<'_, PyAny>,
+        next_uses: Vec<u64>,
+    ) -> PyResult<()> {
+        let mut state = self.inner.lock(py)?;
+        let keys = collect_keys(&keys)?;
+        if keys.len() != next_uses.len() {
+            return Err(new_err(
+                py,
+                &exceptions(py).invalid_argument,
+                format!("{} keys but {} next uses", keys.len(), next_uses.len()),
+            ));
+        }
+        let ks = state.keys(&keys);
+        state.ops.hint_next_uses(&ks, &next_uses);
+        Ok(())
     }
 
     /// Unpins chunks whose loads finished.

@@ -28,6 +28,7 @@ pub trait ManagerOps: Send {
         observed: &mut Vec<usize>,
     ) -> CoreResult<Vec<ChunkId>>;
     fn touch(&mut self, keys: &[Key<'_>]) -> CoreResult<()>;
+    fn hint_next_uses(&mut self, keys: &[Key<'_>], next_uses: &[u64]);
     fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()>;
     fn prepare_store(
         &mut self,
@@ -102,6 +103,9 @@ where
     }
     fn touch(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
         Manager::touch(self, keys)
+    }
+    fn hint_next_uses(&mut self, keys: &[Key<'_>], next_uses: &[u64]) {
+        Manager::hint_next_uses(self, keys, next_uses);
     }
     fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
         Manager::complete_load(self, keys)

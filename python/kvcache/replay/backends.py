@@ -43,7 +43,9 @@ from kvcache._semantics import (
 from kvcache.replay.errors import BackendUnavailable, ConfigError
 
 __all__ = [
+    "ALL_POLICIES",
     "BACKENDS",
+    "BOUND_POLICY",
     "POLICIES",
     "POLICY_CLASSES",
     "REFERENCE_VLLM",
@@ -60,6 +62,11 @@ logger = logging.getLogger(__name__)
 
 #: Policies every backend understands, by vLLM's registered names (the Rust core's list).
 POLICIES: tuple[str, ...] = tuple(POLICY_KINDS)
+#: The offline bound (Belady on next use under the same manager semantics): kvcache's manager
+#: only, told the workload's future by the driver.
+BOUND_POLICY = "belady"
+#: What ``--policy all`` runs: every online policy, then the bound.
+ALL_POLICIES: tuple[str, ...] = (*POLICIES, BOUND_POLICY)
 #: Backends selectable by name (the null baseline is built from a recorded run, not by name).
 BACKENDS: tuple[str, ...] = ("kvcache", "vllm", "vllm-rust-policies")
 #: The vLLM releases the replay's reference and our adapter are checked against.
@@ -69,22 +76,25 @@ REFERENCE_VLLM: tuple[str, ...] = tuple(RELEASE_OF.values())
 #: also our Rust classes' names in ``kvcache.vllm``.
 POLICY_CLASSES = {name: cls.__name__ for name, cls in POLICY_KINDS.items()}
 _POLICY_ALIASES = {
-    **{name: name for name in POLICIES},
+    **{name: name for name in ALL_POLICIES},
     **{cls.lower(): name for name, cls in POLICY_CLASSES.items()},
 }
 
 
 def parse_policies(text: str) -> list[str]:
-    """Parse ``"lru,arc"`` or vLLM's class names (``"LRUCachePolicy"``), case-insensitively,
-    into registered names with duplicates dropped; an unknown name is a ConfigError."""
+    """Parse ``"lru,arc"``, vLLM's class names (``"LRUCachePolicy"``), ``"belady"`` (the
+    offline bound) or ``"all"`` (every online policy, then the bound), case-insensitively,
+    into names with duplicates dropped; an unknown name is a ConfigError."""
     policies: list[str] = []
     for raw in text.split(","):
-        name = _POLICY_ALIASES.get(raw.strip().lower())
-        if name is None:
-            choices = ", ".join([*POLICIES, *POLICY_CLASSES.values()])
-            raise ConfigError(f"unknown policy {raw.strip()!r} (choose from {choices})")
-        if name not in policies:
-            policies.append(name)
+        word = raw.strip().lower()
+        names = ALL_POLICIES if word == "all" else (_POLICY_ALIASES.get(word),)
+        for name in names:
+            if name is None:
+                choices = ", ".join(["all", *ALL_POLICIES, *POLICY_CLASSES.values()])
+                raise ConfigError(f"unknown policy {raw.strip()!r} (choose from {choices})")
+            if name not in policies:
+                policies.append(name)
     return policies
 
 
@@ -99,9 +109,13 @@ class Backend:
     semantics: str = ""
 
 
-def _check_policy(policy: str) -> None:
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+def _check_policy(policy: str, *, bound: bool = False) -> None:
+    if policy == BOUND_POLICY and not bound:
+        raise ConfigError(
+            f"the {BOUND_POLICY} bound runs on kvcache's manager only (--backend kvcache)"
+        )
+    if policy not in (ALL_POLICIES if bound else POLICIES):
+        raise ConfigError(f"unknown policy {policy!r} (choose from {', '.join(ALL_POLICIES)})")
 
 
 def _import_vllm_manager() -> tuple[Any, Any, Any]:
@@ -186,7 +200,7 @@ def kvcache_backend(semantics: str | None = None) -> Backend:
     def make(
         num_chunks: int, policy: str, *, enable_events: bool = False, store_threshold: int = 1
     ) -> Any:
-        _check_policy(policy)
+        _check_policy(policy, bound=True)
         return kvcache.OffloadingManager(
             num_chunks,
             cache_policy=policy,

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcache.replay.backends import Backend
+from kvcache.replay.backends import BOUND_POLICY, Backend
 from kvcache.replay.errors import ConfigError
 from kvcache.replay.workload import Workload
 
@@ -324,6 +324,11 @@ def replay(
             complete_store(keys_done, job.ctx, success=ok)
         on_request_finished(job.ctx)
 
+    # The offline bound is told, after each step, when the keys it stored or kept are used
+    # next (computed before the clock starts; its timing is not reported).
+    hint = getattr(manager, "_hint_next_uses", None) if policy == BOUND_POLICY else None
+    next_uses = workload.next_uses() if hint is not None else ()
+
     start = time.perf_counter_ns()
     for idx, keys in enumerate(requests):
         ctx = make_ctx(f"r{idx}")
@@ -366,6 +371,11 @@ def replay(
             store_job(waiting, result)
             waiting.reoffer = again if result is None else None
             reoffers.append((waiting.step, result))
+        if hint is not None:
+            hint(keys, next_uses[idx])
+            for step, result in reoffers:
+                if result is not None:
+                    hint(requests[step], next_uses[step])
         if preempt_every and (idx + 1) % preempt_every == 0 and job.reoffer is None:
             job.reoffer = keys  # preempted now: rescheduled next step, from token 0
         pending.append(job)

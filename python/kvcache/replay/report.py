@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcache.replay.backends import BOUND_POLICY
 from kvcache.replay.capacity import format_bytes
 from kvcache.replay.errors import ConfigError
 from kvcache.replay.runner import Row
@@ -56,6 +57,7 @@ def format_table(
     """
     compared = any(row.reference is not None for row in rows)
     sized = any(row.capacity.bytes is not None for row in rows)
+    bounded = any(row.bound_hit_ratio is not None for row in rows)
     header = [
         f"workload: {workload.name}: {_count(len(workload.requests), 'request')}, "
         f"{_count(workload.key_visits, 'key visit')}, "
@@ -82,8 +84,10 @@ def format_table(
     columns = [("policy", "<"), ("capacity", ">")]
     if sized:
         columns.append(("memory", ">"))
+    columns.append(("hit ratio", ">"))
+    if bounded:
+        columns.append(("of bound", ">"))
     columns += [
-        ("hit ratio", ">"),
         ("stored", ">"),
         ("evicted", ">"),
         ("failed prep", ">"),
@@ -103,12 +107,16 @@ def format_table(
         if sized:
             size = row.capacity.bytes
             cells.append("-" if size is None else format_bytes(size))
+        cells.append(f"{run.hit_ratio:.4f}")
+        if bounded:
+            of_bound = row.of_bound
+            cells.append("-" if of_bound is None else f"{of_bound:.3f}")
+        offline = run.policy == BOUND_POLICY
         cells += [
-            f"{run.hit_ratio:.4f}",
             f"{run.stored:,}",
             f"{run.evicted:,}",
             f"{run.failed_prepares:,}",
-            _fmt_ns(row.timing.ns_per_visit),
+            "offline" if offline else _fmt_ns(row.timing.ns_per_visit),
         ]
         if compared:
             speedup = row.speedup

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvcache.replay.backends import Backend
+from kvcache.replay.backends import BOUND_POLICY, Backend
 from kvcache.replay.baseline import null_backend
 from kvcache.replay.capacity import Capacity, CapacitySpec, resolve_capacities
 from kvcache.replay.compare import Comparison, compare_decisions
@@ -194,6 +194,17 @@ class Row:
     options: ReplayOptions
     reference: Timing | None = None
     comparison: Comparison | None = None
+    #: The offline bound's hit ratio at the same capacity, when the grid ran it.
+    bound_hit_ratio: float | None = None
+
+    @property
+    def of_bound(self) -> float | None:
+        """This row's hit ratio as a fraction of the bound's (None without the bound)."""
+        if self.bound_hit_ratio is None:
+            return None
+        if self.bound_hit_ratio == 0:
+            return 1.0 if self.run.hit_ratio == 0 else None
+        return self.run.hit_ratio / self.bound_hit_ratio
 
     @property
     def capacity_spec(self) -> str:
@@ -230,7 +241,9 @@ class Row:
             "preempt_every": self.options.preempt_every,
             "store_threshold": self.options.store_threshold,
             "events": self.options.drain_events,
-            "ns_per_visit": timing.ns_per_visit,
+            "of_bound": self.of_bound,
+            # The bound's replay includes the driver telling it the future: not a manager cost.
+            "ns_per_visit": None if run.policy == BOUND_POLICY else timing.ns_per_visit,
             "manager_ns": timing.manager_ns,
             "null_ns": timing.null_ns,
             "repeat": timing.repeat,
@@ -251,11 +264,14 @@ class Row:
         return self.reference.inside_ns / self.timing.inside_ns
 
 
-def grid_runs(*, policies: int, capacities: int, repeat: int = 1, reference: bool = False) -> int:
+def grid_runs(
+    *, policies: int, capacities: int, repeat: int = 1, reference: bool = False, bounds: int = 0
+) -> int:
     """How many times :func:`run_grid` calls its ``progress_for``: the replays that report
-    progress (timed replays of each backend, and with a reference two recording replays)."""
+    progress (timed replays of each backend, and with a reference two recording replays).
+    ``bounds`` of the ``policies`` are the offline bound, which is never compared."""
     per_cell = repeat * (2 if reference else 1) + (2 if reference else 0)
-    return policies * capacities * per_cell
+    return (policies - bounds) * capacities * per_cell + bounds * capacities * repeat
 
 
 def run_grid(
@@ -277,12 +293,13 @@ def run_grid(
     against the workload (clamped to its unique blocks, without a block size).
     """
     resolved = resolve_capacities(capacities, unique_blocks=workload.unique_blocks)
-    backends = [backend] if reference is None else [backend, reference]
+    both = [backend] if reference is None else [backend, reference]
     rows = []
-    warm_up(
-        backends, workload, policies, num_chunks=max(c.chunks for c in resolved), options=options
-    )
+    online = [p for p in policies if p != BOUND_POLICY]
+    warm_up(both, workload, online, num_chunks=max(c.chunks for c in resolved), options=options)
     for policy in policies:
+        # The offline bound has no counterpart in vLLM: it is never compared.
+        backends = both[:1] if policy == BOUND_POLICY else both
         for capacity in resolved:
             timed = time_backends(
                 backends,
@@ -301,7 +318,7 @@ def run_grid(
                 timing=timing,
                 options=options,
             )
-            if reference is not None:
+            if reference is not None and policy != BOUND_POLICY:
                 row.reference = timed[1][1]
                 row.comparison = compare_backends(
                     reference,
@@ -313,6 +330,9 @@ def run_grid(
                     progress_for=progress_for,
                 )
             rows.append(row)
+    bounds = {r.run.num_chunks: r.run.hit_ratio for r in rows if r.run.policy == BOUND_POLICY}
+    for row in rows:
+        row.bound_hit_ratio = bounds.get(row.run.num_chunks)
     return rows
 
 

@@ -43,6 +43,10 @@ def make_key(block_hash: bytes, group_idx: int = 0) -> bytes:
     return block_hash + group_idx.to_bytes(4, "big", signed=False)
 
 
+#: A key's next use when no later request names it (the largest u64: the bound evicts it first).
+NEVER = 2**64 - 1
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
     """An immutable replay input: requests in issue order, each a tuple of keys in prefix order.
@@ -80,6 +84,18 @@ class Workload:
     def max_request_keys(self) -> int:
         """The longest request, in keys (the driver sizes its position table with it)."""
         return max((len(keys) for keys in self.requests), default=0)
+
+    def next_uses(self) -> tuple[tuple[int, ...], ...]:
+        """For each request and each of its keys, the index of the next request that names the
+        key again (:data:`NEVER`: none): what the offline bound is told. One backward pass."""
+        last: dict[bytes, int] = {}
+        out: list[tuple[int, ...]] = [()] * len(self.requests)
+        for i in range(len(self.requests) - 1, -1, -1):
+            keys = self.requests[i]
+            out[i] = tuple(last.get(k, NEVER) for k in keys)
+            for k in keys:
+                last[k] = i
+        return tuple(out)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -375,6 +375,19 @@ impl<P: Policy<ChunkId>> Manager<P> {
         Ok(())
     }
 
+    /// Tells the policy when each resident key of `keys` is used next (`next_uses[i]`, a
+    /// request index; `u64::MAX`: never). Absent keys are skipped. Only an offline caller
+    /// knows this; online policies ignore it.
+    pub fn hint_next_uses(&mut self, keys: &[Key<'_>], next_uses: &[u64]) {
+        debug_assert_eq!(keys.len(), next_uses.len());
+        let resolved = self.policy.find_many(keys);
+        for (found, &next) in resolved.into_iter().zip(next_uses) {
+            if let Some((id, _)) = self.resident(found) {
+                self.policy.hint_next_use(id, next);
+            }
+        }
+    }
+
     /// Unpins chunks after their loads finished.
     pub fn complete_load(&mut self, keys: &[Key<'_>]) -> CoreResult<()> {
         // Checked and applied in one pass, undone if a key fails: a key named twice unpins
