@@ -2,7 +2,8 @@
 
 Rust implementations of vLLM's CPU-offloading cache policies (``LRUCachePolicy``,
 ``ARCCachePolicy``) and manager (``OffloadingManager``), decision-identical to vLLM 0.33.0's
-and 0.34.0's (``vllm_semantics="0.33"``/``"0.34"``; by default the installed vLLM's).
+and 0.34.0's (``vllm_semantics="0.33"``/``"0.34"``; by default the installed vLLM's), and
+kvcache's own policy for multi-turn traffic, ``TurnCachePolicy``.
 ``import kvcache`` imports neither vLLM nor torch; ``kvcache.vllm`` is the adapter vLLM loads by
 configuration, and ``kvcache.transfer`` moves chunks between GPU and host memory.
 """
@@ -28,6 +29,7 @@ from kvcache._core import (
     PoolClosedError,
     ReentrantCallError,
     TransferError,
+    TurnCachePolicy,
     UnsupportedOperationError,
     __version__,
     order_request_keys,
@@ -70,12 +72,13 @@ __all__ = [
     "ReentrantCallError",
     "ReqContext",
     "TransferError",
+    "TurnCachePolicy",
     "UnsupportedOperationError",
     "__version__",
     "order_request_keys",
 ]
 
-# Every policy class of the Rust core's list, by its class name (LRU and ARC are also imported
-# by name above, for type checkers).
+# Every policy class of the Rust core's list, by its class name (LRU, ARC and Turn are also
+# imported by name above, for type checkers).
 for _policy_cls in POLICY_KINDS.values():
     globals().setdefault(_policy_cls.__name__, _policy_cls)

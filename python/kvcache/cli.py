@@ -53,7 +53,7 @@ from kvcache.replay.workload import SyntheticChat, Workload, synthetic_chat
 
 __all__ = ["build_parser", "main"]
 
-DEFAULT_POLICIES = "lru,arc"
+DEFAULT_POLICIES = "lru,arc,turn"
 DEFAULT_CAPACITIES = "10%,25%,50%,100%"
 DEFAULT_KV_DTYPE = "bfloat16"
 #: The name pip knows kvcache by (for install hints; the import package is ``kvcache``).

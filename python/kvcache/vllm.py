@@ -6,7 +6,7 @@ kvcache's manager, policies and worker (the worker's CUDA path has not yet run o
     kv_connector_extra_config = {
         "spec_name": "KvCacheOffloadingSpec",
         "spec_module_path": "kvcache.vllm",
-        "eviction_policy": "arc",  # or "lru"; "ARCCachePolicy"/"LRUCachePolicy" alike
+        "eviction_policy": "turn",  # or "arc", "lru"; their class names alike
         "cpu_bytes_to_use": 64 << 30,
     }
 
@@ -87,7 +87,7 @@ from kvcache._vllm_logging import route_to_vllm
 from kvcache._vllm_worker import CPUOffloadingWorker, build_worker
 
 if TYPE_CHECKING:  # at run time served by ``__getattr__`` below
-    from kvcache._core import ARCCachePolicy, LRUCachePolicy
+    from kvcache._core import ARCCachePolicy, LRUCachePolicy, TurnCachePolicy
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -99,6 +99,7 @@ __all__ = [
     "CPUOffloadingWorker",
     "KvCacheOffloadingSpec",
     "LRUCachePolicy",
+    "TurnCachePolicy",
     "UnsupportedVersionError",
     "rust_policy",
 ]
@@ -354,7 +355,7 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
         )
         if self.policy_kind is None:
             logger.warning(
-                "kvcache's manager runs lru/arc only; policy %r from %r runs in vLLM's manager",
+                "kvcache's manager runs its own policies only; policy %r from %r runs in vLLM's manager",
                 self.eviction_policy,
                 self.cache_policy_module_path,
             )

@@ -3,7 +3,7 @@
 //! caller computed once per key.
 
 use crate::index::{KeyIndex, Keyed};
-use crate::key::{key_eq, Key, KeyHasher};
+use crate::key::{key_eq, Key, KeyHash, KeyHasher};
 use crate::slab::{Idx, Linked, Slab};
 
 /// [`Linked`](crate::slab::Linked) and [`Keyed`] for an entry type with `links` and `key`
@@ -166,6 +166,15 @@ impl<E: Keyed> Entries<E> {
         let removed = self.index.remove(&self.slab, key);
         debug_assert_eq!(removed, Some(idx));
         self.slab.remove(idx)
+    }
+
+    /// [`remove`](Self::remove), also returning the key's hash (computed once for both).
+    pub(crate) fn remove_hashed(&mut self, idx: Idx) -> (E, KeyHash) {
+        let key = Key::new(&self.hasher, self.slab.get(idx).key());
+        let hash = key.hash;
+        let removed = self.index.remove(&self.slab, key);
+        debug_assert_eq!(removed, Some(idx));
+        (self.slab.remove(idx), hash)
     }
 
     /// Removes a node added by [`insert_unindexed`](Self::insert_unindexed).

@@ -48,6 +48,9 @@ macro_rules! for_each_policy {
             lru::LruPolicy as Lru = "LRUCachePolicy";
             /// Adaptive replacement (T1/T2 with ghost lists B1/B2), as vLLM's ARC.
             arc::ArcPolicy as Arc = "ARCCachePolicy";
+            /// Recency with credit for reuse, fresh requests first, ghosts of evicted keys:
+            /// kvcache's policy for multi-turn traffic.
+            turn::TurnPolicy as Turn = "TurnCachePolicy";
         }
     };
 }
@@ -87,8 +90,9 @@ pub use key::{Key, KeyBuf, KeyHash, KeyHasher};
 pub use lru::RequestGroup;
 pub use manager::{LookupResult, Manager, ManagerConfig};
 pub use policy::{
-    Access, EntryId, Evicted, Inspection, Policy, PolicyExt, Protected, RankedEntry, Stat,
+    Access, EntryId, Evicted, Inspection, Observed, Policy, PolicyExt, Protected, RankedEntry, Stat,
 };
 pub use registry::{Registry, RequestToken};
 pub use semantics::VllmSemantics;
 pub use slab::prefetch;
+pub use turn::TurnRequest;

@@ -36,6 +36,16 @@ pub enum Access {
     Other,
 }
 
+/// A key a request observed for the first time, for [`Policy::on_request_access`].
+#[derive(Clone, Copy, Debug)]
+pub struct Observed<'a> {
+    pub key: Key<'a>,
+    /// The policy's resident entry for the key (`None`: not resident).
+    pub id: Option<EntryId>,
+    /// The key's token position in the request (`None`: unknown, or not read).
+    pub position: Option<i64>,
+}
+
 /// A number a policy reports about itself.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Stat {
@@ -89,6 +99,10 @@ pub trait Policy<C>: Sized {
     /// Whether [`on_request_finished`](Self::on_request_finished) tells [`Access`] kinds apart
     /// (callers pass [`Access::Other`] for every key otherwise).
     const READS_ACCESS: bool;
+    /// Whether [`on_request_access`](Self::on_request_access) wants the keys that are not
+    /// resident too, and [`insert`](Self::insert) the request's state even where no token
+    /// position is known (callers that can skip either otherwise do).
+    const READS_ABSENT: bool = false;
 
     /// An empty policy for a cache of `capacity` chunks.
     fn new(capacity: usize) -> Self;
@@ -145,12 +159,9 @@ pub trait Policy<C>: Sized {
             self.touch(ids, counts);
         }
     }
-    /// A request observed keys for the first time, with their token positions.
-    fn on_request_access(
-        &mut self,
-        request: &mut Self::Request,
-        entries: &[(Option<EntryId>, Option<i64>)],
-    ) {
+    /// A request observed keys for the first time, with their token positions: the resident
+    /// ones always, the others too where [`READS_ABSENT`](Self::READS_ABSENT) asks for them.
+    fn on_request_access(&mut self, request: &mut Self::Request, entries: &[Observed<'_>]) {
         let _ = (request, entries);
     }
     /// A finished request's keys in head-to-tail order, each with how the request used it.

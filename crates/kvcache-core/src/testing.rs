@@ -307,9 +307,18 @@ impl<P: Policy<TestChunk>> PolicyHarness<P> {
                 }
             }
             PolicyOp::Access { request, keys } => {
-                let entries: Vec<_> = keys
+                let raw: Vec<[u8; 1]> = keys.iter().map(|(k, _)| [k.0]).collect();
+                let entries: Vec<_> = raw
                     .iter()
-                    .map(|&(k, pos)| (p.find_resident(p.key(&[k.0])), Some(pos)))
+                    .zip(keys)
+                    .map(|(kb, &(_, pos))| {
+                        let key = p.key(kb);
+                        crate::Observed {
+                            key,
+                            id: p.find_resident(key),
+                            position: Some(pos),
+                        }
+                    })
                     .collect();
                 p.on_request_access(&mut self.requests[usize::from(*request)], &entries);
             }

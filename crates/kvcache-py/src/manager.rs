@@ -326,7 +326,7 @@ impl PyManager {
         Ok(self.inner.lock(py)?.ops.config().num_chunks)
     }
 
-    /// The policy's short name: "lru" or "arc".
+    /// The policy's short name ("lru", "arc", "turn").
     #[getter]
     fn cache_policy(&self, py: Python<'_>) -> PyResult<&'static str> {
         Ok(self.inner.lock(py)?.policy_name)

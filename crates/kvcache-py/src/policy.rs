@@ -8,7 +8,8 @@
 //! (see `guard`).
 
 use kvcache_core::{
-    Access, CoreError, Evicted, Policy, PolicyExt, Registry, SelfCounted, Stat, VllmSemantics,
+    Access, CoreError, Evicted, Observed, Policy, PolicyExt, Registry, SelfCounted, Stat,
+    VllmSemantics,
 };
 use pyo3::gc::{PyTraverseError, PyVisit};
 use pyo3::prelude::*;
@@ -152,8 +153,10 @@ where
             None
         };
         let evictable = kvcache_core::HasRefCnt::ref_cnt(&chunk) == 0;
+        // Policies that read absent keys keep per-request state even without positions.
         let token = match (position, ctx) {
             (Some(_), Some(ctx)) => Some(self.request_token(ctx)?),
+            (None, Some(ctx)) if P::READS_ABSENT => Some(self.request_token(ctx)?),
             _ => None,
         };
         let mut no_request = P::Request::default();
@@ -204,18 +207,33 @@ where
         keys: &Bound<'_, PyAny>,
         ctx: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        if !P::READS_POSITIONS {
+        if !P::READS_POSITIONS && !P::READS_ABSENT {
             // vLLM's default: nothing to observe (the arguments are not even read).
             return Ok(());
         }
         let ctx = require_context(Some(ctx))?;
         let keys = collect_keys(keys)?;
-        let positions = Positions::new(Some(ctx), &mut self.contexts)?;
+        let positions = if P::READS_POSITIONS {
+            Some(Positions::new(Some(ctx), &mut self.contexts)?)
+        } else {
+            None
+        };
         let mut observed = Vec::with_capacity(keys.len());
         for key in &keys {
-            // Non-resident keys cannot change rank: skip their position lookups.
-            if let Some(id) = self.policy.find_resident(self.policy.key(key_bytes(key))) {
-                observed.push((Some(id), positions.get(key)?));
+            let k = self.policy.key(key_bytes(key));
+            let id = self.policy.find_resident(k);
+            // Non-resident keys cannot change rank: skip their position lookups, and the
+            // keys themselves unless the policy asks for them.
+            let position = match (id, positions.as_ref()) {
+                (Some(_), Some(positions)) => positions.get(key)?,
+                _ => None,
+            };
+            if id.is_some() || P::READS_ABSENT {
+                observed.push(Observed {
+                    key: k,
+                    id,
+                    position,
+                });
             }
         }
         // Finding the request's state changes no entry, so the handles are still valid.

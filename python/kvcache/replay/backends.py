@@ -15,7 +15,9 @@ Backends:
 
 ``vllm``
     The installed vLLM's (0.33.0 or 0.34.0) ``CPUOffloadingManager`` with its built-in policy;
-    the reference. vLLM is imported only here, lazily (it costs ~10 s and drags in torch).
+    the reference. A policy vLLM does not ship (``turn``) it loads from ``kvcache.vllm`` by
+    class name, as vLLM's configuration would. vLLM is imported only here, lazily (it costs
+    ~10 s and drags in torch).
 ``kvcache``
     Our Rust ``kvcache.OffloadingManager``, with either release's semantics.
 ``vllm-rust-policies``
@@ -145,6 +147,18 @@ def _import_vllm_manager() -> tuple[Any, Any, Any]:
     return CPUOffloadingManager, ReqContext, LookupResult
 
 
+def _import_adapter() -> None:
+    """Import ``kvcache.vllm``, from which vLLM's factory loads kvcache's policy classes."""
+    try:
+        importlib.import_module("kvcache.vllm")
+    except ImportError as exc:
+        raise BackendUnavailable(f"kvcache.vllm does not import ({exc})") from None
+    except KvCacheError as exc:
+        # The adapter refuses a vLLM release it was not tested against; that is a setup
+        # problem of this machine, reported like a missing vLLM.
+        raise BackendUnavailable(str(exc)) from None
+
+
 def _installed_semantics(requested: str | None) -> str:
     """The installed vLLM's semantics, which a backend running vLLM's manager follows; a
     request for the other release's is refused."""
@@ -158,19 +172,29 @@ def _installed_semantics(requested: str | None) -> str:
 
 
 def vllm_backend(semantics: str | None = None) -> Backend:
-    """vLLM's own ``CPUOffloadingManager`` with its built-in ``lru``/``arc`` policy."""
+    """vLLM's own ``CPUOffloadingManager`` with its built-in ``lru``/``arc`` policy, or with
+    kvcache's class for a policy vLLM does not ship (loaded by name from ``kvcache.vllm``)."""
     semantics = _installed_semantics(semantics)
     manager_cls, req_context_cls, lookup_result = _import_vllm_manager()
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 
     def make(
         num_chunks: int, policy: str, *, enable_events: bool = False, store_threshold: int = 1
     ) -> Any:
         _check_policy(policy)
+        if policy in CachePolicyFactory._registry:
+            by_name: dict[str, Any] = {"cache_policy": policy}
+        else:
+            _import_adapter()
+            by_name = {
+                "cache_policy": POLICY_CLASSES[policy],
+                "cache_policy_module_path": "kvcache.vllm",
+            }
         return manager_cls(
             num_chunks,
-            cache_policy=policy,
             enable_events=enable_events,
             store_threshold=store_threshold,
+            **by_name,
         )
 
     return Backend(
@@ -223,14 +247,7 @@ def rust_policies_backend(semantics: str | None = None) -> Backend:
     operator gets from configuration alone, without kvcache's manager."""
     semantics = _installed_semantics(semantics)
     manager_cls, req_context_cls, lookup_result = _import_vllm_manager()
-    try:
-        importlib.import_module("kvcache.vllm")
-    except ImportError as exc:
-        raise BackendUnavailable(f"kvcache.vllm does not import ({exc})") from None
-    except KvCacheError as exc:
-        # The adapter refuses a vLLM release it was not tested against; that is a setup
-        # problem of this machine, reported like a missing vLLM.
-        raise BackendUnavailable(str(exc)) from None
+    _import_adapter()
 
     def make(
         num_chunks: int, policy: str, *, enable_events: bool = False, store_threshold: int = 1

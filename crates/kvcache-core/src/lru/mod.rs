@@ -29,7 +29,7 @@ use crate::chunk::RefCounts;
 use crate::entries::Entries;
 use crate::index::Keyed;
 use crate::key::{Key, KeyBuf};
-use crate::policy::{Access, EntryId, Evicted, Inspection, Policy, RankedEntry, Stat};
+use crate::policy::{Access, EntryId, Evicted, Inspection, Observed, Policy, RankedEntry, Stat};
 use crate::slab::{Idx, Links, List, Slab};
 use group::Group;
 
@@ -248,15 +248,11 @@ impl<C> Policy<C> for LruPolicy<C> {
 
     /// Resident keys whose rank is older than `(request rank, -position)` join the request's
     /// group. The request gets a rank even when no key is resident, as in vLLM.
-    fn on_request_access(
-        &mut self,
-        request: &mut Option<RequestGroup>,
-        entries: &[(Option<EntryId>, Option<i64>)],
-    ) {
+    fn on_request_access(&mut self, request: &mut Option<RequestGroup>, entries: &[Observed<'_>]) {
         let group = self.request_group(request);
         let rank = self.groups.get(group).rank;
-        for &(id, pos) in entries {
-            let (Some(EntryId(idx)), Some(pos)) = (id, pos) else {
+        for o in entries {
+            let (Some(EntryId(idx)), Some(pos)) = (o.id, o.position) else {
                 continue;
             };
             let e = self.entries.get(idx);

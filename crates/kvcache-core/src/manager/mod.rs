@@ -26,7 +26,7 @@ mod tracker;
 use crate::error::{CoreError, CoreResult};
 use crate::key::{Key, KeyBuf, KeyHasher};
 use crate::policy::Protected;
-use crate::policy::{Access, EntryId, Policy, PolicyExt};
+use crate::policy::{Access, EntryId, Observed, Policy, PolicyExt};
 use crate::registry::RequestToken;
 pub use crate::semantics::VllmSemantics;
 use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
@@ -302,7 +302,11 @@ impl<P: Policy<ChunkId>> Manager<P> {
         for r in recorded {
             let (entry, new) = req.observe(&self.hasher, r.key, r.resident);
             if new {
-                new_keys.push((r.resident, r.position));
+                new_keys.push(Observed {
+                    key: r.key,
+                    id: r.resident,
+                    position: r.position,
+                });
                 observed.push(r.offer_index);
             }
             entries.push(entry);

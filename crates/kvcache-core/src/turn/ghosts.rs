@@ -1,0 +1,304 @@
+//! The turn policy's memory of evicted keys: for each, a 60-bit fingerprint of its hash and how
+//! often it had been reused, in two generations of open-addressing tables.
+//!
+//! A key evicted since the older generation began is remembered; when the newer generation
+//! fills, the older one is dropped and the newer one becomes the older. So the table covers
+//! between one and two generations' worth of the most recent evictions, at 8 bytes per slot
+//! and at most 80 % load (10 bytes per ghost), with no list to keep in eviction order.
+//!
+//! Fingerprints are the key's hash (computed once by the caller), so no key is hashed again.
+//! Two keys share a fingerprint with probability 2⁻⁶⁰ per pair: a replay of millions of keys
+//! meets none, and a collision would only misjudge one key's history, never corrupt state.
+
+/// The low bits of a slot hold the reuse count; the rest are the fingerprint.
+const REUSE_BITS: u32 = 4;
+const REUSE_MASK: u64 = (1 << REUSE_BITS) - 1;
+/// The largest reuse count a ghost remembers (all of [`REUSE_MASK`]).
+pub(super) const MAX_GHOST_REUSES: u8 = 15;
+const _: () = assert!(MAX_GHOST_REUSES as u64 == REUSE_MASK);
+
+/// The reuse count kept in a slot.
+#[inline]
+fn reuses_of(slot: u64) -> u8 {
+    u8::try_from(slot & REUSE_MASK).expect("four bits fit in a u8")
+}
+/// Slots per element at most: a table grows (doubling) past 80 % load.
+const LOAD_NUM: usize = 4;
+const LOAD_DEN: usize = 5;
+/// The first allocation of a generation (slots); it doubles from there as ghosts arrive, so a
+/// large capacity costs memory only once evictions happen.
+const MIN_SLOTS: usize = 64;
+
+#[inline]
+fn fingerprint(hash: u64) -> u64 {
+    let fp = hash & !REUSE_MASK;
+    // Zero marks an empty slot.
+    if fp == 0 {
+        1 << REUSE_BITS
+    } else {
+        fp
+    }
+}
+
+/// One generation: linear probing with backward-shift deletion (no tombstones).
+#[derive(Default)]
+struct Generation {
+    slots: Vec<u64>,
+    len: usize,
+}
+
+impl Generation {
+    #[inline]
+    fn home(&self, fp: u64) -> usize {
+        // The fingerprint is a well-mixed hash: its top bits pick the slot.
+        let bits = self.slots.len().trailing_zeros();
+        usize::try_from(fp >> (64 - bits)).expect("fewer slots than usize::MAX")
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.slots.len() - 1
+    }
+
+    /// The slot holding `fp`.
+    fn position(&self, fp: u64) -> Option<usize> {
+        if self.len == 0 {
+            return None;
+        }
+        let mut i = self.home(fp);
+        loop {
+            let s = self.slots[i];
+            if s == 0 {
+                return None;
+            }
+            if s & !REUSE_MASK == fp {
+                return Some(i);
+            }
+            i = (i + 1) & self.mask();
+        }
+    }
+
+    fn insert(&mut self, fp: u64, reuses: u8) {
+        if (self.len + 1) * LOAD_DEN > self.slots.len() * LOAD_NUM {
+            self.grow();
+        }
+        let value = fp | u64::from(reuses);
+        let mut i = self.home(fp);
+        loop {
+            let s = self.slots[i];
+            if s == 0 {
+                self.slots[i] = value;
+                self.len += 1;
+                return;
+            }
+            if s & !REUSE_MASK == fp {
+                self.slots[i] = value;
+                return;
+            }
+            i = (i + 1) & self.mask();
+        }
+    }
+
+    fn grow(&mut self) {
+        let size = (self.slots.len() * 2).max(MIN_SLOTS);
+        let old = std::mem::replace(&mut self.slots, vec![0; size]);
+        self.len = 0;
+        for s in old.into_iter().filter(|&s| s != 0) {
+            self.insert(s & !REUSE_MASK, reuses_of(s));
+        }
+    }
+
+    /// Removes the ghost at `i`, shifting later members of its probe run back.
+    fn remove_at(&mut self, mut i: usize) -> u8 {
+        let reuses = reuses_of(self.slots[i]);
+        self.slots[i] = 0;
+        self.len -= 1;
+        let mask = self.mask();
+        let mut j = (i + 1) & mask;
+        while self.slots[j] != 0 {
+            let home = self.home(self.slots[j] & !REUSE_MASK);
+            // `j` may move to the hole at `i` unless its home lies cyclically in (i, j].
+            let stays = if i <= j {
+                i < home && home <= j
+            } else {
+                i < home || home <= j
+            };
+            if !stays {
+                self.slots[i] = self.slots[j];
+                self.slots[j] = 0;
+                i = j;
+            }
+            j = (j + 1) & mask;
+        }
+        reuses
+    }
+
+    fn clear(&mut self) {
+        self.slots.fill(0);
+        self.len = 0;
+    }
+
+    #[cfg(any(test, feature = "validate"))]
+    fn check(&self) -> Result<(), String> {
+        let occupied = self.slots.iter().filter(|&&s| s != 0).count();
+        if occupied != self.len {
+            return Err(format!("ghost generation counts {} of {occupied}", self.len));
+        }
+        for (i, &s) in self.slots.iter().enumerate() {
+            if s != 0 && self.position(s & !REUSE_MASK) != Some(i) {
+                return Err(format!("ghost at slot {i} is not found from its home"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Recently evicted keys with their reuse counts.
+pub(super) struct Ghosts {
+    newer: Generation,
+    older: Generation,
+    /// Ghosts per generation (0: remember nothing).
+    generation: usize,
+}
+
+impl Ghosts {
+    pub(super) fn new(generation: usize) -> Self {
+        Ghosts {
+            newer: Generation::default(),
+            older: Generation::default(),
+            generation,
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.newer.len + self.older.len
+    }
+
+    /// Whether the key with this hash was evicted recently.
+    #[inline]
+    pub(super) fn contains(&self, hash: u64) -> bool {
+        let fp = fingerprint(hash);
+        self.newer.position(fp).is_some() || self.older.position(fp).is_some()
+    }
+
+    /// Forgets the key and returns how often it had been reused, if it was remembered.
+    pub(super) fn take(&mut self, hash: u64) -> Option<u8> {
+        let fp = fingerprint(hash);
+        if let Some(i) = self.newer.position(fp) {
+            return Some(self.newer.remove_at(i));
+        }
+        self.older.position(fp).map(|i| self.older.remove_at(i))
+    }
+
+    /// Remembers an evicted key (counts above [`MAX_GHOST_REUSES`] are kept as that).
+    pub(super) fn remember(&mut self, hash: u64, reuses: u8) {
+        if self.generation == 0 {
+            return;
+        }
+        if self.newer.len >= self.generation {
+            // The older generation ages out; its table is reused for the new one.
+            std::mem::swap(&mut self.newer, &mut self.older);
+            self.newer.clear();
+        }
+        let fp = fingerprint(hash);
+        // A key is remembered once: an older copy would outlive the newer one's count.
+        if let Some(i) = self.older.position(fp) {
+            self.older.remove_at(i);
+        }
+        self.newer.insert(fp, reuses.min(MAX_GHOST_REUSES));
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.newer = Generation::default();
+        self.older = Generation::default();
+    }
+
+    pub(super) fn heap_bytes(&self) -> usize {
+        (self.newer.slots.capacity() + self.older.slots.capacity()) * std::mem::size_of::<u64>()
+    }
+
+    #[cfg(any(test, feature = "validate"))]
+    pub(super) fn check(&self) -> Result<(), String> {
+        self.newer.check()?;
+        self.older.check()?;
+        if self.newer.len > self.generation || self.older.len > self.generation {
+            return Err(format!(
+                "a ghost generation holds {} / {} of {}",
+                self.newer.len, self.older.len, self.generation
+            ));
+        }
+        for &s in self.newer.slots.iter().filter(|&&s| s != 0) {
+            if self.older.position(s & !REUSE_MASK).is_some() {
+                return Err("a key is remembered in both generations".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hashes that collide on their home slot in a small table (same top bits).
+    fn colliding(n: u64) -> Vec<u64> {
+        (0..n).map(|i| (0xABCD_u64 << 48) | (i << 8)).collect()
+    }
+
+    #[test]
+    fn remembers_takes_and_forgets_by_generation() {
+        let mut g = Ghosts::new(3);
+        for h in [0x1000_u64, 0x2000, 0x3000] {
+            g.remember(h << 40, 2);
+        }
+        assert_eq!(g.len(), 3);
+        assert!(g.contains(0x1000 << 40));
+        // A fourth ghost starts a new generation; the first three are still there.
+        g.remember(0x4000 << 40, 7);
+        assert_eq!(g.len(), 4);
+        assert_eq!(g.take(0x2000 << 40), Some(2));
+        assert_eq!(g.take(0x2000 << 40), None);
+        // Filling the new generation drops the old one.
+        g.remember(0x5000 << 40, 0);
+        g.remember(0x6000 << 40, 0);
+        g.remember(0x7000 << 40, 0);
+        assert!(!g.contains(0x1000 << 40));
+        assert_eq!(g.take(0x4000 << 40), Some(7));
+        g.check().unwrap();
+    }
+
+    #[test]
+    fn deletion_keeps_probe_runs_findable() {
+        let mut gen = Generation::default();
+        let hs = colliding(40);
+        for (i, &h) in hs.iter().enumerate() {
+            gen.insert(fingerprint(h), u8::try_from(i % 16).unwrap());
+        }
+        gen.check().unwrap();
+        for &h in hs.iter().step_by(3) {
+            let i = gen.position(fingerprint(h)).unwrap();
+            gen.remove_at(i);
+            gen.check().unwrap();
+        }
+        for (i, &h) in hs.iter().enumerate() {
+            assert_eq!(gen.position(fingerprint(h)).is_some(), i % 3 != 0);
+        }
+    }
+
+    #[test]
+    fn a_key_lives_in_one_generation_and_counts_saturate() {
+        let mut g = Ghosts::new(2);
+        g.remember(0x10, 1);
+        g.remember(0x20, 1);
+        g.remember(0x10, 200);
+        g.check().unwrap();
+        assert_eq!(g.len(), 2);
+        assert_eq!(g.take(0x10), Some(MAX_GHOST_REUSES));
+        // Hash 0 still gets a non-empty fingerprint.
+        g.remember(0, 3);
+        assert_eq!(g.take(0), Some(3));
+        let mut off = Ghosts::new(0);
+        off.remember(0x10, 1);
+        assert_eq!(off.len(), 0);
+    }
+}

@@ -1,0 +1,518 @@
+//! The turn policy: recency with credit for reuse, aware of KV prefixes and conversation turns.
+//! Not a vLLM policy: kvcache's own, built for multi-turn traffic, where LRU loses most.
+//!
+//! What the traffic looks like, and what the policy does about it:
+//! - **A chunk is worth something only while its whole prefix is cached**, so within a request
+//!   the deepest chunk goes first, as in vLLM's LRU: a finished request's chunks are re-ranked
+//!   from its tail to its head, and a request's new chunks are inserted tail-first.
+//! - **Chunks read again and again (shared system prompts, long conversations) come back
+//!   sooner** than chunks read once. Each resident chunk counts the requests that reused it; a
+//!   chunk reused `r` times ranks as if used `CREDIT × capacity × log2(1 + min(r, 8))` key
+//!   visits later than it was. A chunk's count survives its eviction (see ghosts below).
+//! - **A conversation's first turn is mostly not followed by a second**, but a conversation
+//!   that came back once will likely come back again. The policy remembers the keys it evicted
+//!   recently (ghosts: a 60-bit fingerprint and the reuse count, no chunk). A request that
+//!   reuses nothing resident and names no ghost is *fresh*: its new chunks are evicted before
+//!   any other chunk until something reuses them. A request that names a ghost is a
+//!   conversation coming back: its chunks are not fresh, and a ghost's key, stored again,
+//!   gets its old count plus one.
+//! - **The last chunk of a finished request is often never read again** (in traces that hash
+//!   a prompt's final partial block, the next turn's block differs). Unless reused, it ranks
+//!   `capacity` key visits older than the rest of its request.
+//!
+//! Eviction order: fresh chunks first, oldest first; then every other chunk by its score, the
+//! smallest first: `tick + offset(class)`, where `tick` is a counter advanced once per chunk
+//! re-ranked at a request's finish (vLLM's LRU counts the same way) and the offset is the
+//! reuse credit (or the tail's demotion). Chunks of one class share an offset, so each class
+//! is a list in tick order and the smallest score is at the head of one of the lists.
+//! Only chunks marked evictable whose `ref_cnt` is 0 and that are not protected are victims.
+//!
+//! The constants were chosen on kvcache's built-in multi-turn workload and on Mooncake's
+//! public synthetic trace (5–50 % capacity; `docs/policies.md` has the figures): credits up to
+//! eight reuses at 0.45 of the capacity per doubling, a tail demotion of one capacity, and
+//! ghosts for the last 2.5–5 capacities of evictions. Larger credits win more on the smallest
+//! caches and start to lose to LRU at 50 %; fewer ghosts miss more returning conversations.
+//!
+//! Complexity: `find`, `insert`, `remove` and each key of `on_request_access`,
+//! `on_request_finished` and `touch` are O(1) (one ghost probe for a key not resident);
+//! planning an eviction of `n` is O(n × classes + entries skipped). Memory per resident chunk:
+//! one 64-byte slab entry (40-byte inline key, links, tick, chunk handle, class, reuse count,
+//! flags) plus ~5 bytes of hash table, and up to 2 × 2.5 ghosts of 10 bytes (8-byte slots at
+//! most 80 % full), allocated as evictions happen.
+
+mod ghosts;
+#[cfg(any(test, feature = "validate"))]
+mod validate;
+
+use crate::chunk::RefCounts;
+use crate::entries::Entries;
+use crate::index::Keyed;
+use crate::key::{Key, KeyBuf};
+use crate::policy::{Access, EntryId, Evicted, Inspection, Observed, Policy, RankedEntry, Stat};
+use crate::slab::{Idx, Links, List};
+use ghosts::Ghosts;
+
+/// Reuse credit per doubling of the reuse count, in thousandths of the capacity (in key
+/// visits). 0.3–0.5 gained 9–11 % over LRU at 5 % capacity on both tuning workloads; above
+/// 0.5 the 50 % capacity point fell below LRU.
+const CREDIT_MILLI: u128 = 450;
+/// Reuses that still earn credit; more count as this many.
+const MAX_CREDITED_REUSES: u8 = 8;
+/// `1000 × log2(1 + r)` for `r` in `0..=8`.
+const LOG2_MILLI: [u128; 9] = [0, 1000, 1585, 2000, 2322, 2585, 2807, 3000, 3170];
+/// Evictions a ghost generation holds, in tenths of the capacity (2.5: ghosts cover the last
+/// 2.5–5 capacities of evictions). From 1.5 to 2.5 the trace's gain at 5 % rose from 7 % to
+/// 12 %; each 2.5 costs ≤ 25 bytes per resident chunk.
+const GHOST_GENERATION_TENTHS: usize = 25;
+
+/// Which list an entry is on: `Fresh` is evicted first; the others by score.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Class {
+    Fresh = 0,
+    Tail = 1,
+    /// Reused `r` times (`r` up to [`MAX_CREDITED_REUSES`]): `Reused0 as u8 + r`.
+    Reused0 = 2,
+}
+
+/// Lists: fresh, tail, and one per credited reuse count.
+const LISTS: usize = 2 + MAX_CREDITED_REUSES as usize + 1;
+const LIST_NAMES: [&str; LISTS] = [
+    "fresh", "tail", "reused0", "reused1", "reused2", "reused3", "reused4", "reused5", "reused6",
+    "reused7", "reused8",
+];
+
+const EVICTABLE: u8 = 1;
+/// Stored by a fresh request and not reused since.
+const FRESH_ORIGIN: u8 = 2;
+
+struct TurnEntry<C> {
+    key: KeyBuf,
+    links: Links,
+    tick: u64,
+    chunk: C,
+    list: u8,
+    reuses: u8,
+    flags: u8,
+}
+
+impl<C> TurnEntry<C> {
+    #[inline]
+    fn has(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
+}
+
+crate::entries::keyed_entry!(TurnEntry<C>);
+
+/// Where a request last inserted into a list: its next (deeper) chunk goes just before.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    idx: Idx,
+    tick: u64,
+}
+
+/// What the policy knows of a live request.
+#[derive(Clone, Debug, Default)]
+pub struct TurnRequest {
+    /// The request's accesses were shown (`on_request_access`); without them it is never
+    /// judged fresh.
+    observed: bool,
+    /// It reused a resident chunk or named a ghost.
+    returning: bool,
+    runs: [Option<Run>; LISTS],
+}
+
+pub struct TurnPolicy<C> {
+    capacity: usize,
+    entries: Entries<TurnEntry<C>>,
+    lists: [List; LISTS],
+    /// Score offset of each list but `Fresh` (`Tail`'s is 0: the others start at the
+    /// capacity, so the tail's demotion needs no negative numbers).
+    offsets: [u64; LISTS],
+    ghosts: Ghosts,
+    tick: u64,
+}
+
+impl<C> TurnPolicy<C> {
+    #[inline]
+    fn list_of_reuses(reuses: u8) -> usize {
+        Class::Reused0 as usize + usize::from(reuses.min(MAX_CREDITED_REUSES))
+    }
+
+    #[inline]
+    fn score(&self, idx: Idx) -> u64 {
+        let e = self.entries.get(idx);
+        e.tick.saturating_add(self.offsets[usize::from(e.list)])
+    }
+
+    /// The list a chunk belongs on when its request finishes (`last`: the request's deepest).
+    fn class_at_finish(e: &TurnEntry<C>, last: bool) -> usize {
+        if e.reuses == 0 && e.has(FRESH_ORIGIN) {
+            Class::Fresh as usize
+        } else if e.reuses == 0 && last {
+            Class::Tail as usize
+        } else {
+            Self::list_of_reuses(e.reuses)
+        }
+    }
+
+    /// Takes `idx` off its list.
+    fn unlink(&mut self, idx: Idx) {
+        let list = usize::from(self.entries.get(idx).list);
+        self.lists[list].unlink(&mut self.entries.slab, idx);
+    }
+
+    /// Puts `idx` (on no list) at the tail of `list` with the current tick.
+    fn append(&mut self, idx: Idx, list: usize) {
+        let e = self.entries.get_mut(idx);
+        e.list = u8::try_from(list).expect("LISTS < 256");
+        e.tick = self.tick;
+        self.lists[list].push_back(&mut self.entries.slab, idx);
+    }
+
+    fn delete(&mut self, idx: Idx) -> TurnEntry<C> {
+        self.unlink(idx);
+        self.entries.remove(idx)
+    }
+
+    /// Every resident entry in eviction order with its score, computed by sorting (the
+    /// victim iterator merges the lists instead; the property tests compare the two).
+    fn ranked(&self) -> Vec<(Idx, u64)> {
+        let mut all: Vec<(bool, u64, usize, usize, Idx)> = Vec::with_capacity(self.len());
+        for (list, l) in self.lists.iter().enumerate() {
+            for (ordinal, idx) in l.iter(&self.entries.slab).enumerate() {
+                let fresh = list == Class::Fresh as usize;
+                all.push((!fresh, self.score(idx), list, ordinal, idx));
+            }
+        }
+        all.sort_unstable();
+        all.into_iter().map(|(_, s, _, _, idx)| (idx, s)).collect()
+    }
+
+    /// Entries on each list, for [`Policy::stats`].
+    fn list_len(&self, class: Class) -> usize {
+        self.lists[class as usize].len()
+    }
+}
+
+impl<C> Policy<C> for TurnPolicy<C> {
+    type Request = TurnRequest;
+
+    const NAME: &'static str = "turn";
+    const READS_POSITIONS: bool = false;
+    const READS_ACCESS: bool = true;
+    const READS_ABSENT: bool = true;
+
+    fn new(capacity: usize) -> Self {
+        let credit = |reuses: usize| -> u64 {
+            let c = capacity as u128 * CREDIT_MILLI * LOG2_MILLI[reuses] / 1_000_000;
+            u64::try_from(c).unwrap_or(u64::MAX)
+        };
+        let base = u64::try_from(capacity).unwrap_or(u64::MAX);
+        let mut offsets = [0; LISTS];
+        for r in 0..=usize::from(MAX_CREDITED_REUSES) {
+            offsets[Class::Reused0 as usize + r] = base.saturating_add(credit(r));
+        }
+        TurnPolicy {
+            capacity,
+            entries: Entries::with_capacity(capacity),
+            lists: [List::default(); LISTS],
+            offsets,
+            ghosts: Ghosts::new(capacity.saturating_mul(GHOST_GENERATION_TENTHS) / 10),
+            tick: 0,
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn hasher(&self) -> &crate::key::KeyHasher {
+        self.entries.hasher()
+    }
+
+    #[inline]
+    fn find(&self, key: Key<'_>) -> Option<EntryId> {
+        self.entries.find(key).map(EntryId)
+    }
+
+    fn find_many(&self, keys: &[Key<'_>]) -> Vec<Option<EntryId>> {
+        let found = self.entries.find_many(keys);
+        found.into_iter().map(|i| i.map(EntryId)).collect()
+    }
+
+    /// Every entry is resident (ghosts live outside the slab).
+    #[inline]
+    fn chunk(&self, id: EntryId) -> Option<&C> {
+        Some(&self.entries.get(id.0).chunk)
+    }
+
+    #[inline]
+    fn is_entry_of(&self, id: EntryId, key: &[u8]) -> bool {
+        self.entries.entry_of(id.0, key).is_some()
+    }
+
+    fn resident<'a>(&'a self) -> impl Iterator<Item = (&'a [u8], &'a C)>
+    where
+        C: 'a,
+    {
+        self.lists.iter().flat_map(move |l| {
+            l.iter(&self.entries.slab).map(move |i| {
+                let e = self.entries.get(i);
+                (e.key(), &e.chunk)
+            })
+        })
+    }
+
+    /// A key remembered as a ghost comes back with its old reuse count plus one (its
+    /// request is then a returning one); otherwise a fresh request's chunk is fresh. The
+    /// request's chunks enter their list tail-first: each goes just before the one the
+    /// request inserted there last at the same tick.
+    fn insert(
+        &mut self,
+        request: &mut TurnRequest,
+        _found: Option<EntryId>,
+        key: Key<'_>,
+        chunk: C,
+        _position: Option<i64>,
+        evictable: bool,
+    ) -> EntryId {
+        let reuses = match self.ghosts.take(key.hash.0) {
+            Some(r) => {
+                request.returning = true;
+                r.saturating_add(1)
+            }
+            None => 0,
+        };
+        let fresh = reuses == 0 && request.observed && !request.returning;
+        let list = if fresh {
+            Class::Fresh as usize
+        } else {
+            Self::list_of_reuses(reuses)
+        };
+        // The run's entry may have moved or gone since; it still marks the place if it is on
+        // this list with the current tick (any such place keeps the list in tick order).
+        // Looked up before the new entry takes a slot, which may be the run's old one.
+        let before = request.runs[list].filter(|run| {
+            run.tick == self.tick
+                && self
+                    .entries
+                    .slab
+                    .try_get(run.idx)
+                    .is_some_and(|e| usize::from(e.list) == list && e.tick == self.tick)
+        });
+        let idx = self.entries.insert(
+            key,
+            TurnEntry {
+                key: KeyBuf::EMPTY,
+                links: Links::default(),
+                tick: self.tick,
+                chunk,
+                list: u8::try_from(list).expect("LISTS < 256"),
+                reuses,
+                flags: u8::from(evictable) * EVICTABLE + u8::from(fresh) * FRESH_ORIGIN,
+            },
+        );
+        match before {
+            Some(run) => self.lists[list].insert_before(&mut self.entries.slab, run.idx, idx),
+            None => self.lists[list].push_back(&mut self.entries.slab, idx),
+        }
+        request.runs[list] = Some(Run {
+            idx,
+            tick: self.tick,
+        });
+        EntryId(idx)
+    }
+
+    /// vLLM 0.33's `touch`: fresh ticks, tail to head, each key keeping its class.
+    fn touch(&mut self, ids: &[Option<EntryId>], _counts: &impl RefCounts<C>) {
+        for &EntryId(idx) in ids.iter().rev().flatten() {
+            let list = usize::from(self.entries.get(idx).list);
+            self.unlink(idx);
+            self.tick += 1;
+            self.append(idx, list);
+        }
+    }
+
+    /// A request that reuses a resident chunk is returning, and so is one whose first key
+    /// to store was evicted recently (a conversation's earlier turn is evicted tail first,
+    /// so where its next turn stops hitting, the ghosts begin; checking that one key per
+    /// call instead of every key decided alike on both tuning workloads).
+    fn on_request_access(&mut self, request: &mut TurnRequest, entries: &[Observed<'_>]) {
+        request.observed = true;
+        if !request.returning {
+            request.returning = entries.iter().any(|o| o.id.is_some())
+                || entries
+                    .iter()
+                    .find(|o| o.id.is_none())
+                    .is_some_and(|o| self.ghosts.contains(o.key.hash.0));
+        }
+    }
+
+    /// Reused chunks count one more reuse; then the request's chunks are re-ranked from its
+    /// tail to its head, so the head ends most recent.
+    fn on_request_finished(&mut self, entries: &[(Option<EntryId>, Access)]) {
+        for &(id, access) in entries {
+            if let (Some(EntryId(idx)), Access::Reused) = (id, access) {
+                let e = self.entries.get_mut(idx);
+                e.reuses = e.reuses.saturating_add(1);
+                e.flags &= !FRESH_ORIGIN;
+            }
+        }
+        let last = entries.len().checked_sub(1);
+        for (i, &(id, _)) in entries.iter().enumerate().rev() {
+            let Some(EntryId(idx)) = id else { continue };
+            let list = Self::class_at_finish(self.entries.get(idx), Some(i) == last);
+            self.unlink(idx);
+            self.tick += 1;
+            self.append(idx, list);
+        }
+    }
+
+    #[inline]
+    fn evictable(&self, id: EntryId) -> Option<bool> {
+        Some(self.entries.get(id.0).has(EVICTABLE))
+    }
+
+    #[inline]
+    fn set_evictable(&mut self, id: EntryId, evictable: bool) {
+        let e = self.entries.get_mut(id.0);
+        if evictable {
+            e.flags |= EVICTABLE;
+        } else {
+            e.flags &= !EVICTABLE;
+        }
+    }
+
+    /// Forgets every chunk and ghost; ticks restart.
+    fn clear(&mut self) {
+        self.entries.clear();
+        self.lists = [List::default(); LISTS];
+        self.ghosts.clear();
+        self.tick = 0;
+    }
+
+    /// Fresh chunks oldest first, then the other lists merged by score (ties: the list with
+    /// the lower index first, then list order).
+    fn victims<'a>(
+        &'a self,
+        idle: impl Fn(EntryId, &C) -> bool + 'a,
+    ) -> impl Iterator<Item = EntryId> + 'a {
+        let slab = &self.entries.slab;
+        let eligible = move |idx: Idx| {
+            let e = slab.get(idx);
+            e.has(EVICTABLE) && idle(EntryId(idx), &e.chunk)
+        };
+        // The first eligible entry from `at` on, with its score.
+        let scan = move |mut at: Option<Idx>, eligible: &dyn Fn(Idx) -> bool| {
+            while let Some(idx) = at {
+                if eligible(idx) {
+                    return Some((self.score(idx), idx));
+                }
+                at = slab.get(idx).links.next;
+            }
+            None
+        };
+        let mut fresh = self.lists[Class::Fresh as usize].iter(slab);
+        let mut heads: Option<[Option<(u64, Idx)>; LISTS]> = None;
+        std::iter::from_fn(move || {
+            if let Some(idx) = fresh.by_ref().find(|&idx| eligible(idx)) {
+                return Some(EntryId(idx));
+            }
+            // Each list's next candidate and its score, found once the fresh list is spent.
+            let heads = heads.get_or_insert_with(|| {
+                std::array::from_fn(|list| {
+                    (list != Class::Fresh as usize)
+                        .then(|| scan(self.lists[list].head(), &eligible))
+                        .flatten()
+                })
+            });
+            let (list, (_, idx)) = heads
+                .iter()
+                .enumerate()
+                .filter_map(|(list, h)| h.map(|h| (list, h)))
+                .min_by_key(|&(list, (score, _))| (score, list))?;
+            heads[list] = scan(slab.get(idx).links.next, &eligible);
+            Some(EntryId(idx))
+        })
+    }
+
+    /// The victim's key is remembered as a ghost with its reuse count.
+    fn evict_entry(&mut self, id: EntryId) -> Evicted<C> {
+        self.unlink(id.0);
+        let (entry, hash) = self.entries.remove_hashed(id.0);
+        self.ghosts.remember(hash.0, entry.reuses);
+        Evicted {
+            key: entry.key,
+            chunk: entry.chunk,
+        }
+    }
+
+    /// A failed store leaves no ghost: the key was never cached.
+    fn remove(&mut self, id: EntryId) -> C {
+        self.delete(id.0).chunk
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.entries.heap_bytes() + self.ghosts.heap_bytes()
+    }
+
+    fn stats(&self) -> Vec<(&'static str, Stat)> {
+        vec![
+            ("fresh", Stat::Count(self.list_len(Class::Fresh))),
+            ("tail", Stat::Count(self.list_len(Class::Tail))),
+            (
+                "reused",
+                Stat::Count(self.len() - self.list_len(Class::Fresh) - self.list_len(Class::Tail)),
+            ),
+            ("ghosts", Stat::Count(self.ghosts.len())),
+        ]
+    }
+
+    /// Lists from the oldest entry, and every entry's rank: its place in eviction order.
+    fn inspect(&self) -> Inspection<'_> {
+        let lists = LIST_NAMES
+            .iter()
+            .zip(&self.lists)
+            .map(|(&name, l)| {
+                let keys = l
+                    .iter(&self.entries.slab)
+                    .map(|i| self.entries.get(i).key())
+                    .collect();
+                (name, keys)
+            })
+            .collect();
+        let ranks = self
+            .ranked()
+            .into_iter()
+            .enumerate()
+            .map(|(rank, (idx, _))| {
+                let e = self.entries.get(idx);
+                RankedEntry {
+                    key: e.key(),
+                    rank: u64::try_from(rank).expect("ranks fit in u64"),
+                    position: 0,
+                    evictable: e.has(EVICTABLE),
+                }
+            })
+            .collect();
+        Inspection {
+            lists,
+            ranks: Some(ranks),
+            stats: self.stats(),
+        }
+    }
+
+    #[cfg(any(test, feature = "validate"))]
+    fn validate(&self) -> Result<(), String> {
+        self.check_invariants()
+    }
+}
+
+#[cfg(test)]
+mod tests;
