@@ -1,9 +1,10 @@
 """Memory per resident chunk: kvcache's manager vs vLLM 0.33.0's, same process.
 
 For each manager and policy: fill ``N`` chunks with 36-byte keys (vLLM's OffloadKey size) through
-``prepare_store`` + ``complete_store``, then keep storing new keys for ``2 N`` more (evicting),
-so ARC's ghost lists reach their bound; then report bytes per resident chunk, minus the 36 key
-bytes:
+``prepare_store`` + ``complete_store``, then keep storing new keys (evicting) until the policy's
+ghosts reach their bound: ``2 N`` more for ARC (and LRU, which keeps none), ``5 N`` for the
+turn policy (two full generations of 2.5 N); then report bytes per resident chunk, minus the 36
+key bytes:
 
 - ``rss``: growth of the process's resident set (``/proc/self/statm``) from before the manager
   was built (after imports and a small warm-up fill, in a fresh process per row) to after the
@@ -46,11 +47,16 @@ def fill(manager: Any, ctx_cls: Any, n: int, churn: int) -> None:
         manager.on_request_finished(ctx)
 
 
-def measure(name: str, make: Any, ctx_cls: Any, n: int) -> dict[str, Any]:
+#: Stores after the fill, in units of the capacity: enough for each policy's ghosts to reach
+#: their bound.
+CHURN = {"lru": 2, "arc": 2, "turn": 5}
+
+
+def measure(name: str, make: Any, ctx_cls: Any, n: int, churn: int) -> dict[str, Any]:
     gc.collect()
     before = rss()
     manager = make()
-    fill(manager, ctx_cls, n, 2 * n)
+    fill(manager, ctx_cls, n, churn * n)
     gc.collect()
     grown = rss() - before
     row: dict[str, Any] = {"manager": name, "resident": n, "rss_per_chunk": grown / n - KEY_BYTES}
@@ -81,7 +87,7 @@ def one(impl: str, policy: str, n: int) -> dict[str, Any]:
         warm = CPUOffloadingManager(1024, cache_policy=policy)
     fill(warm, ctx, 1024, 1024)  # imports and first-use allocations happen here
     del warm
-    return measure(f"{impl} {policy}", make, ctx, n)
+    return measure(f"{impl} {policy}", make, ctx, n, CHURN[policy])
 
 
 def main() -> None:
@@ -90,18 +96,18 @@ def main() -> None:
         return
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
     rows = []
-    for impl in ("kvcache", "vllm"):
-        for policy in ("lru", "arc"):
-            out = subprocess.run(
-                [sys.executable, __file__, "--one", impl, policy, str(n)],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    runs = [("kvcache", p) for p in CHURN] + [("vllm", "lru"), ("vllm", "arc")]
+    for impl, policy in runs:
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", impl, policy, str(n)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(
         f"bytes per resident chunk beyond its {KEY_BYTES} key bytes, {n:,} chunks, after "
-        f"{2 * n:,} more stores (ARC ghosts at their bound)\n"
+        "more stores until each policy's ghosts reach their bound\n"
     )
     print("| manager | RSS growth | own heap accounting |")
     print("|---|---:|---:|")

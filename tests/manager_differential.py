@@ -10,6 +10,9 @@ internal order (ARC's lists and target, LRU's ranks).
 
 Ours follows the installed release's semantics unless ``our_semantics`` names another one (the
 negative control: the suites must tell the releases apart where they differ).
+
+A policy vLLM does not ship (kvcache's ``turn``) is compared the way an operator would deploy
+it without kvcache's manager: vLLM's manager loading the class from ``kvcache.vllm`` by name.
 """
 
 from __future__ import annotations
@@ -59,6 +62,21 @@ def our_manager_class(semantics: str | None) -> type:
     return Forced
 
 
+def reference_policy(policy: str) -> dict[str, Any]:
+    """How vLLM's manager is told to run ``policy``: its own class for a name vLLM registers,
+    else kvcache's class by name from ``kvcache.vllm`` (vLLM's ``CachePolicyFactory`` path)."""
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+    from kvcache import POLICY_KINDS
+
+    if policy in CachePolicyFactory._registry:
+        return {"cache_policy": policy}
+    return {
+        "cache_policy": POLICY_KINDS[policy].__name__,
+        "cache_policy_module_path": "kvcache.vllm",
+    }
+
+
 def normalize_store(out: Any) -> Any:
     if out is None:
         return None
@@ -91,14 +109,14 @@ class ManagerPair:
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as Ref
 
         Ours = our_manager_class(self.our_semantics)
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             num_chunks=self.num_chunks,
-            cache_policy=self.policy,
             enable_events=True,
             store_threshold=self.store_threshold,
             max_tracker_size=self.max_tracker_size,
         )
-        self.ref, self.ours = Ref(**kwargs), Ours(**kwargs)
+        self.ref = Ref(**kwargs, **reference_policy(self.policy))
+        self.ours = Ours(**kwargs, cache_policy=self.policy)
         self.universe = [
             make_key(b, g) for b in range(self.num_blocks) for g in range(self.num_groups)
         ]
@@ -210,21 +228,35 @@ class ManagerPair:
         self.ours.validate()
         state = self.ours._debug_state()
         policy = self.ref._policy
+        if self.policy not in ("lru", "arc"):
+            # vLLM's manager runs kvcache's own class: its whole state must equal the one
+            # kvcache's manager keeps, and hold the same chunks.
+            policy.validate()
+            for name, value in policy._debug_state().items():
+                assert state[name] == value, f"policy state {name!r} differs"
+            assert len(policy) == len(state["chunks"])
+            ref_chunks = {k: (policy.get(k).chunk_id, policy.get(k).ref_cnt) for k in state["chunks"]}
+            assert state["chunks"] == ref_chunks, "chunk ids or ref counts differ"
+            self._check_counts(state)
+            return
         ref_chunks = {}
         resident = policy.chunks if self.policy == "lru" else {**policy.t1, **policy.t2}
         for key, chunk in resident.items():
             ref_chunks[key] = (chunk.chunk_id, chunk.ref_cnt)
         assert state["chunks"] == ref_chunks, "chunk ids or ref counts differ"
-        assert state["free_list"] == self.ref._free_list
-        assert state["num_allocated"] == self.ref._num_allocated_chunks
-        assert state["num_evictable"] == self.ref._num_evictable_cache_chunks
-        assert state["num_write_pending"] == self.ref._num_write_pending_chunks
+        self._check_counts(state)
         if self.policy == "arc":
             for name in ("t1", "t2", "b1", "b2"):
                 assert state[name] == list(getattr(policy, name)), f"ARC {name} differs"
             assert state["target_t1_size"] == policy.target_t1_size
         else:
             assert state["ranks"] == policy._ranks, "LRU ranks differ"
+
+    def _check_counts(self, state: dict[str, Any]) -> None:
+        assert state["free_list"] == self.ref._free_list
+        assert state["num_allocated"] == self.ref._num_allocated_chunks
+        assert state["num_evictable"] == self.ref._num_evictable_cache_chunks
+        assert state["num_write_pending"] == self.ref._num_write_pending_chunks
 
     # --- random manager-shaped traffic ------------------------------------------------------
 

@@ -388,6 +388,8 @@ def test_csv(capsys: pytest.CaptureFixture[str]) -> None:
         ("lru", "20"),
         ("arc", "10%"),
         ("arc", "20"),
+        ("turn", "10%"),
+        ("turn", "20"),
     ]
     for r in rows:
         assert int(r["hits"]) + int(r["misses"]) == int(r["lookups"])
@@ -554,10 +556,11 @@ def test_a_line_per_finished_run_when_stderr_is_not_a_terminal(
     rc, _, err = run(["replay", "--requests", "30", "--capacity", "1,50%"], capsys)
     assert rc == 0
     lines = err.splitlines()
-    assert len(lines) == 4, err
+    assert len(lines) == 6, err
     for k, line in enumerate(lines, start=1):
         assert re.fullmatch(
-            rf"kvcache replay: run {k}/4 done in \d+\.\d s: kvcache (lru|arc) [\d,]+ chunks?", line
+            rf"kvcache replay: run {k}/6 done in \d+\.\d s: kvcache (lru|arc|turn) [\d,]+ chunks?",
+            line,
         ), line
     assert lines[0].endswith("lru 1 chunk")
     rc, _, err = run(["replay", "--quiet", "--requests", "30", "--capacity", "1,50%"], capsys)
@@ -639,10 +642,10 @@ def test_progress_shows_run_k_of_n_on_a_terminal(
     rc = cli.main(["replay", "--requests", "60", "--capacity", "10%,20%,30%", "--repeat", "2"])
     assert rc == 0
     drawn = terminal.getvalue()
-    # 2 policies x 3 capacities x 2 repeats = 12 timed replays.
-    assert "run 1/12: kvcache lru" in drawn
-    assert "run 12/12: kvcache arc" in drawn
-    assert "run 13/" not in drawn
+    # 3 policies x 3 capacities x 2 repeats = 18 timed replays.
+    assert "run 1/18: kvcache lru" in drawn
+    assert "run 18/18: kvcache turn" in drawn
+    assert "run 19/" not in drawn
     assert "<" in drawn  # elapsed<remaining
 
 

@@ -3,7 +3,8 @@ CPUOffloadingManager.
 
 - Seeded random operation sequences (``tests/manager_differential.py``): every result and the
   whole state compared after each operation, for LRU and ARC, tight and roomy caches, one and
-  two KV-cache groups, with and without ``store_threshold``.
+  two KV-cache groups, with and without ``store_threshold``; and for kvcache's turn policy,
+  kvcache's manager against vLLM's manager loading ``TurnCachePolicy`` by name.
 - Replays of a multi-turn workload through the scheduler-shaped driver: identical decision logs
   (lookups incl. HIT_PENDING, chunk ids, keys to store, evictions, failed prepares, events,
   stats) with failed stores, split stores, re-offered stores and cache resets.
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 import pytest
 
+from kvcache import POLICY_KINDS
 from tests.conftest import oracle_semantics, require_oracle
-from tests.manager_differential import ManagerPair, our_manager_class
+from tests.manager_differential import ManagerPair, our_manager_class, reference_policy
 from tests.manager_driver import (
     REPLAY_CASE_NAMES,
     REPLAY_CASES,
@@ -33,11 +36,15 @@ from tests.manager_driver import (
 
 pytestmark = pytest.mark.oracle
 
+#: Every kvcache policy: vLLM's own LRU and ARC, and kvcache's turn policy as vLLM's manager
+#: loads it by class name.
+POLICIES = list(POLICY_KINDS)
+
 RANDOM_OPS = int(os.environ.get("KVCACHE_MANAGER_CONFORMANCE_OPS", "40000"))
 
 
 @pytest.mark.parametrize("threshold", [1, 2])
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_seeded_random_operations_match_vllm(policy: str, threshold: int) -> None:
     require_oracle()
     rng = random.Random(f"manager-{policy}-{threshold}")
@@ -76,14 +83,13 @@ def run(
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as Ref
 
-    cls = our_manager_class(our_semantics) if ours else Ref
-    manager = cls(
-        num_chunks=num_chunks,
-        cache_policy=policy,
-        enable_events=True,
-        store_threshold=threshold,
-        max_tracker_size=64,
+    kwargs: dict[str, Any] = dict(
+        num_chunks=num_chunks, enable_events=True, store_threshold=threshold, max_tracker_size=64
     )
+    if ours:
+        manager = our_manager_class(our_semantics)(cache_policy=policy, **kwargs)
+    else:
+        manager = Ref(**kwargs, **reference_policy(policy))
     requests = multi_turn_workload(seed, conversations=60)
     return drive(manager, LookupResult.HIT, lambda rid: ReqContext(req_id=rid), requests, options)
 
@@ -98,7 +104,7 @@ def test_workload_replay_decides_identically(
     assert_same_decisions(ref, ours)
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_positions_read_alike_whatever_the_order_and_key_objects(policy: str) -> None:
     """kvcache reads positions by walking the context's position dict alongside the keys when
     they come in recording order, as the very same objects; keys out of order, equal copies of

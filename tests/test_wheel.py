@@ -179,15 +179,15 @@ def test_replay_json_from_the_wheel(clean_venv: Path) -> None:
     assert meta["workload"]["requests"] == 200
     assert [(r["policy"], r["capacity_spec"]) for r in rows] == [
         (policy, capacity)
-        for policy in ("lru", "arc")
+        for policy in ("lru", "arc", "turn")
         for capacity in ("10%", "25%", "50%", "100%")
     ]
     for row in rows:
         assert row["backend"] == "kvcache"
         assert row["hits"] + row["misses"] == row["lookups"] == meta["workload"]["key_visits"]
         assert 0 < row["hit_ratio"] < 1
-    # More capacity never hits less, on this workload, for either policy.
-    for policy in ("lru", "arc"):
+    # More capacity never hits less, on this workload, for any policy.
+    for policy in ("lru", "arc", "turn"):
         ratios = [r["hit_ratio"] for r in rows if r["policy"] == policy]
         assert ratios == sorted(ratios)
 

@@ -46,6 +46,7 @@ __all__ = [
     "ReentrantCallError",
     "TransferError",
     "TransferLayout",
+    "TurnCachePolicy",
     "UnsupportedOperationError",
     "_RequestState",
     "__version__",

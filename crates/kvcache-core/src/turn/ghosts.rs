@@ -3,8 +3,10 @@
 //!
 //! A key evicted since the older generation began is remembered; when the newer generation
 //! fills, the older one is dropped and the newer one becomes the older. So the table covers
-//! between one and two generations' worth of the most recent evictions, at 8 bytes per slot
-//! and at most 80 % load (10 bytes per ghost), with no list to keep in eviction order.
+//! between one and two generations' worth of the most recent evictions, with no list to keep
+//! in eviction order. A generation's table grows by doubling up to exactly 5/4 of its
+//! ghosts (not a power of two: the home slot is found by multiplying, not masking), so a full
+//! generation costs 10 bytes per ghost.
 //!
 //! Fingerprints are the key's hash (computed once by the caller), so no key is hashed again.
 //! Two keys share a fingerprint with probability 2⁻⁶⁰ per pair: a replay of millions of keys
@@ -29,6 +31,11 @@ const LOAD_DEN: usize = 5;
 /// large capacity costs memory only once evictions happen.
 const MIN_SLOTS: usize = 64;
 
+/// Slots a generation of `ghosts` ends with: room for all of them at 80 % load.
+fn max_slots(ghosts: usize) -> usize {
+    (ghosts.saturating_mul(LOAD_DEN) / LOAD_NUM + 1).max(MIN_SLOTS)
+}
+
 #[inline]
 fn fingerprint(hash: u64) -> u64 {
     let fp = hash & !REUSE_MASK;
@@ -41,23 +48,36 @@ fn fingerprint(hash: u64) -> u64 {
 }
 
 /// One generation: linear probing with backward-shift deletion (no tombstones).
-#[derive(Default)]
 struct Generation {
     slots: Vec<u64>,
     len: usize,
+    /// The size the table stops growing at.
+    max_slots: usize,
 }
 
 impl Generation {
-    #[inline]
-    fn home(&self, fp: u64) -> usize {
-        // The fingerprint is a well-mixed hash: its top bits pick the slot.
-        let bits = self.slots.len().trailing_zeros();
-        usize::try_from(fp >> (64 - bits)).expect("fewer slots than usize::MAX")
+    fn new(ghosts: usize) -> Self {
+        Generation {
+            slots: Vec::new(),
+            len: 0,
+            max_slots: max_slots(ghosts),
+        }
     }
 
     #[inline]
-    fn mask(&self) -> usize {
-        self.slots.len() - 1
+    fn home(&self, fp: u64) -> usize {
+        // The fingerprint is a well-mixed hash: scaled to the table, it picks the slot.
+        let n = self.slots.len() as u128;
+        usize::try_from((u128::from(fp) * n) >> 64).expect("below the table size")
+    }
+
+    #[inline]
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.slots.len() {
+            0
+        } else {
+            i + 1
+        }
     }
 
     /// The slot holding `fp`.
@@ -74,7 +94,7 @@ impl Generation {
             if s & !REUSE_MASK == fp {
                 return Some(i);
             }
-            i = (i + 1) & self.mask();
+            i = self.next(i);
         }
     }
 
@@ -95,12 +115,13 @@ impl Generation {
                 self.slots[i] = value;
                 return;
             }
-            i = (i + 1) & self.mask();
+            i = self.next(i);
         }
     }
 
     fn grow(&mut self) {
-        let size = (self.slots.len() * 2).max(MIN_SLOTS);
+        let size = (self.slots.len() * 2).clamp(MIN_SLOTS, self.max_slots.max(MIN_SLOTS));
+        debug_assert!(size > self.slots.len(), "a full generation never grows");
         let old = std::mem::replace(&mut self.slots, vec![0; size]);
         self.len = 0;
         for s in old.into_iter().filter(|&s| s != 0) {
@@ -113,8 +134,7 @@ impl Generation {
         let reuses = reuses_of(self.slots[i]);
         self.slots[i] = 0;
         self.len -= 1;
-        let mask = self.mask();
-        let mut j = (i + 1) & mask;
+        let mut j = self.next(i);
         while self.slots[j] != 0 {
             let home = self.home(self.slots[j] & !REUSE_MASK);
             // `j` may move to the hole at `i` unless its home lies cyclically in (i, j].
@@ -128,7 +148,7 @@ impl Generation {
                 self.slots[j] = 0;
                 i = j;
             }
-            j = (j + 1) & mask;
+            j = self.next(j);
         }
         reuses
     }
@@ -140,6 +160,9 @@ impl Generation {
 
     #[cfg(any(test, feature = "validate"))]
     fn check(&self) -> Result<(), String> {
+        if self.slots.len() > self.max_slots.max(MIN_SLOTS) {
+            return Err(format!("a ghost table grew to {} slots", self.slots.len()));
+        }
         let occupied = self.slots.iter().filter(|&&s| s != 0).count();
         if occupied != self.len {
             return Err(format!("ghost generation counts {} of {occupied}", self.len));
@@ -164,8 +187,8 @@ pub(super) struct Ghosts {
 impl Ghosts {
     pub(super) fn new(generation: usize) -> Self {
         Ghosts {
-            newer: Generation::default(),
-            older: Generation::default(),
+            newer: Generation::new(generation),
+            older: Generation::new(generation),
             generation,
         }
     }
@@ -209,8 +232,8 @@ impl Ghosts {
     }
 
     pub(super) fn clear(&mut self) {
-        self.newer = Generation::default();
-        self.older = Generation::default();
+        self.newer = Generation::new(self.generation);
+        self.older = Generation::new(self.generation);
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
@@ -269,7 +292,7 @@ mod tests {
 
     #[test]
     fn deletion_keeps_probe_runs_findable() {
-        let mut gen = Generation::default();
+        let mut gen = Generation::new(40);
         let hs = colliding(40);
         for (i, &h) in hs.iter().enumerate() {
             gen.insert(fingerprint(h), u8::try_from(i % 16).unwrap());
