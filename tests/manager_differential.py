@@ -235,7 +235,9 @@ class ManagerPair:
             for name, value in policy._debug_state().items():
                 assert state[name] == value, f"policy state {name!r} differs"
             assert len(policy) == len(state["chunks"])
-            ref_chunks = {k: (policy.get(k).chunk_id, policy.get(k).ref_cnt) for k in state["chunks"]}
+            ref_chunks = {
+                k: (policy.get(k).chunk_id, policy.get(k).ref_cnt) for k in state["chunks"]
+            }
             assert state["chunks"] == ref_chunks, "chunk ids or ref counts differ"
             self._check_counts(state)
             return

@@ -188,9 +188,7 @@ def _stats(manager: Any) -> tuple:
 
 # Replay configurations: policy, chunks (tight: many evictions and failed prepares; roomy),
 # fail every k-th store (0: never), KV-cache groups, store_threshold.
-REPLAY_CASES = list(
-    itertools.product(["lru", "arc", "turn"], [24, 96], [0, 5], [1, 2], [1, 2])
-)
+REPLAY_CASES = list(itertools.product(["lru", "arc", "turn"], [24, 96], [0, 5], [1, 2], [1, 2]))
 REPLAY_CASE_NAMES = ("policy", "num_chunks", "fail_every", "groups", "threshold")
 
 

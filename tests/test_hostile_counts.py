@@ -178,7 +178,7 @@ def test_a_manager_beyond_int32_ids_is_refused(num_chunks: int) -> None:
 
 
 @pytest.mark.parametrize("flavour", ["ours", "vllm"])
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", list(kvcache.POLICY_KINDS))
 def test_chunk_id_dtype_holds_every_id_of_a_small_manager(flavour: str, policy: str) -> None:
     if flavour == "ours":
         manager = kvcache.OffloadingManager(4, policy)

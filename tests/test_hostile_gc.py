@@ -36,7 +36,7 @@ class Chunk(ctypes.Structure):
     _fields_ = [("ref_cnt", ctypes.c_int32), ("chunk_id", ctypes.c_int64)]
 
 
-@pytest.mark.parametrize("cls", [kvcache.LRUCachePolicy, kvcache.ARCCachePolicy])
+@pytest.mark.parametrize("cls", list(kvcache.POLICY_KINDS.values()))
 def test_a_chunk_that_references_its_policy_is_collected(cls: type) -> None:
     policy = cls(4)
     chunk = Chunk(0, 0)
@@ -48,7 +48,7 @@ def test_a_chunk_that_references_its_policy_is_collected(cls: type) -> None:
     assert dead() is None, "the policy and its chunk were never collected"
 
 
-@pytest.mark.parametrize("cls", [kvcache.LRUCachePolicy, kvcache.ARCCachePolicy])
+@pytest.mark.parametrize("cls", list(kvcache.POLICY_KINDS.values()))
 def test_a_policy_without_a_cycle_is_freed_at_once(cls: type) -> None:
     policy = cls(4)
     chunk = Chunk(0, 0)
@@ -60,7 +60,7 @@ def test_a_policy_without_a_cycle_is_freed_at_once(cls: type) -> None:
     assert dead() is None
 
 
-@pytest.mark.parametrize("cls", [kvcache.LRUCachePolicy, kvcache.ARCCachePolicy])
+@pytest.mark.parametrize("cls", list(kvcache.POLICY_KINDS.values()))
 def test_a_policy_reachable_only_from_its_own_chunks_is_collected(cls: type) -> None:
     """Many chunks, each referencing the policy (every chunk closes a cycle)."""
     policy = cls(64)
@@ -74,7 +74,7 @@ def test_a_policy_reachable_only_from_its_own_chunks_is_collected(cls: type) -> 
     assert all(d() is None for d in dead)
 
 
-@pytest.mark.parametrize("cls", [kvcache.LRUCachePolicy, kvcache.ARCCachePolicy])
+@pytest.mark.parametrize("cls", list(kvcache.POLICY_KINDS.values()))
 def test_a_policy_can_be_weakly_referenced(cls: type) -> None:
     policy = cls(4)
     ref = weakref.ref(policy)
@@ -118,7 +118,7 @@ def test_a_manager_whose_result_objects_reference_it_is_collected(base: object) 
     assert dead() is None, "the manager and its result object were never collected"
 
 
-@pytest.mark.parametrize("cls", [kvcache.LRUCachePolicy, kvcache.ARCCachePolicy])
+@pytest.mark.parametrize("cls", list(kvcache.POLICY_KINDS.values()))
 def test_a_collected_cycle_never_clears_a_live_exporter(cls: type) -> None:
     """A ``PickleBuffer``'s export is held by its ``bytearray``, not by the buffer itself: the
     policy owns one reference to each, and must report exactly those."""

@@ -131,16 +131,19 @@ def evicted_env() -> Env:
 TARGETS: dict[str, Callable[[], Env | None]] = {
     "lru": functools.partial(policy_env, kvcache.LRUCachePolicy),
     "arc": functools.partial(policy_env, kvcache.ARCCachePolicy),
+    "turn": functools.partial(policy_env, kvcache.TurnCachePolicy),
     "m-lru": functools.partial(manager_env, "lru"),
     "m-arc": functools.partial(manager_env, "arc"),
+    "m-turn": functools.partial(manager_env, "turn"),
     "vm-lru": functools.partial(vllm_manager_env, "lru"),
     "vm-arc": functools.partial(vllm_manager_env, "arc"),
+    "vm-turn": functools.partial(vllm_manager_env, "turn"),
     "chunk": chunk_env,
     "evicted": evicted_env,
     "new": lambda: None,  # constructors: nothing exists before the call
 }
-POLICIES = ["lru", "arc"]
-MANAGERS = ["m-lru", "m-arc", "vm-lru", "vm-arc"]
+POLICIES = ["lru", "arc", "turn"]
+MANAGERS = ["m-lru", "m-arc", "m-turn", "vm-lru", "vm-arc", "vm-turn"]
 #: vLLM 0.33's manager has touch, and so has kvcache.vllm's there; 0.34's has none (read from
 #: the installed vLLM's metadata: collecting the cases imports no vLLM).
 VLLM_HAS_TOUCH = kvcache._semantics.default_semantics() == "0.33"
@@ -345,7 +348,7 @@ BAD_CAPACITIES: dict[str, tuple[Any, type[BaseException]]] = {
     "true": (True, ITE),
     "list": ([4], ITE),
 }
-for cls in (kvcache.LRUCachePolicy, kvcache.ARCCachePolicy):
+for cls in kvcache.POLICY_KINDS.values():
     for name, (cap, expected) in BAD_CAPACITIES.items():
         case("new", f"{cls.__name__}-capacity-{name}", lambda e, c=cls, v=cap: c(v), expected)
     for name, call in {

@@ -120,8 +120,7 @@ def plain_ctx() -> Context:
 
 def make_policy(kind: str) -> tuple[Any, Context]:
     # vLLM 0.33's protocol: the suites also call touch.
-    cls = kvcache.LRUCachePolicy if kind == "lru" else kvcache.ARCCachePolicy
-    policy = cls(4, vllm_semantics="0.33")
+    policy = kvcache.POLICY_KINDS[kind](4, vllm_semantics="0.33")
     ctx = plain_ctx()
     for i in range(3):
         policy.insert(K[i], ready(i), ctx)
@@ -148,22 +147,25 @@ def make_manager(kind: str) -> tuple[Any, Context]:
 Outer = Callable[[Any, Context, Hook], object]
 
 POLICY_OUTER: dict[str, tuple[tuple[str, ...], Outer]] = {
-    "touch-gen": (("lru", "arc"), lambda p, c, h: p.touch(hooked_keys(h, K[:2]), c)),
+    "touch-gen": (("lru", "arc", "turn"), lambda p, c, h: p.touch(hooked_keys(h, K[:2]), c)),
     "on_store_miss-gen": (
-        ("lru", "arc"),
+        ("lru", "arc", "turn"),
         lambda p, c, h: p.on_store_miss(hooked_keys(h, K[5:7]), c),
     ),
-    "evict-protected-gen": (("lru", "arc"), lambda p, c, h: p.evict(1, hooked_keys(h, K[:1]))),
+    "evict-protected-gen": (
+        ("lru", "arc", "turn"),
+        lambda p, c, h: p.evict(1, hooked_keys(h, K[:1])),
+    ),
     "finish-groups-gen": (
-        ("lru", "arc"),
+        ("lru", "arc", "turn"),
         lambda p, c, h: p.on_request_finished(hooked_keys(h, [K[:2]]), set(), set(), c),
     ),
     "finish-position": (
-        ("lru", "arc"),
+        ("lru", "arc", "turn"),
         lambda p, c, h: p.on_request_finished([K[:2]], set(), set(), Context(h, "position")),
     ),
     "on_request_access-gen": (
-        ("lru",),
+        ("lru", "turn"),
         lambda p, c, h: p.on_request_access(hooked_keys(h, K[:2]), c),
     ),
     "insert-position": (
@@ -171,19 +173,19 @@ POLICY_OUTER: dict[str, tuple[tuple[str, ...], Outer]] = {
         lambda p, c, h: p.insert(K[5], ready(5), Context(h, "position")),
     ),
     "insert-get_state": (
-        ("lru",),
+        ("lru", "turn"),
         lambda p, c, h: p.insert(K[5], ready(5), Context(h, "get_state")),
     ),
     "insert-set_state": (
-        ("lru",),
+        ("lru", "turn"),
         lambda p, c, h: p.insert(K[5], ready(5), Context(h, "set_state")),
     ),
     "finish-insertion_only-contains": (
-        ("arc",),
+        ("arc", "turn"),
         lambda p, c, h: p.on_request_finished([K[:2]], hooked_set(h, {K[0]}), set(), c),
     ),
     "finish-reused-contains": (
-        ("arc",),
+        ("arc", "turn"),
         lambda p, c, h: p.on_request_finished([K[:2]], set(), hooked_set(h, {K[1]}), c),
     ),
 }
@@ -197,7 +199,7 @@ MANAGER_OUTER: dict[str, tuple[tuple[str, ...], Outer]] = {
     "prepare_load-gen": (("*",), lambda m, c, h: m.prepare_load(hooked_keys(h, K[:2]), c)),
     # kvcache.vllm's manager has touch only where vLLM's has (0.33).
     "touch-gen": (
-        ("m-lru", "m-arc", *(("vm-lru", "vm-arc") if VLLM_HAS_TOUCH else ())),
+        ("m-lru", "m-arc", "m-turn", *(("vm-lru", "vm-arc", "vm-turn") if VLLM_HAS_TOUCH else ())),
         lambda m, c, h: m.touch(hooked_keys(h, K[:2]), c),
     ),
     "complete_store-gen": (("*",), lambda m, c, h: m.complete_store(hooked_keys(h, K[2:3]), c)),
@@ -245,7 +247,7 @@ def cases() -> list[Any]:
             for inner_name in POLICY_INNER:
                 out.append((kind, outer_name, inner_name))
     for outer_name, (kinds, _) in MANAGER_OUTER.items():
-        for kind in ("m-lru", "m-arc", "vm-lru", "vm-arc"):
+        for kind in ("m-lru", "m-arc", "m-turn", "vm-lru", "vm-arc", "vm-turn"):
             if "*" in kinds or kind in kinds:
                 # Every inner call on our managers, one on vLLM's shape.
                 inner = MANAGER_INNER if kind.startswith("m-") else ["prepare_store"]
@@ -255,7 +257,7 @@ def cases() -> list[Any]:
 
 
 def build(kind: str, outer: str) -> tuple[Any, Context]:
-    if kind in ("lru", "arc"):
+    if kind in kvcache.POLICY_KINDS:
         return make_policy(kind)
     manager, ctx = make_manager(kind)
     if outer == "on_request_finished-position":
@@ -265,12 +267,12 @@ def build(kind: str, outer: str) -> tuple[Any, Context]:
 
 
 def outer_call(kind: str, name: str) -> Outer:
-    table = POLICY_OUTER if kind in ("lru", "arc") else MANAGER_OUTER
+    table = POLICY_OUTER if kind in kvcache.POLICY_KINDS else MANAGER_OUTER
     return table[name][1]
 
 
 def inner_call(kind: str, name: str) -> Callable[[Any], object]:
-    return (POLICY_INNER if kind in ("lru", "arc") else MANAGER_INNER)[name]
+    return (POLICY_INNER if kind in kvcache.POLICY_KINDS else MANAGER_INNER)[name]
 
 
 def normalise(result: object) -> object:
@@ -331,7 +333,7 @@ def test_a_reentrant_call_that_is_swallowed_leaves_the_outer_call_as_it_was(
 # --- calls into other objects are fine --------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["lru", "arc"])
+@pytest.mark.parametrize("kind", list(kvcache.POLICY_KINDS))
 def test_a_callback_may_use_another_policy(kind: str) -> None:
     policy, ctx = make_policy(kind)
     other, _ = make_policy(kind)
@@ -383,7 +385,7 @@ class DyingChunk(ctypes.Structure):
             self.raised.append(AssertionError("the reentrant call succeeded"))
 
 
-@pytest.mark.parametrize("kind", ["lru", "arc"])
+@pytest.mark.parametrize("kind", list(kvcache.POLICY_KINDS))
 @pytest.mark.parametrize("method", ["remove", "clear"])
 def test_a_finalizer_that_calls_back_during_a_call_gets_reentrant_call_error(
     kind: str, method: str

@@ -65,7 +65,7 @@ def spec_with(**extra: Any) -> Any:
         ),
     ],
 )
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "turn"])
 def test_bad_configuration_is_a_typed_error_not_a_fallback(
     policy: str, extra: dict[str, Any], expected: str
 ) -> None:
@@ -74,7 +74,7 @@ def test_bad_configuration_is_a_typed_error_not_a_fallback(
     assert spec._manager is None, "a failed get_manager must not leave a manager behind"
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "turn"])
 def test_good_configuration_builds_our_manager(policy: str) -> None:
     spec = spec_with(eviction_policy=policy, max_tracker_size=1000, store_threshold=2)
     import kvcache.vllm

@@ -27,7 +27,7 @@ def stored(manager: kvcache.OffloadingManager, keys: list[bytes]) -> kvcache.Req
     return ctx
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", list(kvcache.POLICY_KINDS))
 def test_store_load_evict_round_trip(policy: str) -> None:
     m = kvcache.OffloadingManager(4, policy, enable_events=True)
     ctx = kvcache.ReqContext("r")
@@ -186,7 +186,7 @@ BAD_CALLS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", list(kvcache.POLICY_KINDS))
 @pytest.mark.parametrize(
     ("last", "error"),
     [
@@ -211,7 +211,7 @@ def test_failed_complete_load_undoes_the_unpins_before_it(
     assert m.num_evictable == 5
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", list(kvcache.POLICY_KINDS))
 @pytest.mark.parametrize(("name", "call", "error"), BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
 def test_bad_calls_raise_typed_errors_and_change_nothing(
     policy: str, name: str, call, error: type
@@ -288,7 +288,7 @@ def test_state_survives_many_interleaved_contexts() -> None:
     m.validate()
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", list(kvcache.POLICY_KINDS))
 def test_evicted_keys_is_a_read_only_sequence_of_bytes(policy: str) -> None:
     from collections.abc import Sequence
 

@@ -14,7 +14,7 @@ import pytest
 import kvcache
 from tests.conftest import make_key
 
-POLICIES = [kvcache.LRUCachePolicy, kvcache.ARCCachePolicy]
+POLICIES = list(kvcache.POLICY_KINDS.values())
 
 
 class CtypesChunk(ctypes.Structure):
@@ -426,6 +426,6 @@ def test_the_default_semantics_follow_the_installed_vllm(
     ],
 )
 def test_a_bad_semantics_name_is_refused_typed(value: object, error: type) -> None:
-    for make in (kvcache.LRUCachePolicy, kvcache.ARCCachePolicy, kvcache.OffloadingManager):
+    for make in (*kvcache.POLICY_KINDS.values(), kvcache.OffloadingManager):
         with pytest.raises(error):
             make(4, vllm_semantics=value)

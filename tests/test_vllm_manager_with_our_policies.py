@@ -46,9 +46,7 @@ def run(
     return drive(manager, LookupResult.HIT, lambda rid: ReqContext(req_id=rid), requests, options)
 
 
-@pytest.mark.parametrize(
-    REPLAY_CASE_NAMES, [case for case in REPLAY_CASES if case[0] in OUR_CLASS]
-)
+@pytest.mark.parametrize(REPLAY_CASE_NAMES, [case for case in REPLAY_CASES if case[0] in OUR_CLASS])
 def test_vllm_manager_decides_identically_with_our_policy(
     policy: str, num_chunks: int, fail_every: int, groups: int, threshold: int
 ) -> None:
