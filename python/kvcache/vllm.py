@@ -271,8 +271,8 @@ def _choice(extra: Any, key: str, choices: tuple[str, ...]) -> str:
 class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
     """vLLM's CPU offloading spec with kvcache's manager and worker.
 
-    The manager: kvcache's Rust manager for ``lru``/``arc`` (by either name); vLLM's manager
-    only for an out-of-tree Python policy, decided from the policy name and module before
+    The manager: kvcache's Rust manager for ``lru``/``arc``/``turn`` (by either name); vLLM's
+    manager only for an out-of-tree Python policy, decided from the policy name and module before
     anything is built. The worker: :class:`CPUOffloadingWorker`, unless the configuration is
     one it does not support (replicated MLA layout, devices other than CUDA), its start-up
     self-check fails, or ``"kvcache_worker": false``; then vLLM's worker, with the reason in
@@ -355,7 +355,8 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
         )
         if self.policy_kind is None:
             logger.warning(
-                "kvcache's manager runs its own policies only; policy %r from %r runs in vLLM's manager",
+                "kvcache's manager runs kvcache's policies only; policy %r from %r runs in "
+                "vLLM's manager",
                 self.eviction_policy,
                 self.cache_policy_module_path,
             )
