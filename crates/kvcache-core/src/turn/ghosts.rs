@@ -4,9 +4,11 @@
 //! A key evicted since the older generation began is remembered; when the newer generation
 //! fills, the older one is dropped and the newer one becomes the older. So the table covers
 //! between one and two generations' worth of the most recent evictions, with no list to keep
-//! in eviction order. A generation's table grows by doubling up to exactly 5/4 of its
-//! ghosts (not a power of two: the home slot is found by multiplying, not masking), so a full
-//! generation costs 10 bytes per ghost.
+//! in eviction order. A generation's table is allocated once, at its first ghost, with
+//! exactly 5/4 slots per ghost it will hold (not a power of two: the home slot is found by
+//! multiplying, not masking): 10 bytes per ghost, and no tables outgrown and left behind in
+//! the allocator. If that much memory cannot be had, the table is halved until it can (down
+//! to nothing: then no ghost is kept), never aborting.
 //!
 //! Fingerprints are the key's hash (computed once by the caller), so no key is hashed again.
 //! Two keys share a fingerprint with probability 2⁻⁶⁰ per pair: a replay of millions of keys
@@ -24,17 +26,11 @@ const _: () = assert!(MAX_GHOST_REUSES as u64 == REUSE_MASK);
 fn reuses_of(slot: u64) -> u8 {
     u8::try_from(slot & REUSE_MASK).expect("four bits fit in a u8")
 }
-/// Slots per element at most: a table grows (doubling) past 80 % load.
+/// A table is at most 80 % full.
 const LOAD_NUM: usize = 4;
 const LOAD_DEN: usize = 5;
-/// The first allocation of a generation (slots); it doubles from there as ghosts arrive, so a
-/// large capacity costs memory only once evictions happen.
+/// The smallest table worth allocating (slots).
 const MIN_SLOTS: usize = 64;
-
-/// Slots a generation of `ghosts` ends with: room for all of them at 80 % load.
-fn max_slots(ghosts: usize) -> usize {
-    (ghosts.saturating_mul(LOAD_DEN) / LOAD_NUM + 1).max(MIN_SLOTS)
-}
 
 #[inline]
 fn fingerprint(hash: u64) -> u64 {
@@ -48,20 +44,33 @@ fn fingerprint(hash: u64) -> u64 {
 }
 
 /// One generation: linear probing with backward-shift deletion (no tombstones).
+#[derive(Default)]
 struct Generation {
     slots: Vec<u64>,
     len: usize,
-    /// The size the table stops growing at.
-    max_slots: usize,
 }
 
 impl Generation {
-    fn new(ghosts: usize) -> Self {
-        Generation {
-            slots: Vec::new(),
-            len: 0,
-            max_slots: max_slots(ghosts),
+    /// Allocates the table for `ghosts` (fewer if the memory cannot be had).
+    fn allocate(&mut self, ghosts: usize) {
+        let mut want = (ghosts.saturating_mul(LOAD_DEN) / LOAD_NUM + 1).max(MIN_SLOTS);
+        loop {
+            let mut slots = Vec::new();
+            if slots.try_reserve_exact(want).is_ok() {
+                slots.resize(want, 0);
+                self.slots = slots;
+                return;
+            }
+            if want <= MIN_SLOTS {
+                return;
+            }
+            want /= 2;
         }
+    }
+
+    /// Ghosts the table holds at 80 % load.
+    fn room(&self) -> usize {
+        self.slots.len() * LOAD_NUM / LOAD_DEN
     }
 
     #[inline]
@@ -98,10 +107,9 @@ impl Generation {
         }
     }
 
+    /// Adds `fp` (the caller keeps the table within its room).
     fn insert(&mut self, fp: u64, reuses: u8) {
-        if (self.len + 1) * LOAD_DEN > self.slots.len() * LOAD_NUM {
-            self.grow();
-        }
+        debug_assert!(self.len < self.room());
         let value = fp | u64::from(reuses);
         let mut i = self.home(fp);
         loop {
@@ -116,16 +124,6 @@ impl Generation {
                 return;
             }
             i = self.next(i);
-        }
-    }
-
-    fn grow(&mut self) {
-        let size = (self.slots.len() * 2).clamp(MIN_SLOTS, self.max_slots.max(MIN_SLOTS));
-        debug_assert!(size > self.slots.len(), "a full generation never grows");
-        let old = std::mem::replace(&mut self.slots, vec![0; size]);
-        self.len = 0;
-        for s in old.into_iter().filter(|&s| s != 0) {
-            self.insert(s & !REUSE_MASK, reuses_of(s));
         }
     }
 
@@ -160,8 +158,8 @@ impl Generation {
 
     #[cfg(any(test, feature = "validate"))]
     fn check(&self) -> Result<(), String> {
-        if self.slots.len() > self.max_slots.max(MIN_SLOTS) {
-            return Err(format!("a ghost table grew to {} slots", self.slots.len()));
+        if self.len > self.room() {
+            return Err(format!("a ghost table of {} slots holds {}", self.slots.len(), self.len));
         }
         let occupied = self.slots.iter().filter(|&&s| s != 0).count();
         if occupied != self.len {
@@ -187,8 +185,8 @@ pub(super) struct Ghosts {
 impl Ghosts {
     pub(super) fn new(generation: usize) -> Self {
         Ghosts {
-            newer: Generation::new(generation),
-            older: Generation::new(generation),
+            newer: Generation::default(),
+            older: Generation::default(),
             generation,
         }
     }
@@ -218,10 +216,16 @@ impl Ghosts {
         if self.generation == 0 {
             return;
         }
-        if self.newer.len >= self.generation {
+        if self.newer.len >= self.generation.min(self.newer.room()) && self.newer.len > 0 {
             // The older generation ages out; its table is reused for the new one.
             std::mem::swap(&mut self.newer, &mut self.older);
             self.newer.clear();
+        }
+        if self.newer.slots.is_empty() {
+            self.newer.allocate(self.generation);
+            if self.newer.room() == 0 {
+                return;
+            }
         }
         let fp = fingerprint(hash);
         // A key is remembered once: an older copy would outlive the newer one's count.
@@ -232,8 +236,8 @@ impl Ghosts {
     }
 
     pub(super) fn clear(&mut self) {
-        self.newer = Generation::new(self.generation);
-        self.older = Generation::new(self.generation);
+        self.newer = Generation::default();
+        self.older = Generation::default();
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
@@ -292,7 +296,8 @@ mod tests {
 
     #[test]
     fn deletion_keeps_probe_runs_findable() {
-        let mut gen = Generation::new(40);
+        let mut gen = Generation::default();
+        gen.allocate(40);
         let hs = colliding(40);
         for (i, &h) in hs.iter().enumerate() {
             gen.insert(fingerprint(h), u8::try_from(i % 16).unwrap());
