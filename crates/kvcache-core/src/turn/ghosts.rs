@@ -89,6 +89,15 @@ impl Generation {
         }
     }
 
+    /// Starts loading the cache line `fp`'s probe begins at (a lookup in the other
+    /// generation then overlaps its miss with this one's).
+    #[inline]
+    fn prefetch(&self, fp: u64) {
+        if !self.slots.is_empty() {
+            crate::slab::prefetch(&self.slots[self.home(fp)]);
+        }
+    }
+
     /// The slot holding `fp`.
     fn position(&self, fp: u64) -> Option<usize> {
         if self.len == 0 {
@@ -199,12 +208,14 @@ impl Ghosts {
     #[inline]
     pub(super) fn contains(&self, hash: u64) -> bool {
         let fp = fingerprint(hash);
+        self.older.prefetch(fp);
         self.newer.position(fp).is_some() || self.older.position(fp).is_some()
     }
 
     /// Forgets the key and returns how often it had been reused, if it was remembered.
     pub(super) fn take(&mut self, hash: u64) -> Option<u8> {
         let fp = fingerprint(hash);
+        self.older.prefetch(fp);
         if let Some(i) = self.newer.position(fp) {
             return Some(self.newer.remove_at(i));
         }
@@ -228,6 +239,7 @@ impl Ghosts {
             }
         }
         let fp = fingerprint(hash);
+        self.newer.prefetch(fp);
         // A key is remembered once: an older copy would outlive the newer one's count.
         if let Some(i) = self.older.position(fp) {
             self.older.remove_at(i);

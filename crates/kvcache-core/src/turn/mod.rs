@@ -282,14 +282,22 @@ impl<C> Policy<C> for TurnPolicy<C> {
         _position: Option<i64>,
         evictable: bool,
     ) -> EntryId {
-        let reuses = match self.ghosts.take(key.hash.0) {
+        // A fresh request's first key to store was no ghost; its deeper keys, evicted before
+        // that one if at all (deepest first), are not looked for: it stays fresh.
+        let fresh_request = request.observed && !request.returning;
+        let ghost = if fresh_request {
+            None
+        } else {
+            self.ghosts.take(key.hash.0)
+        };
+        let reuses = match ghost {
             Some(r) => {
                 request.returning = true;
                 r.saturating_add(1)
             }
             None => 0,
         };
-        let fresh = reuses == 0 && request.observed && !request.returning;
+        let fresh = fresh_request;
         let list = if fresh {
             Class::Fresh as usize
         } else {
