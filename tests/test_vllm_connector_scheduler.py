@@ -77,8 +77,6 @@ from typing import Any
 
 import pytest
 
-import kvcache
-
 from tests.conftest import oracle_semantics, require_oracle
 from tests.test_vllm_connector_worker import (
     CASES,
