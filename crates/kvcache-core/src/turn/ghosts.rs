@@ -4,11 +4,14 @@
 //! A key evicted since the older generation began is remembered; when the newer generation
 //! fills, the older one is dropped and the newer one becomes the older. So the table covers
 //! between one and two generations' worth of the most recent evictions, with no list to keep
-//! in eviction order. A generation's table is allocated once, at its first ghost, with
-//! exactly 5/4 slots per ghost it will hold (not a power of two: the home slot is found by
-//! multiplying, not masking): 10 bytes per ghost, and no tables outgrown and left behind in
-//! the allocator. If that much memory cannot be had, the table is halved until it can (down
-//! to nothing: then no ghost is kept), never aborting.
+//! in eviction order. A generation's table is allocated at its first ghost, with exactly 5/4
+//! slots per ghost it will hold (not a power of two: the home slot is found by multiplying,
+//! not masking): 10 bytes per ghost, and no tables outgrown and left behind in the allocator.
+//! It holds at most the generation's ghosts, and no more than the caller says it wants now
+//! (the turn policy: 2.5 per resident chunk), so a cache given a huge capacity but holding
+//! few chunks keeps a small table, replaced by a larger one when an empty generation is
+//! reused. If the memory cannot be had, the table is halved until it can (down to nothing:
+//! then no ghost is kept), never aborting.
 //!
 //! Fingerprints are the key's hash (computed once by the caller), so no key is hashed again.
 //! Two keys share a fingerprint with probability 2⁻⁶⁰ per pair: a replay of millions of keys
@@ -26,6 +29,7 @@ const _: () = assert!(MAX_GHOST_REUSES as u64 == REUSE_MASK);
 fn reuses_of(slot: u64) -> u8 {
     u8::try_from(slot & REUSE_MASK).expect("four bits fit in a u8")
 }
+
 /// A table is at most 80 % full.
 const LOAD_NUM: usize = 4;
 const LOAD_DEN: usize = 5;
@@ -222,18 +226,21 @@ impl Ghosts {
         newer.or(older)
     }
 
-    /// Remembers an evicted key (counts above [`MAX_GHOST_REUSES`] are kept as that).
-    pub(super) fn remember(&mut self, hash: u64, reuses: u8) {
-        if self.generation == 0 {
+    /// Remembers an evicted key (counts above [`MAX_GHOST_REUSES`] are kept as that);
+    /// `wanted` is how many ghosts a generation should hold at present (at most the
+    /// generation set at construction).
+    pub(super) fn remember(&mut self, hash: u64, reuses: u8, wanted: usize) {
+        let per_generation = self.generation.min(wanted);
+        if per_generation == 0 {
             return;
         }
-        if self.newer.len >= self.generation.min(self.newer.room()) && self.newer.len > 0 {
+        if self.newer.len > 0 && self.newer.len >= per_generation.min(self.newer.room()) {
             // The older generation ages out; its table is reused for the new one.
             std::mem::swap(&mut self.newer, &mut self.older);
             self.newer.clear();
         }
-        if self.newer.slots.is_empty() {
-            self.newer.allocate(self.generation);
+        if self.newer.len == 0 && self.newer.room() < per_generation {
+            self.newer.allocate(per_generation);
             if self.newer.room() == 0 {
                 return;
             }
@@ -280,21 +287,38 @@ mod tests {
     fn remembers_takes_and_forgets_by_generation() {
         let mut g = Ghosts::new(3);
         for h in [0x1000_u64, 0x2000, 0x3000] {
-            g.remember(h << 40, 2);
+            g.remember(h << 40, 2, usize::MAX);
         }
         assert_eq!(g.len(), 3);
         assert!(g.contains(0x1000 << 40));
         // A fourth ghost starts a new generation; the first three are still there.
-        g.remember(0x4000 << 40, 7);
+        g.remember(0x4000 << 40, 7, usize::MAX);
         assert_eq!(g.len(), 4);
         assert_eq!(g.take(0x2000 << 40), Some(2));
         assert_eq!(g.take(0x2000 << 40), None);
         // Filling the new generation drops the old one.
-        g.remember(0x5000 << 40, 0);
-        g.remember(0x6000 << 40, 0);
-        g.remember(0x7000 << 40, 0);
+        g.remember(0x5000 << 40, 0, usize::MAX);
+        g.remember(0x6000 << 40, 0, usize::MAX);
+        g.remember(0x7000 << 40, 0, usize::MAX);
         assert!(!g.contains(0x1000 << 40));
         assert_eq!(g.take(0x4000 << 40), Some(7));
+        g.check().unwrap();
+    }
+
+    #[test]
+    fn a_table_is_sized_by_what_is_wanted_now() {
+        // A huge generation, but few ghosts wanted: a small table, replaced by a larger one
+        // once an empty generation is reused and more are wanted.
+        let mut g = Ghosts::new(usize::MAX / 8);
+        for i in 0..60_u64 {
+            g.remember(i << 50, 0, 40);
+        }
+        assert_eq!(g.newer.slots.len(), MIN_SLOTS);
+        assert_eq!(g.len(), 60, "two generations of at most 40");
+        for i in 60..200_u64 {
+            g.remember(i << 50, 0, 1_000);
+        }
+        assert!(g.newer.slots.len() > 1_000);
         g.check().unwrap();
     }
 
@@ -320,19 +344,19 @@ mod tests {
     #[test]
     fn the_newest_record_wins_and_counts_saturate() {
         let mut g = Ghosts::new(2);
-        g.remember(0x10, 1);
-        g.remember(0x20, 1);
+        g.remember(0x10, 1, 2);
+        g.remember(0x20, 1, 2);
         // A new generation: the key's older copy stays until it is taken.
-        g.remember(0x10, 200);
+        g.remember(0x10, 200, 2);
         g.check().unwrap();
         assert_eq!(g.len(), 3);
         assert_eq!(g.take(0x10), Some(MAX_GHOST_REUSES));
         assert_eq!(g.take(0x10), None, "both copies went");
         // Hash 0 still gets a non-empty fingerprint.
-        g.remember(0, 3);
+        g.remember(0, 3, 2);
         assert_eq!(g.take(0), Some(3));
         let mut off = Ghosts::new(0);
-        off.remember(0x10, 1);
+        off.remember(0x10, 1, 9);
         assert_eq!(off.len(), 0);
     }
 }

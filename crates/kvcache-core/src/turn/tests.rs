@@ -202,3 +202,15 @@ fn victims_come_in_the_order_inspect_ranks_them() {
     assert_eq!(order[0], b"r2", "fresh and never reused: first");
     assert_eq!(evict(&mut p, 6), order);
 }
+
+#[test]
+fn a_huge_capacity_holding_few_chunks_keeps_a_small_ghost_table() {
+    // Capacity is a caller's number: it must not size the ghost tables by itself.
+    let mut p = P::new(1 << 40);
+    let keys: Vec<[u8; 2]> = (0..20u8).map(|i| [b'k', i]).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    turn(&mut p, &[], &refs);
+    evict(&mut p, 10);
+    assert_eq!(p.ghosts.len(), 10);
+    assert!(p.ghosts.heap_bytes() <= 2 * 64 * 8, "{} bytes", p.ghosts.heap_bytes());
+}
