@@ -850,6 +850,18 @@ mod proptests {
 
         #[cfg_attr(miri, ignore)]
         #[test]
+        fn turn_with_dead_tails_keeps_its_invariants(bytes in program_bytes()) {
+            // A program is too short to mark the tails the policy needs to judge them dead.
+            let program = PolicyProgram::from_bytes(&bytes);
+            let mut h = PolicyHarness::<crate::TurnPolicy<TestChunk>>::new(program.capacity);
+            h.policy_mut().start_with_dead_tails();
+            for op in &program.ops {
+                h.apply(op).map_err(|e| TestCaseError::fail(format!("{op:?}: {e}")))?;
+            }
+        }
+
+        #[cfg_attr(miri, ignore)]
+        #[test]
         fn every_manager_keeps_its_invariants(bytes in program_bytes()) {
             ManagerProgram::from_bytes(&bytes).run_every_policy().map_err(TestCaseError::fail)?;
         }

@@ -1,5 +1,6 @@
 //! The turn policy's memory of evicted keys: for each, a 60-bit fingerprint of its hash and how
-//! often it had been reused, in two generations of open-addressing tables.
+//! often it had been reused (or that it was a request's unread tail), in two generations of
+//! open-addressing tables.
 //!
 //! A key evicted since the older generation began is remembered; when the newer generation
 //! fills, the older one is dropped and the newer one becomes the older. So the table covers
@@ -17,17 +18,45 @@
 //! Two keys share a fingerprint with probability 2⁻⁶⁰ per pair: a replay of millions of keys
 //! meets none, and a collision would only misjudge one key's history, never corrupt state.
 
-/// The low bits of a slot hold the reuse count; the rest are the fingerprint.
+/// The low bits of a slot hold the ghost's record; the rest are the fingerprint.
 const REUSE_BITS: u32 = 4;
 const REUSE_MASK: u64 = (1 << REUSE_BITS) - 1;
-/// The largest reuse count a ghost remembers (all of [`REUSE_MASK`]).
-pub(super) const MAX_GHOST_REUSES: u8 = 15;
-const _: () = assert!(MAX_GHOST_REUSES as u64 == REUSE_MASK);
+/// The largest reuse count a ghost remembers; the one code above it marks an unread tail
+/// (a tail is never reused, so the two need not be stored apart).
+pub(super) const MAX_GHOST_REUSES: u8 = 14;
+const TAIL_CODE: u64 = MAX_GHOST_REUSES as u64 + 1;
+const _: () = assert!(TAIL_CODE == REUSE_MASK);
 
-/// The reuse count kept in a slot.
-#[inline]
-fn reuses_of(slot: u64) -> u8 {
-    u8::try_from(slot & REUSE_MASK).expect("four bits fit in a u8")
+/// What a ghost remembers of its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Ghost {
+    /// Requests that reused the chunk (at most [`MAX_GHOST_REUSES`]).
+    pub(super) reuses: u8,
+    /// The chunk was the last of a finished request and no request had read it since.
+    pub(super) tail: bool,
+}
+
+impl Ghost {
+    fn code(self) -> u64 {
+        if self.tail && self.reuses == 0 {
+            TAIL_CODE
+        } else {
+            u64::from(self.reuses.min(MAX_GHOST_REUSES))
+        }
+    }
+
+    fn of_slot(slot: u64) -> Ghost {
+        match slot & REUSE_MASK {
+            TAIL_CODE => Ghost {
+                reuses: 0,
+                tail: true,
+            },
+            r => Ghost {
+                reuses: u8::try_from(r).expect("four bits fit in a u8"),
+                tail: false,
+            },
+        }
+    }
 }
 
 /// A table is at most 80 % full.
@@ -121,9 +150,9 @@ impl Generation {
     }
 
     /// Adds `fp` (the caller keeps the table within its room).
-    fn insert(&mut self, fp: u64, reuses: u8) {
+    fn insert(&mut self, fp: u64, ghost: Ghost) {
         debug_assert!(self.len < self.room());
-        let value = fp | u64::from(reuses);
+        let value = fp | ghost.code();
         let mut i = self.home(fp);
         loop {
             let s = self.slots[i];
@@ -141,8 +170,8 @@ impl Generation {
     }
 
     /// Removes the ghost at `i`, shifting later members of its probe run back.
-    fn remove_at(&mut self, mut i: usize) -> u8 {
-        let reuses = reuses_of(self.slots[i]);
+    fn remove_at(&mut self, mut i: usize) -> Ghost {
+        let ghost = Ghost::of_slot(self.slots[i]);
         self.slots[i] = 0;
         self.len -= 1;
         let mut j = self.next(i);
@@ -161,7 +190,7 @@ impl Generation {
             }
             j = self.next(j);
         }
-        reuses
+        ghost
     }
 
     fn clear(&mut self) {
@@ -216,9 +245,9 @@ impl Ghosts {
         self.newer.position(fp).is_some() || self.older.position(fp).is_some()
     }
 
-    /// Forgets the key and returns how often it had been reused, if it was remembered (its
-    /// newest record: an older generation may hold a stale copy, which goes too).
-    pub(super) fn take(&mut self, hash: u64) -> Option<u8> {
+    /// Forgets the key and returns what was remembered of it, if anything (its newest
+    /// record: an older generation may hold a stale copy, which goes too).
+    pub(super) fn take(&mut self, hash: u64) -> Option<Ghost> {
         let fp = fingerprint(hash);
         self.older.prefetch(fp);
         let newer = self.newer.position(fp).map(|i| self.newer.remove_at(i));
@@ -229,7 +258,7 @@ impl Ghosts {
     /// Remembers an evicted key (counts above [`MAX_GHOST_REUSES`] are kept as that);
     /// `wanted` is how many ghosts a generation should hold at present (at most the
     /// generation set at construction).
-    pub(super) fn remember(&mut self, hash: u64, reuses: u8, wanted: usize) {
+    pub(super) fn remember(&mut self, hash: u64, ghost: Ghost, wanted: usize) {
         let per_generation = self.generation.min(wanted);
         if per_generation == 0 {
             return;
@@ -248,7 +277,7 @@ impl Ghosts {
         // An older generation may still hold a copy of this key (a key stored again by a fresh
         // request is not looked for: see `TurnPolicy::insert`); `take` prefers this newer one
         // and removes both, so it is not looked for here either.
-        self.newer.insert(fingerprint(hash), reuses.min(MAX_GHOST_REUSES));
+        self.newer.insert(fingerprint(hash), ghost);
     }
 
     pub(super) fn clear(&mut self) {
@@ -278,6 +307,17 @@ impl Ghosts {
 mod tests {
     use super::*;
 
+    fn reused(reuses: u8) -> Ghost {
+        Ghost {
+            reuses,
+            tail: false,
+        }
+    }
+
+    fn taken(g: &mut Ghosts, hash: u64) -> Option<u8> {
+        g.take(hash).map(|ghost| ghost.reuses)
+    }
+
     /// Hashes that collide on their home slot in a small table (same top bits).
     fn colliding(n: u64) -> Vec<u64> {
         (0..n).map(|i| (0xABCD_u64 << 48) | (i << 8)).collect()
@@ -287,21 +327,21 @@ mod tests {
     fn remembers_takes_and_forgets_by_generation() {
         let mut g = Ghosts::new(3);
         for h in [0x1000_u64, 0x2000, 0x3000] {
-            g.remember(h << 40, 2, usize::MAX);
+            g.remember(h << 40, reused(2), usize::MAX);
         }
         assert_eq!(g.len(), 3);
         assert!(g.contains(0x1000 << 40));
         // A fourth ghost starts a new generation; the first three are still there.
-        g.remember(0x4000 << 40, 7, usize::MAX);
+        g.remember(0x4000 << 40, reused(7), usize::MAX);
         assert_eq!(g.len(), 4);
-        assert_eq!(g.take(0x2000 << 40), Some(2));
-        assert_eq!(g.take(0x2000 << 40), None);
+        assert_eq!(taken(&mut g, 0x2000 << 40), Some(2));
+        assert_eq!(taken(&mut g, 0x2000 << 40), None);
         // Filling the new generation drops the old one.
-        g.remember(0x5000 << 40, 0, usize::MAX);
-        g.remember(0x6000 << 40, 0, usize::MAX);
-        g.remember(0x7000 << 40, 0, usize::MAX);
+        g.remember(0x5000 << 40, reused(0), usize::MAX);
+        g.remember(0x6000 << 40, reused(0), usize::MAX);
+        g.remember(0x7000 << 40, reused(0), usize::MAX);
         assert!(!g.contains(0x1000 << 40));
-        assert_eq!(g.take(0x4000 << 40), Some(7));
+        assert_eq!(taken(&mut g, 0x4000 << 40), Some(7));
         g.check().unwrap();
     }
 
@@ -311,12 +351,12 @@ mod tests {
         // once an empty generation is reused and more are wanted.
         let mut g = Ghosts::new(usize::MAX / 8);
         for i in 0..60_u64 {
-            g.remember(i << 50, 0, 40);
+            g.remember(i << 50, reused(0), 40);
         }
         assert_eq!(g.newer.slots.len(), MIN_SLOTS);
         assert_eq!(g.len(), 60, "two generations of at most 40");
         for i in 60..200_u64 {
-            g.remember(i << 50, 0, 1_000);
+            g.remember(i << 50, reused(0), 1_000);
         }
         assert!(g.newer.slots.len() > 1_000);
         g.check().unwrap();
@@ -328,7 +368,7 @@ mod tests {
         gen.allocate(40);
         let hs = colliding(40);
         for (i, &h) in hs.iter().enumerate() {
-            gen.insert(fingerprint(h), u8::try_from(i % 16).unwrap());
+            gen.insert(fingerprint(h), reused(u8::try_from(i % 15).unwrap()));
         }
         gen.check().unwrap();
         for &h in hs.iter().step_by(3) {
@@ -344,19 +384,28 @@ mod tests {
     #[test]
     fn the_newest_record_wins_and_counts_saturate() {
         let mut g = Ghosts::new(2);
-        g.remember(0x10, 1, 2);
-        g.remember(0x20, 1, 2);
+        g.remember(0x10, reused(1), 2);
+        g.remember(0x20, reused(1), 2);
         // A new generation: the key's older copy stays until it is taken.
-        g.remember(0x10, 200, 2);
+        g.remember(0x10, reused(200), 2);
         g.check().unwrap();
         assert_eq!(g.len(), 3);
-        assert_eq!(g.take(0x10), Some(MAX_GHOST_REUSES));
-        assert_eq!(g.take(0x10), None, "both copies went");
+        assert_eq!(taken(&mut g, 0x10), Some(MAX_GHOST_REUSES));
+        assert_eq!(taken(&mut g, 0x10), None, "both copies went");
         // Hash 0 still gets a non-empty fingerprint.
-        g.remember(0, 3, 2);
-        assert_eq!(g.take(0), Some(3));
+        g.remember(0, reused(3), 2);
+        assert_eq!(taken(&mut g, 0), Some(3));
+        // A tail is told apart from every reuse count.
+        let tail = Ghost {
+            reuses: 0,
+            tail: true,
+        };
+        g.remember(0x30, tail, 2);
+        g.remember(0x40, reused(MAX_GHOST_REUSES), 2);
+        assert_eq!(g.take(0x30), Some(tail));
+        assert_eq!(g.take(0x40), Some(reused(MAX_GHOST_REUSES)));
         let mut off = Ghosts::new(0);
-        off.remember(0x10, 1, 9);
+        off.remember(0x10, reused(1), 9);
         assert_eq!(off.len(), 0);
     }
 }

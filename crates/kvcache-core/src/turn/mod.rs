@@ -16,12 +16,15 @@
 //!   any other chunk until something reuses them. A request that names a ghost is a
 //!   conversation coming back: its chunks are not fresh, and a ghost's key, stored again,
 //!   gets its old count plus one.
-//! - **The last chunk of a finished request is often never read again** (in traces that hash
-//!   a prompt's final partial block, the next turn's block differs). Unless reused, it ranks
-//!   `capacity` key visits older than the rest of its request.
+//! - **The last chunk of a finished request is read again less often than the rest**, and in
+//!   some traffic almost never: where a prompt's final partial block is hashed, the next
+//!   turn's block there differs. The policy counts how many of the tails it ranked were read
+//!   again (while resident, or stored again while remembered as ghosts). While fewer than one
+//!   in four are, tails are *dead*: evicted before anything else. Otherwise an unreused tail
+//!   ranks `capacity` key visits older than the rest of its request.
 //!
-//! Eviction order: fresh chunks first, oldest first; then every other chunk by its score, the
-//! smallest first: `tick + offset(class)`, where `tick` is a counter advanced once per chunk
+//! Eviction order: dead tails, then fresh chunks, each oldest first; then every other chunk
+//! by its score, the smallest first: `tick + offset(class)`, where `tick` is a counter advanced once per chunk
 //! re-ranked at a request's finish (vLLM's LRU counts the same way) and the offset is the
 //! reuse credit (or the tail's demotion). Chunks of one class share an offset, so each class
 //! is a list in tick order and the smallest score is at the head of one of the lists.
@@ -29,9 +32,10 @@
 //!
 //! The constants were chosen on kvcache's built-in multi-turn workload and on Mooncake's
 //! public synthetic trace (5–50 % capacity; `docs/policies.md` has the figures): credits up to
-//! eight reuses at 0.45 of the capacity per doubling, a tail demotion of one capacity, and
-//! ghosts for the last 2.5–5 capacities of evictions. Larger credits win more on the smallest
-//! caches and start to lose to LRU at 50 %; fewer ghosts miss more returning conversations.
+//! eight reuses at 0.45 of the capacity per doubling, a tail demotion of one capacity, tails
+//! dead below a one-in-four read rate, and ghosts for the last 2.5–5 capacities of evictions.
+//! Larger credits win more on the smallest caches and start to lose to LRU at 50 %; fewer
+//! ghosts miss more returning conversations.
 //!
 //! Complexity: `find`, `insert`, `remove` and each key of `on_request_access`,
 //! `on_request_finished` and `touch` are O(1) (one ghost probe for a key not resident);
@@ -50,7 +54,7 @@ use crate::index::Keyed;
 use crate::key::{Key, KeyBuf};
 use crate::policy::{Access, EntryId, Evicted, Inspection, Observed, Policy, RankedEntry, Stat};
 use crate::slab::{Idx, Links, List};
-use ghosts::Ghosts;
+use ghosts::{Ghost, Ghosts};
 
 /// Reuse credit per doubling of the reuse count, in thousandths of the capacity (in key
 /// visits). From 0.35 to 0.50 the gain over LRU at 5 % capacity rose from 9 to 10 % on the
@@ -64,27 +68,40 @@ const LOG2_MILLI: [u128; 9] = [0, 1000, 1585, 2000, 2322, 2585, 2807, 3000, 3170
 /// 2.5–5 capacities of evictions). The trace's gain over LRU at 5 %: 9 % at 2.0, 12 % at 2.5,
 /// 10 % at 3.0 (noisy); each generation costs at most 25 bytes per resident chunk.
 const GHOST_GENERATION_TENTHS: usize = 25;
+/// Tails are dead while fewer than one in this many marked tails was read again. The two
+/// tuning workloads sit far apart (offline counts: the built-in one reads 78 % of its tails
+/// again, the Mooncake trace 5 %); 4, 8 and 16 decided alike on both, while at 2 the
+/// built-in workload's tails were judged dead at 20 % capacity and it fell below LRU there.
+const DEAD_TAIL_RATIO: u32 = 4;
+/// Tails marked before the estimate is trusted; until then tails are demoted, not dead.
+const TAIL_SAMPLES_MIN: u32 = 64;
+/// The estimate follows the traffic: both counts halve when this many tails were marked.
+const TAIL_WINDOW: u32 = 4096;
 
-/// Which list an entry is on: `Fresh` is evicted first; the others by score.
+/// Which list an entry is on: `Dead`, then `Fresh`, are evicted first; the others by score.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub(crate) enum Class {
-    Fresh = 0,
-    Tail = 1,
+    /// Unread tails while tails are judged dead: evicted before fresh chunks.
+    Dead = 0,
+    Fresh = 1,
+    Tail = 2,
     /// Reused `r` times (`r` up to [`MAX_CREDITED_REUSES`]): `Reused0 as u8 + r`.
-    Reused0 = 2,
+    Reused0 = 3,
 }
 
-/// Lists: fresh, tail, and one per credited reuse count.
-const LISTS: usize = 2 + MAX_CREDITED_REUSES as usize + 1;
+/// Lists: dead, fresh, tail, and one per credited reuse count.
+const LISTS: usize = Class::Reused0 as usize + MAX_CREDITED_REUSES as usize + 1;
 const LIST_NAMES: [&str; LISTS] = [
-    "fresh", "tail", "reused0", "reused1", "reused2", "reused3", "reused4", "reused5", "reused6",
+    "dead", "fresh", "tail", "reused0", "reused1", "reused2", "reused3", "reused4", "reused5", "reused6",
     "reused7", "reused8",
 ];
 
 const EVICTABLE: u8 = 1;
 /// Stored by a fresh request and not reused since.
 const FRESH_ORIGIN: u8 = 2;
+/// Ranked last of a finished request and not reused since (counted in `tails_marked`).
+const TAIL: u8 = 4;
 
 struct TurnEntry<C> {
     key: KeyBuf,
@@ -134,6 +151,10 @@ pub struct TurnPolicy<C> {
     tick: u64,
     /// The most chunks held at once since the policy was built or cleared.
     peak: usize,
+    /// Tails marked, and how many of those were read again (both halved every
+    /// [`TAIL_WINDOW`] marks).
+    tails_marked: u32,
+    tails_read: u32,
 }
 
 impl<C> TurnPolicy<C> {
@@ -148,9 +169,37 @@ impl<C> TurnPolicy<C> {
         e.tick.saturating_add(self.offsets[usize::from(e.list)])
     }
 
-    /// The list a chunk belongs on when its request finishes (`last`: the request's deepest).
-    fn class_at_finish(e: &TurnEntry<C>, last: bool) -> usize {
-        if e.reuses == 0 && e.has(FRESH_ORIGIN) {
+    /// Whether tails are read again too rarely to keep.
+    fn tails_dead(&self) -> bool {
+        self.tails_marked >= TAIL_SAMPLES_MIN
+            && self.tails_read.saturating_mul(DEAD_TAIL_RATIO) < self.tails_marked
+    }
+
+    fn note_tail_marked(&mut self) {
+        self.tails_marked += 1;
+        if self.tails_marked >= TAIL_WINDOW {
+            self.tails_marked /= 2;
+            self.tails_read /= 2;
+        }
+    }
+
+    fn note_tail_read(&mut self) {
+        self.tails_read = self.tails_read.saturating_add(1);
+    }
+
+    /// Starts the policy off judging tails dead (property tests reach that state at once).
+    #[cfg(test)]
+    pub(crate) fn start_with_dead_tails(&mut self) {
+        self.tails_marked = TAIL_WINDOW / 2;
+        self.tails_read = 0;
+    }
+
+    /// The list a chunk belongs on when its request finishes (`last`: the request's deepest;
+    /// `dead`: tails are dead).
+    fn class_at_finish(e: &TurnEntry<C>, last: bool, dead: bool) -> usize {
+        if e.reuses == 0 && last && dead {
+            Class::Dead as usize
+        } else if e.reuses == 0 && e.has(FRESH_ORIGIN) {
             Class::Fresh as usize
         } else if e.reuses == 0 && last {
             Class::Tail as usize
@@ -181,11 +230,13 @@ impl<C> TurnPolicy<C> {
     /// Every resident entry in eviction order with its score, computed by sorting (the
     /// victim iterator merges the lists instead; the property tests compare the two).
     fn ranked(&self) -> Vec<(Idx, u64)> {
-        let mut all: Vec<(bool, u64, usize, usize, Idx)> = Vec::with_capacity(self.len());
+        let mut all: Vec<(usize, u64, usize, usize, Idx)> = Vec::with_capacity(self.len());
         for (list, l) in self.lists.iter().enumerate() {
+            // Dead, then fresh, by age; then the scored lists.
+            let stage = list.min(Class::Tail as usize);
             for (ordinal, idx) in l.iter(&self.entries.slab).enumerate() {
-                let fresh = list == Class::Fresh as usize;
-                all.push((!fresh, self.score(idx), list, ordinal, idx));
+                let score = if stage < Class::Tail as usize { 0 } else { self.score(idx) };
+                all.push((stage, score, list, ordinal, idx));
             }
         }
         all.sort_unstable();
@@ -224,6 +275,8 @@ impl<C> Policy<C> for TurnPolicy<C> {
             ghosts: Ghosts::new(capacity.saturating_mul(GHOST_GENERATION_TENTHS) / 10),
             tick: 0,
             peak: 0,
+            tails_marked: 0,
+            tails_read: 0,
         }
     }
 
@@ -294,9 +347,12 @@ impl<C> Policy<C> for TurnPolicy<C> {
             self.ghosts.take(key.hash.0)
         };
         let reuses = match ghost {
-            Some(r) => {
+            Some(g) => {
                 request.returning = true;
-                r.saturating_add(1)
+                if g.tail {
+                    self.note_tail_read();
+                }
+                g.reuses.saturating_add(1)
             }
             None => 0,
         };
@@ -365,20 +421,33 @@ impl<C> Policy<C> for TurnPolicy<C> {
         }
     }
 
-    /// Reused chunks count one more reuse; then the request's chunks are re-ranked from its
-    /// tail to its head, so the head ends most recent.
+    /// Reused chunks count one more reuse (a marked tail, a read); then the request's chunks
+    /// are re-ranked from its tail to its head, so the head ends most recent. The tail, unless
+    /// reused, is marked.
     fn on_request_finished(&mut self, entries: &[(Option<EntryId>, Access)]) {
         for &(id, access) in entries {
             if let (Some(EntryId(idx)), Access::Reused) = (id, access) {
                 let e = self.entries.get_mut(idx);
                 e.reuses = e.reuses.saturating_add(1);
-                e.flags &= !FRESH_ORIGIN;
+                let was_tail = e.has(TAIL);
+                e.flags &= !(FRESH_ORIGIN | TAIL);
+                if was_tail {
+                    self.note_tail_read();
+                }
             }
         }
         let last = entries.len().checked_sub(1);
+        if let Some(&(Some(EntryId(idx)), _)) = entries.last() {
+            let e = self.entries.get_mut(idx);
+            if e.reuses == 0 && !e.has(TAIL) {
+                e.flags |= TAIL;
+                self.note_tail_marked();
+            }
+        }
+        let dead = self.tails_dead();
         for (i, &(id, _)) in entries.iter().enumerate().rev() {
             let Some(EntryId(idx)) = id else { continue };
-            let list = Self::class_at_finish(self.entries.get(idx), Some(i) == last);
+            let list = Self::class_at_finish(self.entries.get(idx), Some(i) == last, dead);
             self.unlink(idx);
             self.tick += 1;
             self.append(idx, list);
@@ -400,17 +469,19 @@ impl<C> Policy<C> for TurnPolicy<C> {
         }
     }
 
-    /// Forgets every chunk and ghost; ticks restart.
+    /// Forgets every chunk, ghost and count; ticks restart.
     fn clear(&mut self) {
         self.entries.clear();
         self.lists = [List::default(); LISTS];
         self.ghosts.clear();
         self.tick = 0;
         self.peak = 0;
+        self.tails_marked = 0;
+        self.tails_read = 0;
     }
 
-    /// Fresh chunks oldest first, then the other lists merged by score (ties: the list with
-    /// the lower index first, then list order).
+    /// Dead tails, then fresh chunks, oldest first; then the other lists merged by score
+    /// (ties: the list with the lower index first, then list order).
     fn victims<'a>(
         &'a self,
         idle: impl Fn(EntryId, &C) -> bool + 'a,
@@ -430,16 +501,19 @@ impl<C> Policy<C> for TurnPolicy<C> {
             }
             None
         };
-        let mut fresh = self.lists[Class::Fresh as usize].iter(slab);
+        let mut first = self.lists[Class::Dead as usize]
+            .iter(slab)
+            .chain(self.lists[Class::Fresh as usize].iter(slab));
         let mut heads: Option<[Option<(u64, Idx)>; LISTS]> = None;
         std::iter::from_fn(move || {
-            if let Some(idx) = fresh.by_ref().find(|&idx| eligible(idx)) {
+            if let Some(idx) = first.by_ref().find(|&idx| eligible(idx)) {
                 return Some(EntryId(idx));
             }
-            // Each list's next candidate and its score, found once the fresh list is spent.
+            // Each scored list's next candidate and its score, found once the dead and fresh
+            // lists are spent.
             let heads = heads.get_or_insert_with(|| {
                 std::array::from_fn(|list| {
-                    (list != Class::Fresh as usize)
+                    (list >= Class::Tail as usize)
                         .then(|| scan(self.lists[list].head(), &eligible))
                         .flatten()
                 })
@@ -454,14 +528,19 @@ impl<C> Policy<C> for TurnPolicy<C> {
         })
     }
 
-    /// The victim's key is remembered as a ghost with its reuse count.
+    /// The victim's key is remembered as a ghost with its reuse count and whether it was a
+    /// marked tail.
     fn evict_entry(&mut self, id: EntryId) -> Evicted<C> {
         // A generation holds 2.5 ghosts per chunk of capacity, but a cache that has never held
         // half its capacity keeps ghosts for twice what it held at most (a table to match).
         let wanted = self.peak.saturating_mul(2 * GHOST_GENERATION_TENTHS) / 10;
         self.unlink(id.0);
         let (entry, hash) = self.entries.remove_hashed(id.0);
-        self.ghosts.remember(hash.0, entry.reuses, wanted);
+        let ghost = Ghost {
+            reuses: entry.reuses,
+            tail: entry.has(TAIL),
+        };
+        self.ghosts.remember(hash.0, ghost, wanted);
         Evicted {
             key: entry.key,
             chunk: entry.chunk,
@@ -478,14 +557,17 @@ impl<C> Policy<C> for TurnPolicy<C> {
     }
 
     fn stats(&self) -> Vec<(&'static str, Stat)> {
+        let unreused = self.list_len(Class::Dead)
+            + self.list_len(Class::Fresh)
+            + self.list_len(Class::Tail);
         vec![
             ("fresh", Stat::Count(self.list_len(Class::Fresh))),
             ("tail", Stat::Count(self.list_len(Class::Tail))),
-            (
-                "reused",
-                Stat::Count(self.len() - self.list_len(Class::Fresh) - self.list_len(Class::Tail)),
-            ),
+            ("dead", Stat::Count(self.list_len(Class::Dead))),
+            ("reused", Stat::Count(self.len() - unreused)),
             ("ghosts", Stat::Count(self.ghosts.len())),
+            ("tails_marked", Stat::Count(self.tails_marked as usize)),
+            ("tails_read", Stat::Count(self.tails_read as usize)),
         ]
     }
 

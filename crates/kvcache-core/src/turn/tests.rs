@@ -214,3 +214,86 @@ fn a_huge_capacity_holding_few_chunks_keeps_a_small_ghost_table() {
     assert_eq!(p.ghosts.len(), 10);
     assert!(p.ghosts.heap_bytes() <= 2 * 64 * 8, "{} bytes", p.ghosts.heap_bytes());
 }
+
+/// Returning requests `from..to` (each reuses "s"), each storing a head and a tail chunk;
+/// with `read_tails`, each also reads the previous request's tail (a next turn re-reading it).
+fn tails(p: &mut P, from: u8, to: u8, read_tails: bool) {
+    for i in from..to {
+        let (head, tail, previous) = ([b'h', i], [b't', i], [b't', i.wrapping_sub(1)]);
+        let mut reused: Vec<&[u8]> = vec![b"s"];
+        if read_tails && i > from {
+            reused.push(&previous);
+        }
+        turn(p, &reused, &[&head, &tail]);
+    }
+}
+
+#[test]
+fn tails_rarely_read_again_are_dead_and_go_first() {
+    let mut p = P::new(1000);
+    store(&mut p, &mut TurnRequest::default(), &[b"s"]);
+    tails(&mut p, 0, 63, false);
+    // 63 marks: too few to judge, so tails are only demoted.
+    assert!(!p.tails_dead());
+    assert_eq!(p.list_len(Class::Tail), 63);
+    tails(&mut p, 63, 64, false);
+    assert!(p.tails_dead(), "64 tails, none read again");
+    assert_eq!(p.list_len(Class::Dead), 1);
+    // The dead tail, the newest chunk, goes before every older one, demoted tails included.
+    assert_eq!(evict(&mut p, 2), keys(&[&[b't', 63], &[b't', 0]]));
+}
+
+#[test]
+fn tails_read_again_are_kept_demoted() {
+    let mut p = P::new(1000);
+    store(&mut p, &mut TurnRequest::default(), &[b"s"]);
+    tails(&mut p, 0, 100, true);
+    assert!(!p.tails_dead());
+    assert_eq!((p.tails_marked, p.tails_read), (100, 99));
+    assert_eq!(p.list_len(Class::Dead), 0);
+    assert_eq!(p.list_len(Class::Tail), 1);
+}
+
+#[test]
+fn a_tail_stored_again_from_its_ghost_counts_as_read() {
+    let mut p = P::new(10);
+    store(&mut p, &mut TurnRequest::default(), &[b"s"]);
+    turn(&mut p, &[b"s"], &[b"h", b"t"]);
+    assert_eq!((p.tails_marked, p.tails_read), (1, 0));
+    assert_eq!(evict(&mut p, 1), keys(&[b"t"]));
+    // The next turn reads the tail again: it is a ghost now, and comes back reused once.
+    turn(&mut p, &[b"s", b"h"], &[b"t", b"u"]);
+    assert_eq!((p.tails_marked, p.tails_read), (2, 1));
+    let t = p.find(p.key(b"t")).unwrap();
+    assert_eq!(p.entries.get(t.0).reuses, 1);
+    assert!(!p.entries.get(t.0).has(TAIL));
+}
+
+#[test]
+fn the_tail_estimate_follows_the_traffic() {
+    let mut p = P::new(1000);
+    store(&mut p, &mut TurnRequest::default(), &[b"s"]);
+    // Tails read again at first, then never: the halving window forgets the old reads.
+    for round in 0..40u8 {
+        let read = round < 10;
+        for i in 0..=255u8 {
+            let reused_tail = read && i > 0;
+            let (head, tail) = ([b'h', round, i], [b't', round, i]);
+            let previous = [b't', round, i.wrapping_sub(1)];
+            let mut reused: Vec<&[u8]> = vec![b"s"];
+            if reused_tail {
+                reused.push(&previous);
+            }
+            turn(&mut p, &reused, &[&head, &tail]);
+        }
+        if round == 9 {
+            assert!(!p.tails_dead());
+        }
+        // Everything but "s" goes, so the next round's keys are new.
+        let n = p.len() - 1;
+        evict(&mut p, n);
+        assert!(p.find(p.key(b"s")).is_some());
+    }
+    assert!(p.tails_dead());
+    assert!(p.tails_marked < TAIL_WINDOW && p.tails_marked >= TAIL_WINDOW / 2);
+}

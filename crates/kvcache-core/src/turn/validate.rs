@@ -1,6 +1,6 @@
 //! The turn policy's invariant checker (tests, fuzzing and the Python test build only).
 
-use super::{Class, TurnPolicy, EVICTABLE, FRESH_ORIGIN, LISTS, MAX_CREDITED_REUSES};
+use super::{Class, TurnPolicy, EVICTABLE, FRESH_ORIGIN, LISTS, MAX_CREDITED_REUSES, TAIL};
 
 impl<C> TurnPolicy<C> {
     /// Checks every structural invariant; `Err` names the first one broken.
@@ -24,17 +24,22 @@ impl<C> TurnPolicy<C> {
                 if e.tick > self.tick {
                     return Err(format!("{:?} has a tick from the future", e.key));
                 }
-                if e.flags & !(EVICTABLE | FRESH_ORIGIN) != 0 {
+                if e.flags & !(EVICTABLE | FRESH_ORIGIN | TAIL) != 0 {
                     return Err(format!("{:?} has unknown flags {:#x}", e.key, e.flags));
                 }
                 let fresh = e.flags & FRESH_ORIGIN != 0;
                 if fresh && e.reuses != 0 {
                     return Err(format!("{:?} is fresh but was reused", e.key));
                 }
+                let tail = e.flags & TAIL != 0;
+                if tail && e.reuses != 0 {
+                    return Err(format!("{:?} is a marked tail but was reused", e.key));
+                }
                 let class_ok = match list {
+                    l if l == Class::Dead as usize => tail,
                     l if l == Class::Fresh as usize => fresh,
                     l if l == Class::Tail as usize => e.reuses == 0,
-                    l => e.reuses.min(MAX_CREDITED_REUSES) == u8::try_from(l - 2).unwrap_or(0),
+                    l => e.reuses.min(MAX_CREDITED_REUSES) == u8::try_from(l - Class::Reused0 as usize).unwrap_or(0),
                 };
                 if !class_ok {
                     return Err(format!(
@@ -47,6 +52,9 @@ impl<C> TurnPolicy<C> {
             total += members.len();
         }
         self.entries.check_counts(total, 0)?;
+        if self.tails_marked >= super::TAIL_WINDOW {
+            return Err(format!("{} tails marked: the window was not halved", self.tails_marked));
+        }
         self.ghosts.check()
     }
 }
