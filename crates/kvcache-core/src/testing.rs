@@ -176,15 +176,23 @@ impl PolicyProgram {
 
     /// Runs the program on a fresh policy of type `P`; `Err` names the op and the violation.
     pub fn run<P: Policy<TestChunk>>(&self) -> Result<(), String> {
+        self.run_from::<P>(|_| {})
+    }
+
+    /// Runs the program on a fresh policy of type `P` that `setup` first puts in a state the
+    /// program alone would not reach.
+    pub fn run_from<P: Policy<TestChunk>>(&self, setup: impl FnOnce(&mut P)) -> Result<(), String> {
         let mut h = PolicyHarness::<P>::new(self.capacity);
+        setup(h.policy_mut());
         for op in &self.ops {
             h.apply(op).map_err(|e| format!("{op:?}: {e}"))?;
         }
         Ok(())
     }
 
-    /// Runs the program on every policy of [`crate::for_each_policy!`] and the offline
-    /// [`BeladyPolicy`](crate::BeladyPolicy); `Err` names the policy.
+    /// Runs the program on every policy of [`crate::for_each_policy!`], on the states of LRU and
+    /// turn that short programs do not reach (every group indexed; tails judged dead), and on
+    /// the offline [`BeladyPolicy`](crate::BeladyPolicy); `Err` names the policy.
     pub fn run_every_policy(&self) -> Result<(), String> {
         macro_rules! run_all {
             ($($(#[$doc:meta])* $module:ident::$policy:ident as $kind:ident = $class:literal;)*) => {
@@ -196,6 +204,11 @@ impl PolicyProgram {
             };
         }
         crate::for_each_policy!(run_all);
+        // A walk limit of 0 indexes every group as soon as an insertion lands mid-group.
+        self.run_from::<crate::LruPolicy<TestChunk>>(|p| p.set_walk_limit(0))
+            .map_err(|e| format!("lru, every group indexed: {e}"))?;
+        self.run_from::<crate::TurnPolicy<TestChunk>>(crate::TurnPolicy::start_with_dead_tails)
+            .map_err(|e| format!("turn, tails dead: {e}"))?;
         self.run::<crate::BeladyPolicy<TestChunk>>()
             .map_err(|e| format!("belady: {e}"))
     }
@@ -808,7 +821,6 @@ mod proptests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::LruPolicy;
 
     fn program_bytes() -> impl Strategy<Value = Vec<u8>> {
         prop::collection::vec(any::<u8>(), 0..1536)
@@ -831,34 +843,10 @@ mod proptests {
         fn every_policy_keeps_its_invariants(bytes in program_bytes()) {
             PolicyProgram::from_bytes(&bytes).run_every_policy().map_err(TestCaseError::fail)?;
         }
-
-        #[cfg_attr(miri, ignore)]
-        #[test]
-        fn lru_with_indexed_groups_keeps_its_invariants(bytes in program_bytes()) {
-            // A walk limit of 0 indexes every group as soon as an insertion lands mid-group.
-            let program = PolicyProgram::from_bytes(&bytes);
-            let mut h = PolicyHarness::<LruPolicy<TestChunk>>::new(program.capacity);
-            h.policy_mut().set_walk_limit(0);
-            for op in &program.ops {
-                h.apply(op).map_err(|e| TestCaseError::fail(format!("{op:?}: {e}")))?;
-            }
-        }
     }
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
-
-        #[cfg_attr(miri, ignore)]
-        #[test]
-        fn turn_with_dead_tails_keeps_its_invariants(bytes in program_bytes()) {
-            // A program is too short to mark the tails the policy needs to judge them dead.
-            let program = PolicyProgram::from_bytes(&bytes);
-            let mut h = PolicyHarness::<crate::TurnPolicy<TestChunk>>::new(program.capacity);
-            h.policy_mut().start_with_dead_tails();
-            for op in &program.ops {
-                h.apply(op).map_err(|e| TestCaseError::fail(format!("{op:?}: {e}")))?;
-            }
-        }
 
         #[cfg_attr(miri, ignore)]
         #[test]
