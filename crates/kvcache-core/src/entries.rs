@@ -39,11 +39,39 @@ macro_rules! keyed_entry {
 pub(crate) use keyed_entry;
 
 /// The [`Policy`](crate::Policy) methods that only look entries up, and `remove`, for a policy
-/// whose entries (with a `chunk: Option<C>` field) live in `self.entries` and that takes one
-/// off its lists and out of the store with `self.delete(idx)`: written once here, expanded
-/// into each policy's `impl Policy`.
+/// whose entries live in `self.entries` and that takes one off its lists and out of the store
+/// with `self.delete(idx)`: written once here, expanded into each policy's `impl Policy`.
+/// `entry_lookups!()` is for entries with a `chunk: Option<C>` field (a policy that keeps
+/// ghosts in its slab); `entry_lookups!(resident)` for entries with a `chunk: C` field, every
+/// one of them resident.
 macro_rules! entry_lookups {
     () => {
+        crate::entries::entry_lookups!(@find);
+
+        #[inline]
+        fn chunk(&self, id: crate::policy::EntryId) -> Option<&C> {
+            self.entries.get(id.0).chunk.as_ref()
+        }
+
+        fn remove(&mut self, id: crate::policy::EntryId) -> C {
+            self.delete(id.0)
+                .chunk
+                .expect("only resident entries are removed")
+        }
+    };
+    (resident) => {
+        crate::entries::entry_lookups!(@find);
+
+        #[inline]
+        fn chunk(&self, id: crate::policy::EntryId) -> Option<&C> {
+            Some(&self.entries.get(id.0).chunk)
+        }
+
+        fn remove(&mut self, id: crate::policy::EntryId) -> C {
+            self.delete(id.0).chunk
+        }
+    };
+    (@find) => {
         fn hasher(&self) -> &crate::key::KeyHasher {
             self.entries.hasher()
         }
@@ -59,17 +87,6 @@ macro_rules! entry_lookups {
                 .into_iter()
                 .map(|i| i.map(crate::policy::EntryId))
                 .collect()
-        }
-
-        #[inline]
-        fn chunk(&self, id: crate::policy::EntryId) -> Option<&C> {
-            self.entries.get(id.0).chunk.as_ref()
-        }
-
-        fn remove(&mut self, id: crate::policy::EntryId) -> C {
-            self.delete(id.0)
-                .chunk
-                .expect("only resident entries are removed")
         }
     };
 }

@@ -289,25 +289,9 @@ impl<C> Policy<C> for TurnPolicy<C> {
         self.entries.len()
     }
 
-    fn hasher(&self) -> &crate::key::KeyHasher {
-        self.entries.hasher()
-    }
-
-    #[inline]
-    fn find(&self, key: Key<'_>) -> Option<EntryId> {
-        self.entries.find(key).map(EntryId)
-    }
-
-    fn find_many(&self, keys: &[Key<'_>]) -> Vec<Option<EntryId>> {
-        let found = self.entries.find_many(keys);
-        found.into_iter().map(|i| i.map(EntryId)).collect()
-    }
-
-    /// Every entry is resident (ghosts live outside the slab).
-    #[inline]
-    fn chunk(&self, id: EntryId) -> Option<&C> {
-        Some(&self.entries.get(id.0).chunk)
-    }
+    // Every entry is resident (ghosts live outside the slab). `remove` leaves no ghost: a
+    // failed store's key was never cached.
+    crate::entries::entry_lookups!(resident);
 
     #[inline]
     fn is_entry_of(&self, id: EntryId, key: &[u8]) -> bool {
@@ -546,11 +530,6 @@ impl<C> Policy<C> for TurnPolicy<C> {
             key: entry.key,
             chunk: entry.chunk,
         }
-    }
-
-    /// A failed store leaves no ghost: the key was never cached.
-    fn remove(&mut self, id: EntryId) -> C {
-        self.delete(id.0).chunk
     }
 
     fn heap_bytes(&self) -> usize {
