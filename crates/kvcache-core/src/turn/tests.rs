@@ -1,3 +1,5 @@
+use std::ops::RangeInclusive;
+
 use super::*;
 use crate::chunk::{SelfCounted, TestChunk};
 use crate::policy::{PolicyExt, Protected};
@@ -215,13 +217,16 @@ fn a_huge_capacity_holding_few_chunks_keeps_a_small_ghost_table() {
     assert!(p.ghosts.heap_bytes() <= 2 * 64 * 8, "{} bytes", p.ghosts.heap_bytes());
 }
 
-/// Returning requests `from..to` (each reuses "s"), each storing a head and a tail chunk;
-/// with `read_tails`, each also reads the previous request's tail (a next turn re-reading it).
-fn tails(p: &mut P, from: u8, to: u8, read_tails: bool) {
-    for i in from..to {
-        let (head, tail, previous) = ([b'h', i], [b't', i], [b't', i.wrapping_sub(1)]);
+/// Returning requests `ids` of `round` (each reuses "s"), each storing a head and a tail chunk;
+/// with `read_tails`, each but the first also reads the previous request's tail (a next turn
+/// re-reading it).
+fn tails(p: &mut P, round: u8, ids: RangeInclusive<u8>, read_tails: bool) {
+    let first = *ids.start();
+    for i in ids {
+        let (head, tail) = ([b'h', round, i], [b't', round, i]);
+        let previous = [b't', round, i.wrapping_sub(1)];
         let mut reused: Vec<&[u8]> = vec![b"s"];
-        if read_tails && i > from {
+        if read_tails && i > first {
             reused.push(&previous);
         }
         turn(p, &reused, &[&head, &tail]);
@@ -232,22 +237,22 @@ fn tails(p: &mut P, from: u8, to: u8, read_tails: bool) {
 fn tails_rarely_read_again_are_dead_and_go_first() {
     let mut p = P::new(1000);
     store(&mut p, &mut TurnRequest::default(), &[b"s"]);
-    tails(&mut p, 0, 63, false);
+    tails(&mut p, 0, 0..=62, false);
     // 63 marks: too few to judge, so tails are only demoted.
     assert!(!p.tails_dead());
     assert_eq!(p.list_len(Class::Tail), 63);
-    tails(&mut p, 63, 64, false);
+    tails(&mut p, 0, 63..=63, false);
     assert!(p.tails_dead(), "64 tails, none read again");
     assert_eq!(p.list_len(Class::Dead), 1);
     // The dead tail, the newest chunk, goes before every older one, demoted tails included.
-    assert_eq!(evict(&mut p, 2), keys(&[&[b't', 63], &[b't', 0]]));
+    assert_eq!(evict(&mut p, 2), keys(&[&[b't', 0, 63], &[b't', 0, 0]]));
 }
 
 #[test]
 fn tails_read_again_are_kept_demoted() {
     let mut p = P::new(1000);
     store(&mut p, &mut TurnRequest::default(), &[b"s"]);
-    tails(&mut p, 0, 100, true);
+    tails(&mut p, 0, 0..=99, true);
     assert!(!p.tails_dead());
     assert_eq!((p.tails_marked, p.tails_read), (100, 99));
     assert_eq!(p.list_len(Class::Dead), 0);
@@ -275,17 +280,7 @@ fn the_tail_estimate_follows_the_traffic() {
     store(&mut p, &mut TurnRequest::default(), &[b"s"]);
     // Tails read again at first, then never: the halving window forgets the old reads.
     for round in 0..40u8 {
-        let read = round < 10;
-        for i in 0..=255u8 {
-            let reused_tail = read && i > 0;
-            let (head, tail) = ([b'h', round, i], [b't', round, i]);
-            let previous = [b't', round, i.wrapping_sub(1)];
-            let mut reused: Vec<&[u8]> = vec![b"s"];
-            if reused_tail {
-                reused.push(&previous);
-            }
-            turn(&mut p, &reused, &[&head, &tail]);
-        }
+        tails(&mut p, round, 0..=255, round < 10);
         if round == 9 {
             assert!(!p.tails_dead());
         }
