@@ -223,6 +223,13 @@ impl<C> TurnPolicy<C> {
         self.lists[list].push_back(&mut self.entries.slab, idx);
     }
 
+    /// Moves `idx` to the tail of `list` with the next tick (one re-ranked chunk).
+    fn rerank(&mut self, idx: Idx, list: usize) {
+        self.unlink(idx);
+        self.tick += 1;
+        self.append(idx, list);
+    }
+
     fn delete(&mut self, idx: Idx) -> TurnEntry<C> {
         self.unlink(idx);
         self.entries.remove(idx)
@@ -385,9 +392,7 @@ impl<C> Policy<C> for TurnPolicy<C> {
     fn touch(&mut self, ids: &[Option<EntryId>], _counts: &impl RefCounts<C>) {
         for &EntryId(idx) in ids.iter().rev().flatten() {
             let list = usize::from(self.entries.get(idx).list);
-            self.unlink(idx);
-            self.tick += 1;
-            self.append(idx, list);
+            self.rerank(idx, list);
         }
     }
 
@@ -433,9 +438,7 @@ impl<C> Policy<C> for TurnPolicy<C> {
         for (i, &(id, _)) in entries.iter().enumerate().rev() {
             let Some(EntryId(idx)) = id else { continue };
             let list = Self::class_at_finish(self.entries.get(idx), Some(i) == last, dead);
-            self.unlink(idx);
-            self.tick += 1;
-            self.append(idx, list);
+            self.rerank(idx, list);
         }
     }
 
