@@ -311,7 +311,11 @@ class Check:
             groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("g",), group_id=0),),
             worker_kv_bytes_per_block=self.layers * page,
             enable_kv_cache_events=False,
-            extra_config={"cpu_bytes_to_use": self.num_chunks * self.aligned(chunk), **extra},
+            extra_config={
+                "cpu_bytes_to_use": self.num_chunks * self.aligned(chunk),
+                "kvcache_worker": True,  # opt-in until a GPU run has passed
+                **extra,
+            },
             engine_id=f"kvcache-gpu-check-{uuid.uuid4().hex}",
             model=OffloadingModelConfig(name="m", dtype="bfloat16", max_model_len=4096),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=self.bpc),

@@ -218,8 +218,19 @@ def test_startup_line_names_manager_policy_and_worker(caplog: pytest.LogCaptureF
     (line,) = [r.getMessage() for r in caplog.records if "ready:" in r.getMessage()]
     assert "manager=kvcache (Rust)" in line
     assert "policy=arc" in line
-    assert "worker=kvcache" in line
+    import kvcache.vllm
+
+    if kvcache.vllm.WORKER_GPU_EVIDENCE is None:
+        # The scheduler side says which worker the default gives, and why.
+        assert f"worker=vLLM's ({kvcache.vllm.WORKER_DEFAULT_REASON})" in line
+    else:
+        assert "worker=kvcache" in line
     assert "pool=64 chunks" in line
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kvcache.vllm"):
+        our_spec(eviction_policy="arc", kvcache_worker=True).get_manager()
+    (line,) = [r.getMessage() for r in caplog.records if "ready:" in r.getMessage()]
+    assert "worker=kvcache (built on the worker side)" in line
 
 
 @pytest.mark.parametrize("policy", ["LRUCachePolicy", "ARCCachePolicy"])

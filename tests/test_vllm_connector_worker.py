@@ -83,7 +83,12 @@ pytestmark = pytest.mark.oracle
 
 TOKENS_PER_BLOCK = 16
 NUM_BLOCKS = 128
-OURS = {"spec_name": "KvCacheOffloadingSpec", "spec_module_path": "kvcache.vllm"}
+# kvcache's worker is opt-in until a GPU run has passed (vLLM's own worker is the default).
+OURS = {
+    "spec_name": "KvCacheOffloadingSpec",
+    "spec_module_path": "kvcache.vllm",
+    "kvcache_worker": True,
+}
 
 
 # --- configurations -----------------------------------------------------------------------

@@ -33,6 +33,17 @@ def spec_for(geometry: Geometry, **extra: Any) -> Any:
     return kvcache.vllm.CPUOffloadingSpec(config)
 
 
+def default_spec_for(geometry: Geometry) -> Any:
+    """A spec whose configuration does not name a worker (the default applies)."""
+    import dataclasses
+
+    import kvcache.vllm
+
+    config = offloading_config(geometry, rank=0, cpu_bytes_to_use=1 << 20, engine_id="t")
+    extra = {k: v for k, v in config.extra_config.items() if k != "kvcache_worker"}
+    return kvcache.vllm.CPUOffloadingSpec(dataclasses.replace(config, extra_config=extra))
+
+
 def gpu_spec(block_ids: list[int], sizes: list[int], starts: list[int]) -> Any:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
@@ -74,6 +85,42 @@ def test_kvcache_worker_false_selects_vllms_worker_with_one_line(
         (line,) = info_lines(caplog)
         assert "worker ready" in line
         assert "worker=vLLM's (kvcache_worker is false in kv_connector_extra_config)" in line
+    finally:
+        worker.shutdown()
+
+
+def test_without_a_setting_vllms_worker_runs_until_a_gpu_run_has_passed(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default worker follows the GPU evidence: vLLM's while ``WORKER_GPU_EVIDENCE`` names
+    no passed GPU run (the start-up line says so and how to choose kvcache's), kvcache's once
+    it does; an explicit setting wins either way."""
+    require_oracle()
+    from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker as VllmWorker
+
+    import kvcache.vllm
+
+    with vllm_on_cpu(), caplog.at_level("DEBUG", logger="kvcache"):
+        spec = default_spec_for(PLAIN)
+        assert "kvcache_worker" not in spec.extra_config
+        worker = spec.get_worker(canonical(PLAIN, make_tensors(PLAIN, 0)))
+    try:
+        if kvcache.vllm.WORKER_GPU_EVIDENCE is None:
+            assert isinstance(worker, VllmWorker)
+            (line,) = info_lines(caplog)
+            assert f"worker=vLLM's ({kvcache.vllm.WORKER_DEFAULT_REASON})" in line
+            assert '"kvcache_worker": true selects it' in line
+        else:
+            assert isinstance(worker, kvcache.vllm.CPUOffloadingWorker)
+    finally:
+        worker.shutdown()
+    # The switch itself: with evidence named, the same configuration builds kvcache's worker.
+    monkeypatch.setattr(kvcache.vllm, "WORKER_GPU_EVIDENCE", "docs/gpu/example.json")
+    with vllm_on_cpu():
+        spec = default_spec_for(PLAIN)
+        worker = spec.get_worker(canonical(PLAIN, make_tensors(PLAIN, 0)))
+    try:
+        assert isinstance(worker, kvcache.vllm.CPUOffloadingWorker)
     finally:
         worker.shutdown()
 

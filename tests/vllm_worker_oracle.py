@@ -319,7 +319,9 @@ def offloading_config(
         ),
         worker_kv_bytes_per_block=geometry.worker_kv_bytes_per_block,
         enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": cpu_bytes_to_use, **extra},
+        # kvcache's worker is opt-in (vLLM's is the default until a GPU run has passed); vLLM's
+        # own spec ignores the key.
+        extra_config={"cpu_bytes_to_use": cpu_bytes_to_use, "kvcache_worker": True, **extra},
         engine_id=engine_id,
         model=OffloadingModelConfig(name="m", dtype="float16", max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=geometry.blocks_per_chunk),

@@ -1,7 +1,8 @@
 """The adapter vLLM 0.33.0 loads by configuration.
 
-kvcache's manager, policies and worker (the worker's CUDA path has not yet run on a GPU; add
-``"kvcache_worker": False`` to keep vLLM's worker)::
+kvcache's manager and policies, with vLLM's own worker moving the bytes (kvcache's worker is
+one setting away, ``"kvcache_worker": True``; it becomes the default once it has passed a GPU
+run, see ``WORKER_GPU_EVIDENCE``)::
 
     kv_connector_extra_config = {
         "spec_name": "KvCacheOffloadingSpec",
@@ -25,7 +26,8 @@ own Python classes *before* looking at the module path::
 
 Switches (``kv_connector_extra_config``), all optional:
 
-- ``"kvcache_worker": false``: vLLM's worker moves the bytes (for A/B runs); default true.
+- ``"kvcache_worker"``: ``true`` moves the bytes with kvcache's worker, ``false`` with vLLM's;
+  default: vLLM's until kvcache's worker has passed a GPU run (``WORKER_GPU_EVIDENCE``).
 - ``"kvcache_pin"``: ``"background"`` (default: start at once, pin in pieces on a thread of
   its own), ``"blocking"`` (pin before the worker starts) or ``"off"`` (pageable).
 - ``"kvcache_copy"``: ``"auto"`` (default), ``"dma"`` or ``"kernel"`` (loads; stores use DMA).
@@ -252,6 +254,19 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
         return stats
 
 
+#: The GPU run that made kvcache's worker the spec's default: the path, relative to the
+#: repository, of a ``bench/gpu_check.py`` JSON whose every path passed on a GPU (see
+#: docs/worker.md, "Which worker runs"). None: no GPU run has passed yet, so vLLM's own worker
+#: moves the bytes unless ``"kvcache_worker": true``. Setting it is the whole switch;
+#: ``tests/test_worker_default.py`` checks that the file it names passed.
+WORKER_GPU_EVIDENCE: str | None = None
+
+#: Why the worker is vLLM's when the configuration does not say.
+WORKER_DEFAULT_REASON = (
+    'the default until kvcache\'s worker passes a GPU run; "kvcache_worker": true selects it'
+)
+
+
 def _flag(extra: Any, key: str, default: bool) -> bool:
     value = extra.get(key, default)
     if not isinstance(value, bool):
@@ -273,10 +288,11 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
 
     The manager: kvcache's Rust manager for ``lru``/``arc``/``turn`` (by either name); vLLM's
     manager only for an out-of-tree Python policy, decided from the policy name and module before
-    anything is built. The worker: :class:`CPUOffloadingWorker`, unless the configuration is
-    one it does not support (replicated MLA layout, devices other than CUDA), its start-up
-    self-check fails, or ``"kvcache_worker": false``; then vLLM's worker, with the reason in
-    the one start-up line. Bad settings raise (a ``KvCacheError`` subclass); nothing falls
+    anything is built. The worker: :class:`CPUOffloadingWorker` with ``"kvcache_worker": true``
+    (or by default once ``WORKER_GPU_EVIDENCE`` names a passed GPU run), unless the
+    configuration is one it does not support (replicated MLA layout, devices other than
+    CUDA) or its start-up self-check fails; otherwise vLLM's worker, with the reason in the
+    one start-up line. Bad settings raise (a ``KvCacheError`` subclass); nothing falls
     back silently.
     """
 
@@ -284,7 +300,13 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
         route_to_vllm()  # vLLM may have configured its logging after this module was imported
         super().__init__(config)
         extra = self.extra_config
-        self.use_kvcache_worker = _flag(extra, "kvcache_worker", True)
+        #: None when the configuration does not name a worker (the default applies).
+        self.worker_setting: bool | None = (
+            None if "kvcache_worker" not in extra else _flag(extra, "kvcache_worker", False)
+        )
+        self.use_kvcache_worker = (
+            WORKER_GPU_EVIDENCE is not None if self.worker_setting is None else self.worker_setting
+        )
         self.pin_setting = _choice(extra, "kvcache_pin", _PIN_SETTINGS)
         self.copy_setting = _choice(extra, "kvcache_copy", _COPY_SETTINGS)
         cutoff = extra.get("kvcache_kernel_max_run_bytes")
@@ -377,6 +399,8 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
         import torch
 
         if not self.use_kvcache_worker:
+            if self.worker_setting is None:
+                return WORKER_DEFAULT_REASON
             return "kvcache_worker is false in kv_connector_extra_config"
         if self.replicated_layout:
             return "replicated (MLA) layout: ranks share one host copy, kvcache pools are per rank"
@@ -445,6 +469,8 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
                 worker_text = f"vLLM's ({worker_reason})"
             elif self.use_kvcache_worker:
                 worker_text = "kvcache (built on the worker side)"
+            elif self.worker_setting is None:
+                worker_text = f"vLLM's ({WORKER_DEFAULT_REASON})"
             else:
                 worker_text = "vLLM's (kvcache_worker is false)"
             pool = (
