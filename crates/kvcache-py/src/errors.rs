@@ -83,7 +83,7 @@ impl From<HostErr> for PyErr {
                 HostError::Busy { .. } | HostError::Register { .. } | HostError::Spawn(_) => {
                     &ex.transfer
                 }
-                HostError::Map(_) => &ex.out_of_memory,
+                HostError::Map(_) | HostError::Alloc { .. } => &ex.out_of_memory,
             };
             new_err(py, ty, message)
         })

@@ -61,6 +61,8 @@ pub enum HostError {
     },
     /// The operating system refused a helper thread (`TransferError`).
     Spawn(std::io::Error),
+    /// The allocator refused `bytes` bytes for `what` (`OutOfMemoryError`).
+    Alloc { what: &'static str, bytes: u64 },
 }
 
 impl fmt::Display for HostError {
@@ -111,6 +113,9 @@ impl fmt::Display for HostError {
                 "host memory registration failed with code {code} for {len} bytes at offset {offset}"
             ),
             HostError::Spawn(e) => write!(f, "cannot start a host-memory thread: {e}"),
+            HostError::Alloc { what, bytes } => {
+                write!(f, "cannot allocate {bytes} bytes for {what}")
+            }
         }
     }
 }

@@ -705,7 +705,9 @@ impl TransferLayout {
         for class in 0..self.num_classes {
             ranges.clear();
             for (group, p) in self.groups.iter().zip(&parts) {
-                if group.class == class {
+                // A group without references on this rank writes nothing: its placeholders
+                // may repeat.
+                if group.class == class && !group.refs.is_empty() {
                     ranges.push(match dir {
                         Direction::Store => (p.chunk, p.chunks),
                         Direction::Load => (p.gpu, p.blocks),

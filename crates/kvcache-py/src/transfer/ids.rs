@@ -6,7 +6,7 @@
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyBool;
+use pyo3::types::{PyBool, PyInt};
 
 use crate::errors::typed;
 
@@ -83,9 +83,17 @@ pub(crate) fn small_ints(what: &str, obj: &Bound<'_, PyAny>, max: usize) -> PyRe
                 format!("{what}[{i}] is a bool, not an int"),
             ));
         }
-        let v: i64 = item
-            .extract()
-            .map_err(|_| typed(|e| &e.invalid_type, format!("{what}[{i}] is not an int")))?;
+        let v: i64 = item.extract().map_err(|_| {
+            // An integer (numpy's included) that does not fit is a bad value, not a bad type.
+            if item.is_instance_of::<PyInt>() || item.hasattr("__index__").unwrap_or(false) {
+                typed(
+                    |e| &e.invalid_argument,
+                    format!("{what}[{i}] is out of range (at most 2**63 - 1)"),
+                )
+            } else {
+                typed(|e| &e.invalid_type, format!("{what}[{i}] is not an int"))
+            }
+        })?;
         let v = u64::try_from(v).map_err(|_| {
             typed(
                 |e| &e.invalid_argument,

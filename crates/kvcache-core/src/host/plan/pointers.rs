@@ -10,7 +10,7 @@
 //! [`TransferLayout::validate`], so a pointer job is planned exactly like the block-id job it
 //! stands for.
 
-use super::{mismatch, GroupRef, HostError, HostResult, LayerGeometry, TransferLayout};
+use super::{mismatch, to_u64, GroupRef, HostError, HostResult, LayerGeometry, TransferLayout};
 
 /// Where one address falls in a tensor: the block it starts, or why it starts none.
 enum Place {
@@ -84,7 +84,13 @@ impl TransferLayout {
     ///   lies inside the tensor between two block starts);
     /// - every reference of a group names the same block at each position.
     ///
-    /// Any other failure is [`HostError::Mismatch`]. Linear in the pointers; nothing is kept.
+    /// A group without references (a pipeline stage that holds none of its layers) has no
+    /// pointers, so its blocks cannot be read back: they come out as block 0, placeholders
+    /// that no copy uses, and their count is bounded by what the pool's chunks can hold
+    /// (`num_chunks * blocks_per_chunk`), since nothing else bounds a caller's number there.
+    ///
+    /// Any other failure is [`HostError::Mismatch`]; an output the allocator refuses is
+    /// [`HostError::Alloc`]. Linear in the pointers; nothing is kept.
     pub fn block_ids_from_pointers(
         &self,
         ptrs: &[u64],
@@ -116,6 +122,14 @@ impl TransferLayout {
             }
             let blocks = usize::try_from(blocks)
                 .map_err(|_| mismatch(format!("group {g}: {blocks} blocks")))?;
+            let most = self.host.num_chunks.saturating_mul(self.bpc);
+            if group.given.is_empty() && to_u64(blocks) > most {
+                return Err(mismatch(format!(
+                    "group {g} has no references here and names {blocks} blocks, more than the \
+                     pool's {} chunks of {} blocks hold",
+                    self.host.num_chunks, self.bpc
+                )));
+            }
             let count = blocks.checked_mul(group.given.len());
             let end = count.and_then(|c| c.checked_add(first));
             let (Some(end), Some(total)) = (end, total_blocks.checked_add(blocks)) else {
@@ -137,7 +151,15 @@ impl TransferLayout {
                 sizes.len()
             )));
         }
-        let mut ids = vec![0i64; total_blocks];
+        // Bounded above by the pointers plus the pool's capacity per reference-less group,
+        // which can still be more than the allocator grants.
+        let mut ids = Vec::new();
+        ids.try_reserve_exact(total_blocks)
+            .map_err(|_| HostError::Alloc {
+                what: "block ids",
+                bytes: to_u64(total_blocks).saturating_mul(8),
+            })?;
+        ids.resize(total_blocks, 0i64);
         let mut at = 0;
         for s in &slices {
             let out = &mut ids[at..at + s.blocks];
@@ -155,7 +177,8 @@ impl TransferLayout {
         out: &mut [i64],
     ) -> HostResult<()> {
         let n = s.blocks;
-        if n == 0 {
+        if n == 0 || s.refs.is_empty() {
+            // No reference: no pointer to read a block from; `out` keeps its placeholders.
             return Ok(());
         }
         // The fast pass only accumulates whether anything is wrong (xor-or, no early exit, so

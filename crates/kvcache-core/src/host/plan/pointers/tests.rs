@@ -207,3 +207,91 @@ fn the_reciprocal_divides_exactly_at_the_edges() {
         }
     }
 }
+
+/// The first group of `two_groups`, plus a group without references (a pipeline stage that
+/// holds none of its layers: vLLM passes its block count and no pointers).
+fn with_empty_group() -> TransferLayout {
+    let layers = vec![layer(1 << 20, 64, 64, 10), layer(1 << 30, 96, 64, 6)];
+    TransferLayout::with_groups(
+        layers,
+        vec![0, 128],
+        vec![vec![r(0, 64), r(1, 48)], vec![]],
+        2,
+        HostGeometry {
+            base: 1 << 40,
+            num_chunks: 4,
+            chunk_stride: 256,
+            split_bytes: 0,
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_group_without_references_gets_placeholders_up_to_the_pools_capacity() {
+    let lay = with_empty_group();
+    let ids = [5, 1, 3];
+    let (ptrs, sizes) = resolve(&lay, &ids, &[3, 0]);
+    assert_eq!(
+        lay.block_ids_from_pointers(&ptrs, &sizes, &[3, 2], &[2, 0])
+            .unwrap(),
+        [5, 1, 3, 0, 0]
+    );
+    // Only the empty group: its blocks are placeholders (this used to index its missing
+    // first reference and panic).
+    assert_eq!(
+        lay.block_ids_from_pointers(&[], &[], &[0, 8], &[2, 0])
+            .unwrap(),
+        [0; 8]
+    );
+    // More blocks than 4 chunks of 2 can hold: refused before anything is allocated (a
+    // count of 2**40 used to size an 8 TiB allocation and abort the process).
+    for blocks in [9, 1 << 40, u64::MAX >> 1, u64::MAX] {
+        assert!(
+            matches!(
+                lay.block_ids_from_pointers(&[], &[], &[0, blocks], &[2, 0]),
+                Err(HostError::Mismatch(_))
+            ),
+            "{blocks} blocks"
+        );
+    }
+}
+
+#[test]
+fn placeholders_of_a_group_without_references_may_repeat_in_a_load() {
+    use super::super::{Direction, GroupSpan, PlanScratch};
+    let lay = with_empty_group();
+    let mut scratch = PlanScratch::default();
+    let spans = vec![
+        GroupSpan {
+            blocks: 2,
+            first_index: 0,
+        },
+        GroupSpan {
+            blocks: 3,
+            first_index: 0,
+        },
+    ];
+    let req = lay
+        .validate(
+            Direction::Load,
+            vec![4, 5, 0, 0, 0],
+            vec![0, 1, 2],
+            spans.clone(),
+            &mut scratch,
+        )
+        .unwrap();
+    // Nothing of the empty group is copied.
+    assert_eq!(req.pages(), 4);
+    // A group with references still may not write a block twice.
+    assert!(matches!(
+        lay.validate(
+            Direction::Load,
+            vec![4, 4, 0, 0, 0],
+            vec![0, 1, 2],
+            spans,
+            &mut scratch
+        ),
+        Err(HostError::DuplicateDestination { .. })
+    ));
+}

@@ -1,0 +1,155 @@
+"""Hostile transfer inputs that could end the process rather than raise: each runs in a fresh
+interpreter under a memory watchdog, so an abort, a panic or a segfault fails its case instead
+of the test run.
+
+Every case must raise exactly the ``KvCacheError`` subclass it names (also the builtin a
+caller catches) and leave the engine usable and unchanged: the pool's bytes, the layers, the
+jobs in flight and the next job id. Found by reading the decoding and sizing code for counts
+that size allocations, indexes that a count can push past an array, and addresses a caller can
+hand to Rust.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.hostile import run_isolated
+
+pytest.importorskip("torch")
+
+# The engine of the report: two int8 layers, a pool of 4 chunks of 1 KiB, 4 blocks per chunk,
+# one group over both layers and one group without references (what vLLM 0.34's worker can
+# hand over for a pipeline stage holding none of that group's layers).
+SCRIPT = """
+import numpy as np, torch
+import kvcache
+from kvcache.transfer import HostChunkPool, TransferEngine
+
+layers = [torch.arange(8 * 64, dtype=torch.int32).to(torch.int8).view(8, 64) for _ in range(2)]
+pool = HostChunkPool(4, 1024, pin=False)
+np.frombuffer(pool, dtype=np.uint8)[:] = np.arange(pool.nbytes, dtype=np.uint8)
+engine = TransferEngine(
+    layers, pool, blocks_per_chunk=4, groups=[[(0, 64), (1, 64)], []], offsets=[0, 256]
+)
+z = np.zeros(0, np.uint64)
+
+def ptrs_of(blocks):
+    out = [l.data_ptr() + b * 64 for l in layers for b in blocks]
+    return np.array(out, np.uint64), np.full(len(out), 64, np.uint64)
+
+def state():
+    engine.wait()
+    return (bytes(memoryview(pool)), [bytes(l.numpy().tobytes()) for l in layers],
+            engine.in_flight)
+
+before = state()
+try:
+    {call}
+    outcome = "returned"
+except BaseException as exc:
+    outcome = type(exc).__name__
+    message = str(exc)
+else:
+    message = ""
+unchanged = state() == before
+# Still usable: a store and a load round trip.
+job = engine.store([0, 1, 2, 3], [1], group_sizes=[4, 0], block_indices=[0, 0])
+engine.wait([job])
+ok = (job, True) in engine.poll()
+report(outcome=outcome, message=message, unchanged=unchanged, usable=ok)
+"""
+
+CASES = [
+    # The reported abort: a count of 2**40 blocks for the group without references sized an
+    # 8 TiB allocation ("memory allocation of 8796093022208 bytes failed", SIGABRT).
+    (
+        "empty-group-2**40-blocks",
+        "engine.block_ids_from_pointers(z, z, group_block_counts=[0, 2**40], "
+        "group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    # Any block count for the group without references indexed its missing first reference
+    # (a Rust panic, PanicException).
+    (
+        "empty-group-beyond-the-pool",
+        "engine.block_ids_from_pointers(z, z, group_block_counts=[0, 17], "
+        "group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    (
+        "empty-group-2**63",
+        "engine.block_ids_from_pointers(z, z, group_block_counts=[0, 2**63 - 1], "
+        "group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    (
+        "counts-beyond-uint64",
+        "engine.block_ids_from_pointers(z, z, group_block_counts=[0, 2**64], "
+        "group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    (
+        "counts-2**64-1",
+        "engine.block_ids_from_pointers(z, z, group_block_counts=[2**64 - 1, 0], "
+        "group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    # block count x reference count overflows 64 bits.
+    (
+        "pointer-count-overflows",
+        "engine.block_ids_from_pointers(z, z, group_block_counts=[2**63, 1], "
+        "group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    (
+        "pointer-count-near-2**62",
+        "engine.block_ids_from_pointers(z, z, group_block_counts=[2**62, 0], "
+        "group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    # The counts' entries drained without bound.
+    (
+        "endless-counts",
+        "import itertools; engine.block_ids_from_pointers(z, z, "
+        "group_block_counts=itertools.repeat(0), group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    # Spans of a job whose total overflows when summed.
+    (
+        "spans-overflow",
+        "engine.store([0], [0], group_sizes=[2**63, 2**63], block_indices=[0, 0])",
+        "InvalidArgumentError",
+    ),
+    (
+        "spans-near-2**62",
+        "engine.load([0], [0], group_sizes=[2**62, 2**62], block_indices=[0, 0])",
+        "InvalidArgumentError",
+    ),
+    (
+        "block-index-2**64",
+        "engine.load([0], [0], group_sizes=[1, 0], block_indices=[2**64, 0])",
+        "InvalidArgumentError",
+    ),
+    # A real job decoded and run, for contrast: the group without references gets
+    # placeholders, nothing of it is copied.
+    (
+        "empty-group-placeholders-load",
+        "p, s = ptrs_of([5, 6]); ids = engine.block_ids_from_pointers(p, s, "
+        "group_block_counts=[2, 3], group_data_ref_counts=[2, 0]); "
+        "assert ids.tolist() == [5, 6, 0, 0, 0], ids; "
+        "engine.load([0, 1], ids, group_sizes=[2, 3], block_indices=[0, 0]); "
+        "raise kvcache.InvalidStateError('decoded and queued')",
+        "InvalidStateError",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_hostile_transfer_input_raises_in_a_fresh_interpreter(call: str, expected: str) -> None:
+    run = run_isolated(SCRIPT.replace("{call}", call), max_rss=2048 << 20)
+    report = run.check()  # an abort, a panic that escaped, a segfault: fails here
+    assert report["outcome"] == expected, report
+    assert "panicked" not in report["message"], report
+    if expected != "InvalidStateError":  # the contrast case queued a real load on purpose
+        assert report["unchanged"], report
+    assert report["usable"], report
