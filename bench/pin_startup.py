@@ -8,7 +8,8 @@ the worker returns before either has finished.
 This script measures, on the machine it runs on:
 
 - the prefault rate of a fresh pool with 1 thread and with N threads (``HostChunkPool.populate``);
-- with a registrar that accepts every piece at once (no driver here), how long
+- with the fake CUDA runtime of ``tests/fakecuda`` (registration accepted at once: no driver
+  here), how long
   ``register_background`` takes to return, and how long the whole prefault + registration
   takes for the same pool, i.e. the part of pinning that no longer blocks start-up.
 
@@ -20,36 +21,16 @@ Run: ``python bench/pin_startup.py [GiB]`` (default 4).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's tests/
+
+from tests.fakecuda.shim import fake, runtime
 
 from kvcache.transfer import HostChunkPool, _cuda
-
-REGISTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
-UNREGISTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-LAST_ERROR = ctypes.CFUNCTYPE(ctypes.c_int)
-
-
-class AcceptingRuntime:
-    """cudaHostRegister and friends that succeed at once: isolates kvcache's share of pinning."""
-
-    def __init__(self) -> None:
-        self._fns = (
-            REGISTER(lambda p, n, f: 0),
-            UNREGISTER(lambda p: 0),
-            LAST_ERROR(lambda: 0),
-        )
-        self.host_register, self.host_unregister, self.get_last_error = (
-            ctypes.cast(f, ctypes.c_void_p).value for f in self._fns
-        )
-
-    def clear_error(self) -> int:
-        return 0
-
-    def device_pointer(self, address: int) -> int:
-        return address
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             f"prefault with {n} thread(s): {dt:.2f} s, {nbytes / dt / 1e9:.1f} GB/s"
             + ("" if supported else " (MADV_POPULATE_WRITE unsupported: nothing prefaulted)")
         )
-    rt = AcceptingRuntime()
+    fake().reset(1)
+    rt = runtime()
     with HostChunkPool(chunks, chunk, pin=False) as pool:
         t0 = time.perf_counter()
         _cuda.register_pool(pool, rt, required=False, background=True, device=0)

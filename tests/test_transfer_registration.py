@@ -1,133 +1,98 @@
-"""Pinning through a fake CUDA runtime: pieces, rollback, sticky-error clearing, exactly-once
-unregistration. The fake's functions are real C function pointers (ctypes callbacks), so the
-Rust code calls them exactly as it calls ``cudaHostRegister`` and friends."""
+"""Pinning through the fake CUDA runtime (``tests/fakecuda``): pieces, rollback, sticky-error
+clearing, exactly-once unregistration, the device every call runs on. kvcache loads the fake by
+path as it loads the real runtime, so the pool's Rust registrar calls its ``cudaHostRegister``
+and friends exactly as it calls CUDA's."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from kvcache.transfer import HostChunkPool, TransferEngine, _cuda
+from tests.fakecuda.shim import fake, runtime
 
-REGISTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
-SET_DEVICE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
-UNREGISTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-GET_LAST_ERROR = ctypes.CFUNCTYPE(ctypes.c_int)
+MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 
 
-class FakeRuntime:
-    """Records calls; fails the ``fail_on``-th registration with a sticky error, like CUDA."""
+@pytest.fixture(autouse=True)
+def fresh_fake() -> Iterator[None]:
+    fake().reset(4)
+    yield
+    fake().reset(4)
 
-    def __init__(self, *, fail_on: int | None = None) -> None:
-        self.fail_on = fail_on
-        self.registered: list[tuple[int, int, int]] = []
-        self.unregistered: list[int] = []
-        self.last_error = 0
-        self.calls = 0
-        self._register = REGISTER(self._do_register)
-        self._unregister = UNREGISTER(self._do_unregister)
-        self._get_last_error = GET_LAST_ERROR(self._do_get_last_error)
-        self.devices: list[tuple[int, int]] = []  # (device, thread id) per cudaSetDevice
-        self._set_device = SET_DEVICE(self._do_set_device)
-        self.set_device = ctypes.cast(self._set_device, ctypes.c_void_p).value
-        self.host_register = ctypes.cast(self._register, ctypes.c_void_p).value
-        self.host_unregister = ctypes.cast(self._unregister, ctypes.c_void_p).value
-        self.get_last_error = ctypes.cast(self._get_last_error, ctypes.c_void_p).value
 
-    def _do_register(self, ptr: int, size: int, flags: int) -> int:
-        self.calls += 1
-        if self.calls == self.fail_on:
-            self.last_error = 2  # cudaErrorMemoryAllocation
-            return 2
-        self.registered.append((ptr, size, flags))
-        return 0
+def registered() -> list[tuple[int, int, int, int]]:
+    return fake().registrations()
 
-    def _do_set_device(self, device: int) -> int:
-        import threading
 
-        self.devices.append((device, threading.get_ident()))
-        return 0
-
-    def _do_unregister(self, ptr: int) -> int:
-        self.unregistered.append(ptr)
-        return 0
-
-    def _do_get_last_error(self) -> int:
-        err, self.last_error = self.last_error, 0
-        return err
-
-    def clear_error(self) -> int:
-        return self._do_get_last_error()
-
-    def device_pointer(self, host_address: int) -> int | None:
-        return host_address
+def unregistered() -> list[int]:
+    return [start for start, _, _, _ in fake().registrations(unregistered=True)]
 
 
 def test_registers_in_chunk_aligned_pieces_and_unregisters_once_on_close() -> None:
-    rt = FakeRuntime()
+    rt = runtime()
     pool = HostChunkPool(10, 12 * 1024, pin=False)
     # Pieces must hold whole chunks and whole pages: 36 KiB fits under a 40 KiB limit.
     assert _cuda.register_pool(pool, rt, required=True, max_piece_bytes=40 * 1024)
     assert pool.pinned
     assert pool.registration_pieces == 4
     assert pool.device_can_use_host_pointer
-    starts = [p for p, _, _ in rt.registered]
-    sizes = [s for _, s, _ in rt.registered]
+    starts = [p for p, _, _, _ in registered()]
+    sizes = [s for _, s, _, _ in registered()]
     assert sizes == [36 * 1024] * 3 + [12 * 1024]
     assert starts == [pool.address + i * 36 * 1024 for i in range(4)]
-    assert {f for _, _, f in rt.registered} == {_cuda.REGISTER_FLAGS}
+    assert {f for _, _, f, _ in registered()} == {_cuda.REGISTER_FLAGS}
     pool.close()
-    assert rt.unregistered == starts[::-1]
+    assert unregistered() == starts[::-1]
     assert not pool.pinned
     pool.close()
     del pool
     gc.collect()
-    assert rt.unregistered == starts[::-1]
+    assert unregistered() == starts[::-1]
 
 
 def test_collecting_a_pinned_pool_unregisters_every_piece_once() -> None:
-    rt = FakeRuntime()
     pool = HostChunkPool(8, 4096, pin=False)
-    assert _cuda.register_pool(pool, rt, required=False, max_piece_bytes=3 * 4096)
-    starts = [p for p, _, _ in rt.registered]
+    assert _cuda.register_pool(pool, runtime(), required=False, max_piece_bytes=3 * 4096)
+    starts = [p for p, _, _, _ in registered()]
     assert len(starts) == 3
     del pool
     gc.collect()
-    assert sorted(rt.unregistered) == sorted(starts)
-    assert len(rt.unregistered) == 3
+    assert sorted(unregistered()) == sorted(starts)
+    assert len(unregistered()) == 3
 
 
 def test_failed_registration_rolls_back_clears_the_error_and_warns(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    rt = FakeRuntime(fail_on=3)
+    fake().fail_register(3, MEMORY_ALLOCATION)
     with HostChunkPool(8, 4096, pin=False) as pool, caplog.at_level("WARNING"):
-        assert not _cuda.register_pool(pool, rt, required=False, max_piece_bytes=2 * 4096)
+        assert not _cuda.register_pool(pool, runtime(), required=False, max_piece_bytes=2 * 4096)
         assert not pool.pinned
         assert pool.registration_pieces == 0
-        assert rt.unregistered == [p for p, _, _ in rt.registered][::-1]
-        assert len(rt.unregistered) == 2
-        assert rt.last_error == 0  # the sticky error was read and cleared
+        assert unregistered() == [p for p, _, _, _ in registered()][::-1]
+        assert len(unregistered()) == 2
+        assert fake().peek_at_last_error() == 0  # the error was read and cleared
         assert any("staying pageable" in r.getMessage() for r in caplog.records)
         memoryview(pool)[:] = b"\x01" * pool.nbytes  # still usable, pageable
-    assert len(rt.unregistered) == 2  # nothing more on close
+    assert len(unregistered()) == 2  # nothing more on close
 
 
 def test_failed_registration_raises_when_pinning_is_required() -> None:
-    rt = FakeRuntime(fail_on=1)
+    fake().fail_register(1, MEMORY_ALLOCATION)
     with HostChunkPool(4, 4096, pin=False) as pool:
         with pytest.raises(RuntimeError, match="code 2"):
-            _cuda.register_pool(pool, rt, required=True)
+            _cuda.register_pool(pool, runtime(), required=True)
         assert not pool.pinned
-        assert rt.last_error == 0
-        assert rt.unregistered == []
+        assert fake().peek_at_last_error() == 0
+        assert unregistered() == []
 
 
 def test_registration_is_refused_twice_and_after_close() -> None:
-    rt = FakeRuntime()
+    rt = runtime()
     pool = HostChunkPool(4, 4096, pin=False)
     assert _cuda.register_pool(pool, rt, required=True)
     with pytest.raises(ValueError, match="already registered"):
@@ -135,17 +100,16 @@ def test_registration_is_refused_twice_and_after_close() -> None:
     pool.close()
     with pytest.raises(ValueError, match="closed"):
         _cuda.register_pool(pool, rt, required=True)
-    assert len(rt.registered) == 1 == len(rt.unregistered)
+    assert len(registered()) == 1 == len(unregistered())
 
 
 def test_copies_never_span_two_registrations() -> None:
     import torch
 
-    rt = FakeRuntime()
     page = 4096
     layer = torch.randint(0, 256, (16, page), dtype=torch.uint8)
     pool = HostChunkPool(10, page, pin=False)
-    assert _cuda.register_pool(pool, rt, required=True, max_piece_bytes=3 * page)
+    assert _cuda.register_pool(pool, runtime(), required=True, max_piece_bytes=3 * page)
     engine = TransferEngine([layer], pool)
     plan = engine.plan(store=True, gpu_block_ids=range(2, 12), chunk_ids=range(10))
     # One contiguous run on both sides, cut at every piece boundary (chunks 3, 6, 9).
@@ -162,12 +126,9 @@ def test_copies_never_span_two_registrations() -> None:
 def test_background_registration_binds_its_thread_and_completes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    import threading
-
-    rt = FakeRuntime()
     with HostChunkPool(8, 4096, pin=False) as pool, caplog.at_level("INFO"):
         assert _cuda.register_pool(
-            pool, rt, required=False, background=True, max_piece_bytes=2 * 4096, device=3
+            pool, runtime(), required=False, background=True, max_piece_bytes=2 * 4096, device=3
         )
         # Boundaries are known before the registration finishes.
         assert pool.registration_piece_bytes == 2 * 4096
@@ -177,11 +138,13 @@ def test_background_registration_binds_its_thread_and_completes(
         assert pool.pinned
         assert pool.kernel_ready  # finishes the bookkeeping (device pointer check) and logs
         assert any("pinned in the background" in r.getMessage() for r in caplog.records)
-        # The pinning thread selected the device before registering, and was not ours.
-        assert [d for d, _ in rt.devices] == [3]
-        assert rt.devices[0][1] != threading.get_ident()
-        assert len(rt.registered) == 4
-    assert len(rt.unregistered) == 4
+        # The pinning thread selected the device before registering; this thread's device
+        # is untouched; the unregistration on close runs on device 3 too.
+        assert [d for _, _, _, d in registered()] == [3] * 4
+        assert fake().get_device() == 0
+    assert len(unregistered()) == 4
+    assert {d for _, _, _, d in fake().registrations(unregistered=True)} == {3}
+    assert fake().touched_devices() == {3}
 
 
 def test_a_finished_background_pin_is_reported_once_by_racing_threads(
@@ -193,10 +156,9 @@ def test_a_finished_background_pin_is_reported_once_by_racing_threads(
     import threading
     import time
 
-    rt = FakeRuntime()
     with HostChunkPool(8, 4096, pin=False) as pool, caplog.at_level("INFO"):
         assert _cuda.register_pool(
-            pool, rt, required=False, background=True, max_piece_bytes=2 * 4096, device=0
+            pool, runtime(), required=False, background=True, max_piece_bytes=2 * 4096, device=0
         )
         assert pool.wait_pinned(5.0)["state"] == "pinned"
         read = pool.pin_status
@@ -219,10 +181,10 @@ def test_a_finished_background_pin_is_reported_once_by_racing_threads(
 def test_failed_background_registration_is_reported_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    rt = FakeRuntime(fail_on=2)
+    fake().fail_register(2, MEMORY_ALLOCATION)
     with HostChunkPool(8, 4096, pin=False) as pool, caplog.at_level("WARNING"):
         assert _cuda.register_pool(
-            pool, rt, required=False, background=True, max_piece_bytes=2 * 4096, device=0
+            pool, runtime(), required=False, background=True, max_piece_bytes=2 * 4096, device=0
         )
         assert pool.wait_pinned(5.0)["state"] == "failed"
         assert not pool.kernel_ready
@@ -231,10 +193,9 @@ def test_failed_background_registration_is_reported_once(
         assert len(warnings) == 1
         # The piece registered before the failure may be under a copy: it stays registered
         # until the pool closes.
-        assert rt.unregistered == []
+        assert unregistered() == []
         assert pool.registration_pieces == 1
-        assert rt.last_error == 0
-    assert rt.unregistered == [rt.registered[0][0]]
+    assert unregistered() == [registered()[0][0]]
 
 
 def test_real_runtime_without_a_gpu_fails_cleanly(caplog: pytest.LogCaptureFixture) -> None:
@@ -247,7 +208,7 @@ def test_real_runtime_without_a_gpu_fails_cleanly(caplog: pytest.LogCaptureFixtu
     paths = _cuda._loaded_cudart_paths()
     if not paths:
         pytest.skip("this torch build has no CUDA runtime loaded")
-    rt = _cuda.CudaRuntime.from_library(ctypes.CDLL(paths[0]))
+    rt = _cuda.CudaRuntime.load(paths[0])
     with HostChunkPool(4, 4096, pin=False) as pool, caplog.at_level("WARNING"):
         assert not _cuda.register_pool(pool, rt, required=False)
         assert not pool.pinned
@@ -262,10 +223,10 @@ def test_a_failed_background_pin_is_logged_by_a_dma_only_engine(
     never asks about the kernel still logs the failure, once, when it collects results."""
     import torch
 
-    rt = FakeRuntime(fail_on=1)
+    fake().fail_register(1, MEMORY_ALLOCATION)
     layer = torch.zeros(8, 512, dtype=torch.uint8)
     with HostChunkPool(8, 512, pin=False) as pool, caplog.at_level("WARNING"):
-        assert _cuda.register_pool(pool, rt, required=False, background=True, device=0)
+        assert _cuda.register_pool(pool, runtime(), required=False, background=True, device=0)
         assert pool.wait_pinned(5.0)["state"] == "failed"
         with TransferEngine([layer], pool, copy="dma") as engine:
             assert engine.poll() == []

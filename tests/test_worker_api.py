@@ -154,10 +154,12 @@ def test_a_failed_self_check_falls_back_to_vllms_worker_with_one_warning(
     from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker as VllmWorker
 
     from kvcache.transfer import TransferEngine
-    from tests.test_transfer_cuda_backend import CorruptingRuntime, scratch_over
+    from tests.fakecuda.shim import fake, scratch_on_fake
 
     if fault == "corrupt":
-        scratch = scratch_over(CorruptingRuntime)
+        fake().reset(1)
+        # The CUDA backend over the fake CUDA runtime, whose first copy flips a byte.
+        scratch = scratch_on_fake(lambda: fake().corrupt_copy(1))
     else:
 
         def scratch(*args: Any) -> Any:

@@ -18,9 +18,9 @@ loads, then batches with stores and loads in flight together); after every batch
 every host byte of each rank's slot is identical, after every batch with a load every device
 byte, and every job's result (success, transfer_size) is the same. The same sequences also run
 through our CUDA backend's DMA path (Rust queues, events, batched or per-run copies) over the
-ctypes fake CUDA runtime of tests/test_transfer_cuda_backend.py, and (fewer of them, see
-tests/test_worker_kernel_conformance.py) through its Triton copy kernel under Triton's
-interpreter. Not covered here: real streams, DMA and the kernel on a GPU
+fake CUDA runtime of tests/fakecuda (streams that run later, enforced events), and (fewer of
+them, see tests/test_worker_kernel_conformance.py) through its Triton copy kernel under
+Triton's interpreter. Not covered here: real streams, DMA and the kernel on a GPU
 (bench/gpu_worker_check.py).
 """
 
@@ -128,28 +128,24 @@ def finish(pairs: list[RankPair], job_ids: list[int]) -> None:
 
 def through_fake_cuda(pair: RankPair, batched: bool) -> None:
     """Routes our worker's jobs through the CUDA backend (its DMA queues, streams, events and
-    batched or per-run copies, all in Rust) over the ctypes fake CUDA runtime of
-    tests/test_transfer_cuda_backend.py, whose copies are memmoves: the plans address the CPU
-    tensors, so every byte still lands where a GPU copy would put it."""
-    import torch
-
-    from kvcache.transfer._engine import _CudaBackend
-    from tests.test_transfer_cuda_backend import FakeCuda, FakeRuntime
+    batched or per-run copies, all in Rust) over the fake CUDA runtime of ``tests/fakecuda``:
+    streams run later on threads of their own, events are enforced, and the copies are real
+    memmoves of the CPU tensors (declared device memory), so every byte lands where a GPU copy
+    would put it. The caller resets the fake once per sequence."""
+    from tests.fakecuda.shim import engine_on_fake
 
     engine = pair.our_worker.engine
-    engine._backend.close()
-    engine._backend = _CudaBackend(
-        torch.device("cuda", 0),
+    on_fake = engine_on_fake(
+        engine._layers,
         engine.pool,
-        engine._layout,
-        copy="dma",
-        kernel_max_run_bytes=0,
-        kernel_min_runs=16,
-        kernel_programs=8,
-        runtime=FakeRuntime(),
-        cuda=FakeCuda(),
-        batch="auto" if batched else None,
+        batch=batched,
+        blocks_per_chunk=engine.blocks_per_chunk,
+        groups=engine._group_refs,
+        offsets=engine._offsets,
     )
+    engine._backend.close()
+    engine._backend, on_fake._backend = on_fake._backend, engine._backend
+    on_fake._closed = True  # its backend (the CPU one just closed) is the engine's old one
 
 
 def draw_batch(
@@ -195,6 +191,10 @@ def run_sequence(
         try:
             num_chunks = pairs[0].vllm_spec.num_chunks
             assert num_chunks == pairs[0].our_spec.num_chunks == 24
+            if backend == "fake-cuda":
+                from tests.fakecuda.shim import fake
+
+                fake().reset(1)
             for pair in pairs:
                 if callable(backend):
                     backend(pair)
@@ -221,6 +221,12 @@ def run_sequence(
                         )
                     if not all(job.store for _, job in batch):
                         assert device_bytes(pair.our_tensors) == device_bytes(pair.vllm_tensors)
+            if backend == "fake-cuda":
+                # The driver call the run claims to have used is the one that ran.
+                methods = [p.our_worker.engine.jobs_by_method for p in pairs]
+                ran = {k for m in methods for k, n in m.items() if n}
+                assert ran <= ({"dma-batched"} if seed % 2 else {"dma-per-run"}), methods
+                assert (fake().count("batch_ok") > 0) == (bool(seed % 2) and bool(ran))
             return next_id
         finally:
             for pair in pairs:

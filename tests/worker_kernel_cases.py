@@ -2,23 +2,20 @@
 
 Not collected on its own: tests/test_worker_kernel_conformance.py runs this module in a child
 pytest with ``TRITON_INTERPRET=1`` (Triton reads the variable when kernels are defined), where
-the kernel runs on the CPU and its pointers are host addresses. Each rank's engine gets a
-``_CudaBackend`` whose device is the CPU (the block and tensor tables stay in host memory, so the
-kernel reads the real addresses of the tensors and of the pool), over the fake CUDA runtime of
-tests/test_transfer_cuda_backend.py (its DMA copies are memmoves) and a ``torch.cuda`` stand-in
-whose streams and events suit a kernel that has finished when its launch returns. The pool is
-registered through a registrar that accepts everything, so it counts as pinned and
-device-addressable. vLLM's worker runs as in tests/test_worker_conformance.py, and every
-host and device byte and every job result is compared the same way.
+the real Triton kernel runs on the CPU and its pointers are host addresses. Each rank's engine
+gets a ``CudaBackend`` over the fake CUDA runtime of ``tests/fakecuda`` (its DMA on stream
+threads, its events enforced), whose kernel launches run the interpreted kernel once the
+kernel's stream has reached the launch (``InterpretedLauncher``); the block and tensor tables
+stay in host memory. The pool is registered with the fake, so it is pinned and
+device-addressable. vLLM's worker runs as in tests/test_worker_conformance.py, and every host
+and device byte and every job result is compared the same way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,15 +24,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache.transfer import HostChunkPool, TransferEngine, _cuda
-from kvcache.transfer._engine import CopyMode, Queue, _CudaBackend
+from kvcache.transfer import HostChunkPool, TransferEngine
+from kvcache.transfer._cuda_backend import CopyMode, CudaBackend, Queue
 from tests.conftest import require_oracle
-from tests.test_transfer_cuda_backend import (
-    FakeCuda,
-    FakeRuntime,
-    FakeStream,
-    NullRegistrar,
-    settle,
+from tests.fakecuda.shim import (
+    InterpretedLauncher,
+    TorchCuda,
+    device_layers,
+    fake,
+    pin,
+    runtime,
 )
 from tests.test_worker_conformance import CORNERS, geometries, run_sequence
 from tests.vllm_worker_oracle import Geometry, RankPair
@@ -49,61 +47,9 @@ pytestmark = [
 ]
 
 
-class KernelStream(FakeStream):
-    """A stream whose work is done once enqueued (the interpreter runs the kernel during its
-    launch); records which streams it was made to wait for."""
-
-    def __init__(self, handle: int, waits: list[tuple[int, int]]) -> None:
-        super().__init__(handle)
-        self._waits = waits
-
-    def wait_stream(self, other: FakeStream) -> None:
-        self._waits.append((self.cuda_stream, other.cuda_stream))
-
-    def synchronize(self) -> None:
-        pass
-
-
-class KernelEvent:
-    def __init__(self, enable_timing: bool = False) -> None:
-        self.recorded = False
-
-    def record(self, stream: object = None) -> None:
-        self.recorded = True
-
-    def query(self) -> bool:
-        return self.recorded
-
-    def synchronize(self) -> None:
-        assert self.recorded, "waiting for an event never recorded"
-
-    def elapsed_time(self, end: KernelEvent) -> float:
-        return 0.0
-
-
-class KernelCuda(FakeCuda):
-    """``FakeCuda`` plus what the kernel path uses: events, the ``stream`` context, streams
-    that wait (recorded in ``waits`` as (waiting stream, stream waited for)) and synchronise."""
-
-    Event = KernelEvent
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.waits: list[tuple[int, int]] = []
-
-    def Stream(self, device: object) -> KernelStream:
-        stream = KernelStream(0x1000 + len(self.streams), self.waits)
-        self.streams.append(stream)
-        return stream
-
-    @contextlib.contextmanager
-    def stream(self, stream: object) -> Iterator[None]:
-        yield
-
-
-class CountingBackend(_CudaBackend):
+class CountingBackend(CudaBackend):
     """Counts the jobs each method ran, per (method, store), and checks each choice: the
-    kernel only for a job it suits (``_use_kernel``), and always for such a job when no DMA
+    kernel only for a job it suits (``suits_kernel``), and always for such a job when no DMA
     job of its queue is in flight (so ``certain`` kernel jobs do not depend on timing)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -113,7 +59,7 @@ class CountingBackend(_CudaBackend):
         self.certain = 0
 
     def submit(self, job_id: int, plan: Any, queue: Queue) -> None:
-        suits = self._use_kernel(plan)
+        suits = self.suits_kernel(plan)
         dma_idle = self._dma[queue].in_flight() == 0
         launched = len(self._kernel_jobs[queue])
         super().submit(job_id, plan, queue)
@@ -126,29 +72,25 @@ class CountingBackend(_CudaBackend):
 
 
 def kernel_backend(
-    engine: Any,
-    *,
-    copy: CopyMode,
-    cutoff: int,
-    min_runs: int,
-    batched: bool,
-    runtime: FakeRuntime | None = None,
+    engine: Any, *, copy: CopyMode, cutoff: int, min_runs: int, batched: bool
 ) -> CountingBackend:
-    """Puts ``engine`` (over CPU tensors) on a CountingBackend whose kernel runs under the
-    interpreter, its pool registered as pinned; returns the backend."""
-    assert _cuda.register_pool(engine.pool, NullRegistrar(), required=True)
+    """Puts ``engine`` (over CPU tensors) on a CountingBackend over the fake, whose kernel
+    runs under the interpreter, its pool registered with the fake; returns the backend."""
+    pin(engine.pool)
+    device_layers(engine._layers, 0)
+    cuda = TorchCuda(1)
     engine._backend.close()
     engine._backend = CountingBackend(
-        torch.device("cpu"),  # tables in host memory: the interpreter reads them in place
+        torch.device("cuda", 0),
         engine.pool,
         engine._layout,
         copy=copy,
         kernel_max_run_bytes=cutoff,
         kernel_min_runs=min_runs,
         kernel_programs=3,
-        runtime=runtime or FakeRuntime(),
-        cuda=KernelCuda(),
-        batch="auto" if batched else None,
+        runtime=runtime(batch=batched),
+        cuda=cuda,
+        launcher=InterpretedLauncher(cuda, 0),
     )
     return engine._backend
 
@@ -171,6 +113,7 @@ def run_kernel_sequence(
             )
         )
 
+    fake().reset(1)
     assert run_sequence(geometry, seed, rounds=2, backend=route) > 0
     methods: Counter[tuple[str, bool]] = Counter()
     for backend in backends:
@@ -237,16 +180,13 @@ def test_random_jobs_through_the_kernel_match_vllms_worker(
     run_kernel_sequence(geometry, seed, copy=copy, cutoff=cutoff, min_runs=min_runs)
 
 
-class HeldRuntime(FakeRuntime):
-    """Its DMA threads stop before a job's copies until ``release`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = threading.Event()
-
-    def _cudaStreamWaitEvent(self, stream: int, ev: int, flags: int) -> int:
-        assert self.release.wait(10.0), "never released"
-        return super()._cudaStreamWaitEvent(stream, ev, flags)
+def settle(backend: CudaBackend) -> None:
+    """Until every DMA queue's thread has put its jobs on the stream (bounded)."""
+    for _ in range(4000):
+        if all(q.queued() == 0 for q in backend._dma.values()):
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError("the DMA threads did not get to their jobs")
 
 
 @pytest.mark.parametrize("order", ["held-dma-then-kernel", "dma-then-kernel", "kernel-then-dma"])
@@ -256,36 +196,33 @@ def test_a_queue_keeps_submission_order_across_methods(order: str) -> None:
     naming a block twice is split into parts. A job suited to the kernel does not overtake a
     DMA job its queue's thread has not enqueued yet (it goes to DMA too), else its stream waits
     for the DMA stream; a DMA job after kernel jobs waits for the kernel stream."""
+    fake().reset(1)
     rng = np.random.default_rng(5)
     layers = [torch.zeros(8, 64, dtype=torch.uint8)]
     with HostChunkPool(6, 64, pin=False) as pool:
         pool.tensor().copy_(torch.from_numpy(rng.integers(1, 256, (6, 64), dtype=np.uint8)))
         engine = TransferEngine(layers, pool)
-        rt = HeldRuntime()
-        backend = kernel_backend(
-            engine, copy="auto", cutoff=1 << 20, min_runs=2, batched=False, runtime=rt
-        )
+        backend = kernel_backend(engine, copy="auto", cutoff=1 << 20, min_runs=2, batched=False)
         cuda = backend._cuda
-        assert isinstance(cuda, KernelCuda)
+        assert isinstance(cuda, TorchCuda)
         dma = backend._streams["load"].cuda_stream
         kernel = backend._kernel_streams["load"].cuda_stream
+        # The load queue's thread is held inside the driver on its next copy.
+        fake().hold_memcpy(dma, order == "held-dma-then-kernel")
         try:
             single = ([1], [3])  # chunk 1 -> block 3: one page, DMA
             pair = ([2, 5], [3, 4])  # chunks 2, 5 -> blocks 3, 4: two pages, the kernel if it may
             if order == "kernel-then-dma":
-                rt.release.set()
                 engine.load(*pair)
                 engine.load(*single)
                 assert backend.methods == {("kernel", False): 1, ("dma", False): 1}
                 assert (dma, kernel) in cuda.waits
             else:
-                if order == "dma-then-kernel":
-                    rt.release.set()
                 engine.load(*single)
                 if order == "dma-then-kernel":
                     settle(backend)
                 engine.load(*pair)
-                rt.release.set()
+                fake().hold_memcpy(dma, False)
                 assert backend.suited == {("dma", False): 1, ("kernel", False): 1}
                 if order == "dma-then-kernel":
                     assert backend.methods == backend.suited
@@ -297,5 +234,5 @@ def test_a_queue_keeps_submission_order_across_methods(order: str) -> None:
             later = 1 if order == "kernel-then-dma" else 2
             assert torch.equal(layers[0][3], pool.tensor()[later])
         finally:
-            rt.release.set()  # a failed check must not leave the thread held
+            fake().hold_memcpy(dma, False)  # a failed check must not leave the thread held
             engine.close()

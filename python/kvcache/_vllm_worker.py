@@ -218,7 +218,9 @@ class CPUOffloadingWorker(OffloadingWorker):
             )
         views, groups, offsets, chunk_bytes = worker_layout(kv_caches, blocks_per_chunk)
         self.chunk_bytes = chunk_bytes
-        self.pool = HostChunkPool(num_chunks, chunk_bytes, pin=_PIN_MODES[pin])
+        # The KV tensors' device pins the pool, whatever device the calling thread has.
+        device = views[0].device.index if views and views[0].device.type == "cuda" else None
+        self.pool = HostChunkPool(num_chunks, chunk_bytes, pin=_PIN_MODES[pin], device=device)
         try:
             self.engine = TransferEngine(
                 views,

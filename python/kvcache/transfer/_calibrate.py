@@ -290,13 +290,24 @@ def _round_trip_on(
                 job = scratch.load(chunks, ids, group_sizes=sizes, block_indices=starts)
             scratch.wait([job])
             results = scratch.poll_results()
+            ran = scratch.jobs_by_method
+            stopped = getattr(scratch._backend, "batch_stopped", None)
         finally:
             scratch.close()
+        what = f"{method} {'store' if store else 'load'}"
         bad = [r for r in results if not r.success]
         if bad or not results:
-            return f"{method} {'store' if store else 'load'} failed: " + (
-                str(bad[0].error) if bad else "no result"
-            )
+            return f"{what} failed: " + (str(bad[0].error) if bad else "no result")
+        # The method checked must be the method that ran (a kernel job that went to DMA would
+        # leave the kernel untried).
+        if method in ("dma", "kernel") and not any(
+            n for name, n in ran.items() if name.split("-")[0] == method
+        ):
+            return f"{what}: the job did not run by {method} ({ran})"
+        if stopped is not None:
+            # The bytes came through one copy per run; the live queues stop batching now
+            # rather than fail their first job's batched call later.
+            engine._backend.stop_batching(f"the batched copy failed in the self-check: {stopped}")
         return None
 
     for method in stores:

@@ -1,24 +1,25 @@
-"""Access to the CUDA runtime and driver that torch already loaded, through ctypes.
+"""The CUDA runtime and driver that torch already loaded, as ``_core.CudaApi``.
 
-Why not ``torch.cuda.cudart()``: it exposes neither ``cudaGetLastError`` (needed to clear the
-sticky error a failed registration leaves) nor ``cudaMemcpyAsync``. Why the already-loaded
-libraries and not any found on disk: error state and contexts are per runtime instance, so we
-must talk to the same one torch uses. Rust receives plain function addresses (see
-``crates/kvcache-py/src/transfer/``); nothing here is needed on CPU-only machines.
+Why the already-loaded libraries and not any found on disk: error state and contexts are per
+runtime instance, so kvcache must talk to the same one torch uses (``dlopen`` of the file torch
+mapped returns that instance). Rust resolves every entry point by name and types it with
+CUDA's C signature (``crates/kvcache-py/src/transfer/api.rs``); no function address ever
+passes through Python. Tests name a fake runtime built from ``tests/fakecuda/`` instead, which
+goes through the very same declarations. Nothing here is needed on CPU-only machines.
 
 ``cuMemcpyBatchAsync`` (one call for a whole job's copies) lives in the driver library and
-exists from CUDA 12.8 drivers on: it is looked up when a runtime is first used, and when it is
-missing the engine issues one ``cudaMemcpyAsync`` per run instead.
+exists from CUDA 12.8 drivers on; where it is missing the engine issues one
+``cudaMemcpyAsync`` per run instead.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvcache import _core
 from kvcache._core import TransferError
 
 logger = logging.getLogger(__name__)
@@ -28,21 +29,12 @@ MAX_REGISTER_PIECE_BYTES = 64 << 30
 # cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every context, and mapped into
 # the device address space so kernels can dereference it.
 REGISTER_FLAGS = 0x01 | 0x02
-# cudaMemcpyDefault: direction inferred from unified virtual addresses.
-MEMCPY_DEFAULT = 4
 # CUmemcpySrcAccessOrder: STREAM for sources the device may still be writing (stores read the
 # live KV cache), ANY for host sources nothing writes meanwhile (loads).
 SRC_ACCESS_ORDER_STREAM = 1
 SRC_ACCESS_ORDER_ANY = 3
-
-
-@dataclass(frozen=True)
-class BatchCopy:
-    """The driver's batched copy entry point: its address and whether it is the ``_v2``
-    signature (CUDA 13, no ``failIdx``)."""
-
-    address: int
-    v2: bool
+# The driver library, by its soname (it carries cuMemcpyBatchAsync).
+DRIVER_LIBRARY = "libcuda.so.1"
 
 
 class Registrable(Protocol):
@@ -53,148 +45,62 @@ class Registrable(Protocol):
     device_can_use_host_pointer: bool
     # The runtime that registered it, and whether a background registration's outcome has
     # been seen (and logged) yet.
-    _pin_runtime: Runtime | None
+    _pin_runtime: CudaRuntime | None
     _pin_reported: bool
+    _pin_device: int | None
 
     def _register(
         self,
-        register_fn: int,
-        unregister_fn: int,
-        get_last_error_fn: int,
+        api: _core.CudaApi,
         flags: int,
         max_piece_bytes: int,
-        keepalive: object,
         *,
         background: bool = False,
-        set_device_fn: int = 0,
-        device: int = 0,
+        device: int | None = None,
     ) -> int: ...
-
-
-#: CUDA runtime functions a DMA queue (``_core.CudaQueue``) calls from its thread.
-QUEUE_FUNCTIONS = (
-    "cudaEventCreateWithFlags",
-    "cudaEventDestroy",
-    "cudaEventRecord",
-    "cudaEventQuery",
-    "cudaEventSynchronize",
-    "cudaEventElapsedTime",
-    "cudaStreamWaitEvent",
-    "cudaStreamSynchronize",
-    "cudaMemcpyAsync",
-    "cudaSetDevice",
-    "cudaGetLastError",
-    "cudaGetErrorString",
-)
-
-
-class Runtime(Protocol):
-    """What the pool and engine need from a CUDA runtime (the real one or a test fake)."""
-
-    host_register: int
-    host_unregister: int
-    get_last_error: int
-    memcpy_async: int
-    #: ``QUEUE_FUNCTIONS`` by name -> address.
-    queue_functions: dict[str, int]
-    batch: BatchCopy | None
-
-    def clear_error(self) -> int: ...
-
-    def error_string(self, code: int) -> str: ...
-
-    def device_pointer(self, host_address: int) -> int | None: ...
 
 
 @dataclass(frozen=True)
 class CudaRuntime:
-    """Entry points of the loaded ``libcudart`` (and the driver) as integer addresses."""
+    """A CUDA runtime (and driver) as the pool and the engine use it."""
 
-    lib: ctypes.CDLL
-    host_register: int
-    host_unregister: int
-    get_last_error: int
-    memcpy_async: int
-    set_device: int
-    queue_functions: dict[str, int]
-    driver: ctypes.CDLL | None
-    batch: BatchCopy | None
+    api: _core.CudaApi
 
     @classmethod
-    def from_library(cls, lib: ctypes.CDLL) -> CudaRuntime:
-        def addr(name: str) -> int:
-            value = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-            if not value:
-                raise OSError(f"{name} not found in {lib._name}")
-            return value
+    def load(cls, runtime: str, driver: str | None = DRIVER_LIBRARY) -> CudaRuntime:
+        """The runtime at path or soname ``runtime`` and, when it loads, the driver
+        ``driver``; ``TransferError`` when the runtime cannot be loaded."""
+        if driver is not None:
+            try:
+                return cls(_core.CudaApi(runtime, driver))
+            except TransferError:
+                logger.debug("no CUDA driver library %s: per-run copies only", driver)
+        return cls(_core.CudaApi(runtime))
 
-        lib.cudaGetLastError.restype = ctypes.c_int
-        lib.cudaGetLastError.argtypes = []
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-        lib.cudaHostGetDevicePointer.restype = ctypes.c_int
-        lib.cudaHostGetDevicePointer.argtypes = [
-            ctypes.POINTER(ctypes.c_void_p),
-            ctypes.c_void_p,
-            ctypes.c_uint,
-        ]
-        driver, batch = _driver_batch_copy()
-        return cls(
-            lib=lib,
-            host_register=addr("cudaHostRegister"),
-            host_unregister=addr("cudaHostUnregister"),
-            get_last_error=addr("cudaGetLastError"),
-            memcpy_async=addr("cudaMemcpyAsync"),
-            set_device=addr("cudaSetDevice"),
-            queue_functions={name: addr(name) for name in QUEUE_FUNCTIONS},
-            driver=driver,
-            batch=batch,
-        )
+    @property
+    def batched(self) -> bool:
+        """Whether the driver's batched copy is available."""
+        return bool(self.api.batched)
 
     def clear_error(self) -> int:
         """Reads and resets the calling thread's last CUDA error; returns it."""
-        return int(self.lib.cudaGetLastError())
+        return int(self.api.clear_error())
 
     def error_string(self, code: int) -> str:
-        raw = self.lib.cudaGetErrorString(code)
-        return raw.decode(errors="replace") if raw else f"CUDA error {code}"
+        return str(self.api.error_string(code))
 
     def driver_error_string(self, code: int) -> str:
         """Names a driver (``CUresult``) error code."""
-        if self.driver is None:
-            return f"CUDA driver error {code}"
-        out = ctypes.c_char_p()
-        if self.driver.cuGetErrorString(code, ctypes.byref(out)) != 0 or not out.value:
-            return f"CUDA driver error {code}"
-        return out.value.decode(errors="replace")
+        return str(self.api.driver_error_string(code))
 
-    def device_pointer(self, host_address: int) -> int | None:
-        """The device address of registered host memory, or None (error cleared)."""
-        out = ctypes.c_void_p()
-        if self.lib.cudaHostGetDevicePointer(ctypes.byref(out), host_address, 0) != 0:
-            self.clear_error()
-            return None
-        return out.value
+    def device_pointer(self, host_address: int, device: int | None = None) -> int | None:
+        """The device address of registered host memory, or None (error cleared); asked with
+        ``device`` current when given."""
+        return self.api.device_pointer(host_address, device)
 
 
-def _driver_batch_copy() -> tuple[ctypes.CDLL | None, BatchCopy | None]:
-    """The driver library and its ``cuMemcpyBatchAsync``, when this driver has it."""
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None, None
-    driver.cuGetErrorString.restype = ctypes.c_int
-    driver.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    # Prefer the original export (with failIdx): 12.8+ and 13.x drivers both have it.
-    for name, v2 in (("cuMemcpyBatchAsync", False), ("cuMemcpyBatchAsync_v2", True)):
-        try:
-            fn = getattr(driver, name)
-        except AttributeError:
-            continue
-        address = ctypes.cast(fn, ctypes.c_void_p).value
-        if address:
-            return driver, BatchCopy(address, v2)
-    return driver, None
+#: What the pool and engine need from a runtime (a real one or one over the tests' fake).
+Runtime = CudaRuntime
 
 
 def _loaded_cudart_paths() -> list[str]:
@@ -224,8 +130,8 @@ def runtime() -> CudaRuntime | None:
     candidates = [*_loaded_cudart_paths(), "libcudart.so.13", "libcudart.so.12", "libcudart.so"]
     for name in candidates:
         try:
-            return CudaRuntime.from_library(ctypes.CDLL(name))
-        except (OSError, AttributeError):
+            return CudaRuntime.load(name)
+        except TransferError:
             continue
     logger.warning("CUDA is available but its runtime library could not be loaded")
     return None
@@ -239,7 +145,7 @@ def _current_device() -> int:
 
 def register_pool(
     pool: Registrable,
-    rt: Runtime,
+    rt: CudaRuntime,
     *,
     required: bool,
     background: bool = False,
@@ -248,25 +154,18 @@ def register_pool(
 ) -> bool:
     """Registers ``pool`` in pieces; on failure it is left pageable and the error cleared.
 
-    Blocking: returns whether the pool is now pinned; raises ``TransferError`` on failure if
-    ``required``. ``background``: starts the registration on a thread of its own (bound to
-    ``device``, default the current one) and returns True at once; the pool reports
-    ``pinned`` when it has finished (see ``HostChunkPool.pin_status``).
+    Every registration call, and the unregistration on ``close()``, runs with ``device``
+    current (None: the calling thread's, left alone). Blocking: registers on the calling
+    thread; returns whether the pool is now pinned; raises ``TransferError`` on failure if
+    ``required``. ``background``: starts the registration on a thread of its own, bound to
+    ``device`` (default: the calling thread's current device), and returns True at once; the
+    pool reports ``pinned`` when it has finished (see ``HostChunkPool.pin_status``).
     """
-    set_device = getattr(rt, "set_device", 0) if background else 0
-    if background and set_device and device is None:
+    if background and device is None:
         device = _current_device()
     try:
         pieces = pool._register(
-            rt.host_register,
-            rt.host_unregister,
-            rt.get_last_error,
-            REGISTER_FLAGS,
-            max_piece_bytes,
-            rt,
-            background=background,
-            set_device_fn=set_device,
-            device=device or 0,
+            rt.api, REGISTER_FLAGS, max_piece_bytes, background=background, device=device
         )
     except TransferError as exc:
         if required:
@@ -274,6 +173,7 @@ def register_pool(
         logger.warning("pinning the host chunk pool failed, staying pageable (slower): %s", exc)
         return False
     pool._pin_runtime = rt
+    pool._pin_device = device
     if background:
         pool._pin_reported = False
         logger.debug("pinning %d bytes in %d background piece(s)", pool.nbytes, pieces)
@@ -283,13 +183,13 @@ def register_pool(
     return True
 
 
-def finish_registration(pool: Registrable, rt: Runtime) -> None:
+def finish_registration(pool: Registrable, rt: CudaRuntime) -> None:
     """After registration: may GPU kernels use the pool's host addresses directly?
 
     Unified addressing normally maps registered memory at its host address; where it does not
     (e.g. some WSL2 setups), the copy kernel would fault, so it is switched off.
     """
-    dev = rt.device_pointer(pool.address)
+    dev = rt.device_pointer(pool.address, getattr(pool, "_pin_device", None))
     pool.device_can_use_host_pointer = dev == pool.address
     if not pool.device_can_use_host_pointer:
         logger.debug("registered host memory has a separate device address; kernel copies off")

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, Self
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self
 
 from kvcache import _core
 from kvcache._core import (
@@ -14,35 +12,24 @@ from kvcache._core import (
     InvalidStateError,
     InvalidTypeError,
     PoolClosedError,
-    TransferError,
 )
 from kvcache.transfer._checks import check_count
-from kvcache.transfer._cuda import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
+from kvcache.transfer._cuda_backend import (
+    DEFAULT_KERNEL_MIN_RUNS,
+    DEFAULT_KERNEL_PROGRAMS,
+    QUEUES,
+    CopyMode,
+    CudaBackend,
+    Queue,
+)
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     import torch
 
-    from kvcache.transfer._calibrate import Calibration
-    from kvcache.transfer._cuda import Runtime
 
 logger = logging.getLogger(__name__)
-
-CopyMode = Literal["auto", "kernel", "dma"]
-Queue = Literal["store", "load", "expedited"]
-QUEUES: tuple[Queue, ...] = ("store", "load", "expedited")
-
-# The kernel/DMA cut-off for loads when it is not calibrated: vLLM 0.33.0's fixed threshold,
-# tuned on one H100. It is compared with the job's average bytes per DMA run after coalescing
-# (counted from the block ids, see _CudaBackend._use_kernel): the number of runs,
-# not the page size, is what limits DMA.
-DEFAULT_KERNEL_MAX_RUN_BYTES = 28 * 1024
-# The smallest batch worth a kernel launch.
-DEFAULT_KERNEL_MIN_RUNS = 16
-# Programs (thread blocks) of the copy kernel: enough PCIe requests in flight without taking
-# every SM away from the model.
-DEFAULT_KERNEL_PROGRAMS = 32
 
 
 class JobResult(NamedTuple):
@@ -112,8 +99,9 @@ class _Backend(Protocol):
 
     def check_methods(self) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
 
-    #: Jobs handed to each copy method so far (see TransferEngine.jobs_by_method).
-    jobs_by_method: dict[str, int]
+    #: Jobs each copy method ran so far (see TransferEngine.jobs_by_method).
+    @property
+    def jobs_by_method(self) -> dict[str, int]: ...
 
 
 class _CpuBackend:
@@ -156,326 +144,6 @@ class _CpuBackend:
 
     def check_methods(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return ("cpu",), ("cpu",)
-
-
-@dataclass
-class _KernelJob:
-    job_id: int
-    plan: _core.Plan
-    start: Any  # torch.cuda.Event (timing), or None when submission failed before recording
-    end: Any
-    ok: bool
-    error: str | None
-    keep: tuple[Any, ...] = field(default=())  # tables the kernel reads
-
-
-class _CudaBackend:
-    """Per queue (store, load, expedited load): a DMA stream fed by a Rust thread
-    (``_core.CudaQueue``: the caller records an event on its current stream and returns; the
-    thread builds the runs and enqueues one batched copy, or one copy per run), and a stream
-    for jobs the copy kernel runs (loads whose DMA runs would be small), launched on the
-    caller's thread from per-block tables (the launch is the caller's CPU work: a pinned table,
-    its upload, the kernel launch and two events). Jobs of one queue run in submission order
-    whichever method runs them: a DMA job after kernel jobs makes its stream wait for the
-    kernel stream; a job the kernel would run while DMA jobs of its queue are still waiting
-    for the queue's thread goes to DMA too (its copies could not be ordered after theirs
-    without waiting for the thread), and otherwise the kernel stream waits for the DMA
-    stream."""
-
-    def __init__(
-        self,
-        device: torch.device,
-        pool: _core.HostChunkPool,
-        layout: _core.TransferLayout,
-        *,
-        copy: CopyMode,
-        kernel_max_run_bytes: int | None,
-        kernel_min_runs: int,
-        kernel_programs: int,
-        runtime: Runtime | None = None,
-        cuda: Any = None,
-        batch: Any = "auto",
-    ) -> None:
-        """``runtime`` and ``cuda`` (a ``torch.cuda`` stand-in) let tests drive the queues and
-        the kernel bookkeeping without a GPU; by default the real ones are used. ``batch``: the
-        driver's batched copy (``_cuda.BatchCopy``), None for per-run copies, or "auto"."""
-        import torch
-
-        from kvcache.transfer import _cuda
-
-        rt = runtime if runtime is not None else _cuda.runtime()
-        if rt is None:
-            raise TransferError("CUDA layers given but the CUDA runtime is not available")
-        self._rt: Runtime = rt
-        self._torch = torch
-        self._cuda = torch.cuda if cuda is None else cuda
-        self._device = device
-        self._device_index = device.index if device.index is not None else 0
-        self._pool = pool
-        self._layout = layout
-        batch = getattr(rt, "batch", None) if batch == "auto" else batch
-        self._batched = batch is not None
-        self._copy = copy
-        self._triton = copy != "dma" and self._triton_available()
-        # Per group: the copy kernel's tensor table (device int64), its largest page, and
-        # whether every address and size is 8-byte aligned (the kernel moves words).
-        self._refs: list[tuple[Any, int, bool]] = []
-        for g in range(layout.num_groups):
-            rows = layout.group_refs(g)
-            aligned = all(v % 8 == 0 for row in rows for v in row)
-            biggest = max((row[4] for row in rows), default=0)
-            self._refs.append((rows, biggest, aligned))
-        self._refs_dev: dict[int, Any] = {}
-        if copy == "kernel":
-            # A pool still pinning in the background is accepted: its jobs use DMA until the
-            # pinning has finished, then the kernel.
-            if not self._triton:
-                raise InvalidArgumentError("copy='kernel' needs Triton")
-            if not self._pool_kernel_ready() and self._pool_state() != "pinning":
-                raise InvalidArgumentError(
-                    "copy='kernel' needs a pool pinned with pin=True, 'auto' or 'background'"
-                )
-        self.calibration: Calibration | None = None
-        if kernel_max_run_bytes is None:
-            kernel_max_run_bytes = DEFAULT_KERNEL_MAX_RUN_BYTES
-            if copy == "auto" and self._triton and cuda is None:
-                from kvcache.transfer._calibrate import calibrate
-
-                self.calibration = calibrate(device, TransferEngine)
-                if self.calibration is not None:
-                    kernel_max_run_bytes = self.calibration.kernel_max_run_bytes
-        self.kernel_max_run_bytes = kernel_max_run_bytes
-        self._kernel_min_runs = kernel_min_runs
-        self._kernel_programs = kernel_programs
-        with self._cuda.device(device):
-            self._streams = {q: self._cuda.Stream(device) for q in QUEUES}
-            self._kernel_streams = {q: self._cuda.Stream(device) for q in QUEUES}
-        self._dma = {
-            q: _core.CudaQueue(
-                self._streams[q].cuda_stream,
-                self._device_index,
-                rt.queue_functions,
-                rt,
-                batch_fn=batch.address if batch is not None else 0,
-                batch_v2=bool(batch.v2) if batch is not None else False,
-            )
-            for q in QUEUES
-        }
-        self._kernel_jobs: dict[Queue, deque[_KernelJob]] = {q: deque() for q in QUEUES}
-        # job id -> (bytes as vLLM counts them, store?) for DMA jobs in flight.
-        self._sizes: dict[int, tuple[int, bool]] = {}
-        self.jobs_by_method = {"dma": 0, "kernel": 0}
-
-    def _pool_state(self) -> str:
-        status = getattr(self._pool, "pin_status", None)
-        return str(status()["state"]) if status is not None else "unpinned"
-
-    def _pool_kernel_ready(self) -> bool:
-        ready = getattr(self._pool, "kernel_ready", None)
-        if ready is not None:
-            return bool(ready)
-        return bool(self._pool.pinned and getattr(self._pool, "device_can_use_host_pointer", 0))
-
-    @staticmethod
-    def _triton_available() -> bool:
-        try:
-            from kvcache.transfer import _kernel  # noqa: F401
-        except Exception:
-            logger.warning("Triton unavailable: all GPU copies use DMA", exc_info=True)
-            return False
-        return True
-
-    def _kernel_enabled(self) -> bool:
-        return (
-            self._triton
-            and all(aligned for _rows, _big, aligned in self._refs)
-            and (self._copy == "kernel" or self.kernel_max_run_bytes > 0)
-        )
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "backend": "cuda",
-            "dma": "batched" if self._batched else "per-run",
-            "copy": self._copy,
-            "kernel_max_run_bytes": self.kernel_max_run_bytes if self._triton else 0,
-            "calibrated": self.calibration is not None,
-        }
-
-    def check_methods(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The copy methods jobs may use: (stores, loads)."""
-        kernel = self._kernel_enabled()
-        stores = ("dma", "kernel") if kernel and self._copy == "kernel" else ("dma",)
-        loads = ("dma", "kernel") if kernel else ("dma",)
-        return stores, loads
-
-    def _use_kernel(self, plan: _core.Plan) -> bool:
-        """Stores always use DMA (bandwidth-bound; the copy engine beats SMs and leaves them to
-        the model) unless ``copy='kernel'``; loads use the kernel when their DMA runs would be
-        small: at least ``kernel_min_runs`` pages and an average run after coalescing of at
-        most ``kernel_max_run_bytes``."""
-        if self._copy == "dma" or not self._triton or plan.num_pages == 0:
-            return False
-        groups = [g for g, n in enumerate(plan.group_blocks) if n]
-        if not all(self._refs[g][2] for g in groups):
-            return False
-        if not self._pool_kernel_ready():  # e.g. still pinning in the background
-            return False
-        if self._copy == "kernel":
-            return True
-        if plan.store or plan.num_pages < self._kernel_min_runs:
-            return False
-        # Runs are never smaller than pages: the per-page average settles large pages cheaply.
-        if plan.nbytes > plan.num_pages * self.kernel_max_run_bytes:
-            return False
-        # Average bytes per DMA run after coalescing (at least, as max_runs is an upper bound):
-        # counted from the block ids in Rust, without building the runs on this thread.
-        return plan.nbytes <= plan.max_runs * self.kernel_max_run_bytes
-
-    def _refs_on_device(self, group: int) -> Any:
-        refs = self._refs_dev.get(group)
-        if refs is None:
-            torch = self._torch
-            rows = self._refs[group][0]
-            refs = torch.tensor(rows, dtype=torch.int64).reshape(-1).to(self._device)
-            self._refs_dev[group] = refs
-        return refs
-
-    def _launch(self, plan: _core.Plan) -> tuple[Any, ...]:
-        from kvcache.transfer import _kernel
-
-        torch = self._torch
-        keep: list[Any] = []
-        for group, n in enumerate(plan.group_blocks):
-            if n == 0:
-                continue
-            # Pinned so that the upload below is asynchronous; a host device (tests under
-            # Triton's interpreter) reads the table in place and has nothing to pin with.
-            pinned = self._device.type == "cuda"
-            host = torch.empty(3 * n, dtype=torch.int64, pin_memory=pinned)
-            plan.write_block_table(group, host.numpy())
-            table = host.to(self._device, non_blocking=True)
-            _kernel.launch(
-                table,
-                self._refs_on_device(group),
-                n,
-                to_device=not plan.store,
-                programs=self._kernel_programs,
-                max_page_bytes=self._refs[group][1],
-            )
-            keep += [host, table]
-        return tuple(keep)
-
-    def _submit_kernel(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
-        cuda = self._cuda
-        stream = self._kernel_streams[queue]
-        start = end = None
-        keep: tuple[Any, ...] = ()
-        error = None
-        try:
-            with cuda.device(self._device):
-                stream.wait_stream(cuda.current_stream(self._device))
-                if self._dma[queue].in_flight():
-                    # After this queue's DMA jobs (all on their stream: see submit).
-                    stream.wait_stream(self._streams[queue])
-                with cuda.stream(stream):
-                    start = cuda.Event(enable_timing=True)
-                    end = cuda.Event(enable_timing=True)
-                    start.record(stream)
-                    keep = self._launch(plan)
-                    end.record(stream)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            logger.debug("launching the copy kernel for job %d failed", job_id, exc_info=True)
-            start = end = None
-            self._rt.clear_error()
-            if self._copy == "auto":
-                # Most likely Triton could not compile or launch here: keep working on DMA.
-                self._triton = False
-                logger.warning("the copy kernel failed (%s); later jobs use DMA", error)
-            try:
-                stream.synchronize()  # nothing of this job may still run when we drop it
-            except Exception:
-                logger.exception("synchronising the transfer stream failed")
-        self._kernel_jobs[queue].append(
-            _KernelJob(job_id, plan, start, end, error is None, error, keep)
-        )
-
-    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
-        # A load split around a repeated destination relies on its parts' order even when
-        # they pick different methods.
-        if self._use_kernel(plan) and self._dma[queue].queued() == 0:
-            self._submit_kernel(job_id, plan, queue)
-            self.jobs_by_method["kernel"] += 1
-            return
-        if self._kernel_jobs[queue]:
-            with self._cuda.device(self._device):
-                self._streams[queue].wait_stream(self._kernel_streams[queue])
-        order = SRC_ACCESS_ORDER_STREAM if plan.store else SRC_ACCESS_ORDER_ANY
-        current = self._cuda.current_stream(self._device).cuda_stream
-        self._sizes[job_id] = (plan.logical_nbytes, plan.store)
-        self._dma[queue].submit(job_id, plan, current, order)
-        self.jobs_by_method["dma"] += 1
-
-    def _finish_kernel(self, job: _KernelJob, error: str | None) -> JobResult:
-        job.plan.release()
-        ok = job.ok and error is None
-        seconds = None
-        if ok and job.start is not None:
-            try:
-                seconds = job.start.elapsed_time(job.end) * 1e-3
-            except Exception:
-                seconds = None
-        return JobResult(
-            job.job_id, ok, job.plan.logical_nbytes, seconds, job.plan.store, job.error or error
-        )
-
-    def collect(self) -> list[JobResult]:
-        done: list[JobResult] = []
-        for queue in QUEUES:
-            dma = self._dma[queue]
-            for job_id, ok, seconds, error in dma.poll():
-                nbytes, store = self._sizes.pop(job_id)
-                done.append(JobResult(job_id, ok, nbytes, seconds, store, error))
-            if dma.take_batch_failure():
-                logger.warning(
-                    "cuMemcpyBatchAsync failed on the %s queue; it now issues one "
-                    "cudaMemcpyAsync per run",
-                    queue,
-                )
-            jobs = self._kernel_jobs[queue]
-            while jobs:
-                job = jobs[0]
-                error = None
-                try:
-                    finished = job.end is None or job.end.query()
-                except Exception as exc:
-                    finished, error = True, f"the device reported: {exc}"
-                if not finished:
-                    break  # jobs on one stream finish in order
-                jobs.popleft()
-                done.append(self._finish_kernel(job, error))
-        return done
-
-    def wait(self, job_ids: set[int] | None) -> None:
-        ids = None if job_ids is None else list(job_ids)
-        for queue in QUEUES:
-            self._dma[queue].wait(ids)
-            for job in list(self._kernel_jobs[queue]):
-                if job.end is not None and (job_ids is None or job.job_id in job_ids):
-                    try:
-                        job.end.synchronize()
-                    except Exception as exc:
-                        job.ok = False
-                        job.error = f"the device reported: {exc}"
-                        job.end = None
-
-    def in_flight(self) -> int:
-        return sum(self._dma[q].in_flight() + len(self._kernel_jobs[q]) for q in QUEUES)
-
-    def close(self) -> None:
-        for q in QUEUES:
-            self._dma[q].shutdown()
-        self.wait(None)
 
 
 class TransferEngine:
@@ -597,7 +265,7 @@ class TransferEngine:
         if host:
             self._backend = _CpuBackend()
         else:
-            self._backend = _CudaBackend(
+            self._backend = CudaBackend(
                 device,
                 pool,
                 self._layout,

@@ -7,7 +7,12 @@ import threading
 from typing import TYPE_CHECKING, Literal, Self
 
 from kvcache import _core
-from kvcache._core import InvalidArgumentError, InvalidStateError, TransferError
+from kvcache._core import (
+    InvalidArgumentError,
+    InvalidStateError,
+    InvalidTypeError,
+    TransferError,
+)
 from kvcache.transfer import _cuda
 from kvcache.transfer._checks import check_count
 
@@ -42,6 +47,9 @@ class HostChunkPool(_core.HostChunkPool):
     already registered are rolled back and the runtime's sticky error cleared; ``"auto"`` and
     ``"background"`` then log a warning and stay pageable, ``True`` raises ``TransferError``.
     Without CUDA, ``"auto"``/``"background"`` stay pageable quietly and ``True`` raises.
+    ``device`` (a CUDA device index): every CUDA call of the pinning and unpinning runs with
+    it current, on whichever thread (default: the calling thread's current device), so a
+    rank's pool never touches another GPU.
 
     Lifetime: :meth:`close` (also on ``with`` exit, or when the pool is collected) stops a
     background registration, unregisters the memory and returns its pages to the system,
@@ -50,23 +58,45 @@ class HostChunkPool(_core.HostChunkPool):
     until the last view and the pool object are gone, and is unmapped then.
     """
 
-    def __new__(cls, num_chunks: int, chunk_bytes: int, *, pin: PinMode = "auto") -> Self:
+    def __new__(
+        cls,
+        num_chunks: int,
+        chunk_bytes: int,
+        *,
+        pin: PinMode = "auto",
+        device: int | None = None,
+    ) -> Self:
         check_count("num_chunks", num_chunks)
         check_count("chunk_bytes", chunk_bytes)
+        if device is not None:
+            if isinstance(device, bool) or not isinstance(device, int):
+                raise InvalidTypeError(
+                    f"device must be an int or None, got {type(device).__name__}"
+                )
+            if not 0 <= device < 1 << 16:
+                raise InvalidArgumentError(f"device must be a CUDA device index, got {device}")
         if pin is not True and pin is not False and pin not in ("auto", "background"):
             raise InvalidArgumentError(
                 f"pin must be True, False, 'auto' or 'background', got {pin!r}"
             )
         return super().__new__(cls, num_chunks, chunk_bytes)
 
-    def __init__(self, num_chunks: int, chunk_bytes: int, *, pin: PinMode = "auto") -> None:
+    def __init__(
+        self,
+        num_chunks: int,
+        chunk_bytes: int,
+        *,
+        pin: PinMode = "auto",
+        device: int | None = None,
+    ) -> None:
         if "_pin_reported" in vars(self):
             # Running __init__ again would re-pin, and close the pool on a failure.
             raise InvalidStateError("HostChunkPool.__init__ called on a pool already set up")
         # Whether a GPU kernel may address the pool with host pointers: true once registered
         # on a unified-addressing system (checked when registration completes).
         self.device_can_use_host_pointer = False
-        self._pin_runtime: _cuda.Runtime | None = None
+        self._pin_runtime: _cuda.CudaRuntime | None = None
+        self._pin_device: int | None = None
         self._pin_lock = threading.Lock()
         self._pin_reported = True
         if pin is False:
@@ -78,7 +108,9 @@ class HostChunkPool(_core.HostChunkPool):
                     raise TransferError("pin=True but CUDA is not available")
                 logger.debug("CUDA not available: the host chunk pool stays pageable")
                 return
-            _cuda.register_pool(self, rt, required=pin is True, background=pin == "background")
+            _cuda.register_pool(
+                self, rt, required=pin is True, background=pin == "background", device=device
+            )
         except BaseException:
             self.close()
             raise

@@ -1,22 +1,16 @@
-//! DMA submission of a plan's runs through CUDA entry points supplied by the Python layer:
-//! one `cudaMemcpyAsync` per run, or one `cuMemcpyBatchAsync` for the whole plan (CUDA 12.8+
-//! drivers; resolved at run time, the per-run path is the fallback). Both run with the GIL
-//! released and hold the pool's copy guard, so no copy overlaps the registration of the
-//! range it touches (background pinning). Private API: a wrong address is undefined
-//! behaviour, as with ctypes.
+//! DMA submission of a plan's runs through a [`CudaApi`]: one `cudaMemcpyAsync` per run, or one
+//! `cuMemcpyBatchAsync` for the whole plan (CUDA 12.8+ drivers). The caller holds the pool's
+//! copy guard, so no copy overlaps the registration of the range it touches (background
+//! pinning), and keeps the runs' memory alive until the stream has executed them.
 
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::c_int;
 
 use kvcache_core::host::CopyRuns;
-use pyo3::prelude::*;
 
-use super::plan::Plan;
-use super::registrar::nonzero;
-use crate::errors::typed;
+use super::api::{Batch, CudaApi, MemcpyAttributes, Stream};
 
-/// `cudaMemcpyAsync(dst, src, count, kind, stream)`.
-pub(super) type MemcpyAsyncFn =
-    unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, *mut c_void) -> c_int;
+/// cudaMemcpyDefault: the direction follows from unified virtual addresses.
+pub(crate) const MEMCPY_DEFAULT: c_int = 4;
 
 /// Why [`memcpy_each_run`] stopped at run `index`.
 pub(super) enum RunFailure {
@@ -26,17 +20,16 @@ pub(super) enum RunFailure {
     Cuda { index: usize, code: c_int },
 }
 
-/// One `cudaMemcpyAsync(dst, src, len, kind, stream)` per run, in order, stopping at the first
-/// failure.
+/// One `cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, stream)` per run, in order,
+/// stopping at the first failure.
 ///
 /// # Safety
-/// `memcpy` must be `cudaMemcpyAsync`, and every run must lie in memory that stays valid until
-/// the stream has executed the copies.
+/// Every run must lie in memory that stays valid until the stream has executed the copies,
+/// and `stream` must be a live stream.
 pub(super) unsafe fn memcpy_each_run(
+    api: &CudaApi,
     runs: &CopyRuns,
-    memcpy: MemcpyAsyncFn,
-    kind: c_int,
-    stream: *mut c_void,
+    stream: Stream,
 ) -> Result<(), RunFailure> {
     for (index, ((&src, &dst), &len)) in runs
         .src()
@@ -52,13 +45,13 @@ pub(super) unsafe fn memcpy_each_run(
         ) else {
             return Err(RunFailure::Unaddressable { index });
         };
-        // SAFETY: the caller passes cudaMemcpyAsync and runs inside live memory (see above).
+        // SAFETY: cudaMemcpyAsync on runs inside live memory (the caller's contract).
         let code = unsafe {
-            memcpy(
+            (api.memcpy_async)(
                 std::ptr::with_exposed_provenance_mut(dst),
                 std::ptr::with_exposed_provenance(src),
                 len,
-                kind,
+                MEMCPY_DEFAULT,
                 stream,
             )
         };
@@ -69,127 +62,29 @@ pub(super) unsafe fn memcpy_each_run(
     Ok(())
 }
 
-/// `CUmemLocation`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct MemLocation {
-    kind: c_int,
-    id: c_int,
+/// What a failed batched call returned: the driver's code and, where the driver says, the
+/// index of the copy it failed on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BatchFailure {
+    pub code: c_int,
+    pub index: Option<usize>,
 }
 
-/// `CUmemcpyAttributes` (CUDA 12.8+): source access order, location hints, flags.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct MemcpyAttributes {
-    src_access_order: c_int,
-    src_loc_hint: MemLocation,
-    dst_loc_hint: MemLocation,
-    flags: c_uint,
-}
-
-/// `cuMemcpyBatchAsync` as exported by 12.8+ drivers (with `failIdx`).
-type BatchFn = unsafe extern "C" fn(
-    *const u64,
-    *const u64,
-    *const usize,
-    usize,
-    *const MemcpyAttributes,
-    *const usize,
-    usize,
-    *mut usize,
-    *mut c_void,
-) -> c_int;
-
-/// `cuMemcpyBatchAsync_v2` (CUDA 13 drivers): the same without `failIdx`.
-type BatchV2Fn = unsafe extern "C" fn(
-    *const u64,
-    *const u64,
-    *const usize,
-    usize,
-    *const MemcpyAttributes,
-    *const usize,
-    usize,
-    *mut c_void,
-) -> c_int;
-
-fn stream_ptr(stream: usize) -> *mut c_void {
-    std::ptr::with_exposed_provenance_mut(stream)
-}
-
-/// Enqueues one `cudaMemcpyAsync(dst, src, len, kind, stream)` per run of `plan`, with the GIL
-/// released. Stops at the first failure. Returns `(runs enqueued, error code or 0)`; the
-/// caller clears the runtime's last error and reports the job as failed.
-#[pyfunction]
-#[pyo3(name = "_cuda_memcpy_runs")]
-pub(crate) fn cuda_memcpy_runs(
-    py: Python<'_>,
-    plan: &Bound<'_, Plan>,
-    memcpy_async_fn: usize,
-    stream: usize,
-    kind: i32,
-) -> PyResult<(usize, i32)> {
-    let f = nonzero(memcpy_async_fn, "memcpy_async")?;
-    // SAFETY: per the private caller contract, `f` is cudaMemcpyAsync, whose C signature is
-    // `MemcpyAsyncFn`.
-    let memcpy = unsafe { std::mem::transmute::<usize, MemcpyAsyncFn>(f) };
-    let data = plan.get().data();
-    Ok(py.detach(move || {
-        let _guard = data.copy_guard();
-        let runs = data.runs();
-        // SAFETY: `memcpy` is cudaMemcpyAsync (above); the plan's runs lie inside the pool and
-        // the device layers it was validated against; the plan (held by `data`) keeps the pool
-        // mapped, and the caller keeps the device tensors alive until the stream has executed
-        // the copies.
-        match unsafe { memcpy_each_run(runs, memcpy, kind, stream_ptr(stream)) } {
-            Ok(()) => (runs.len(), 0),
-            // cudaErrorInvalidValue: an address this process cannot hold.
-            Err(RunFailure::Unaddressable { index }) => (index, 1),
-            Err(RunFailure::Cuda { index, code }) => (index, code),
-        }
-    }))
-}
-
-/// Enqueues every run of `plan` with one batched call on `stream`. `batch_fn` is
-/// `cuMemcpyBatchAsync` (`v2=False`, with `failIdx`) or `cuMemcpyBatchAsync_v2` (`v2=True`).
-/// `src_access_order` is `CUmemcpySrcAccessOrder` (1: stream order, for sources the device
-/// may still be writing; 3: any, for host sources nobody writes meanwhile). Returns
-/// `(CUresult, index of the failing copy or -1)`.
-#[pyfunction]
-#[pyo3(name = "_cuda_memcpy_batch", signature = (plan, batch_fn, stream, src_access_order, *, v2=false))]
-pub(crate) fn cuda_memcpy_batch(
-    py: Python<'_>,
-    plan: &Bound<'_, Plan>,
-    batch_fn: usize,
-    stream: usize,
-    src_access_order: i32,
-    v2: bool,
-) -> PyResult<(i32, i64)> {
-    let f = nonzero(batch_fn, "memcpy_batch")?;
-    if !(1..=3).contains(&src_access_order) {
-        return Err(typed(
-            |e| &e.invalid_argument,
-            format!("src_access_order must be 1, 2 or 3, got {src_access_order}"),
-        ));
-    }
-    let data = plan.get().data();
-    Ok(py.detach(move || {
-        let _guard = data.copy_guard();
-        batch_copy(data.runs(), f, v2, stream, src_access_order)
-    }))
-}
-
-/// One batched call for every run of `runs` on `stream` (see [`cuda_memcpy_batch`]); the
-/// caller holds the pool's copy guard and keeps the runs' memory alive.
-pub(crate) fn batch_copy(
+/// Every run of `runs` in one batched call on `stream`. `src_access_order` is
+/// `CUmemcpySrcAccessOrder` (1: stream order, for sources the device may still be writing;
+/// 3: any, for host sources nobody writes meanwhile).
+///
+/// # Safety
+/// As [`memcpy_each_run`].
+pub(crate) unsafe fn batch_copy(
+    batch: Batch,
     runs: &CopyRuns,
-    f: usize,
-    v2: bool,
-    stream: usize,
-    src_access_order: i32,
-) -> (i32, i64) {
+    stream: Stream,
+    src_access_order: c_int,
+) -> Result<(), BatchFailure> {
     let count = runs.len();
     if count == 0 {
-        return (0, -1);
+        return Ok(());
     }
     // `size_t` lengths: a u64 slice reinterpreted only where usize is 64 bits wide; other
     // targets get a converted copy.
@@ -212,27 +107,11 @@ pub(crate) fn batch_copy(
     };
     let first: usize = 0;
     let mut fail_idx = usize::MAX;
-    let rc = if v2 {
-        // SAFETY: per the private caller contract `f` is cuMemcpyBatchAsync_v2; the three
-        // arrays hold `count` entries and stay alive for the call, which reads them before
-        // returning; the copies themselves target memory the plan was validated against.
-        unsafe {
-            let call = std::mem::transmute::<usize, BatchV2Fn>(f);
-            call(
-                runs.dst().as_ptr(),
-                runs.src().as_ptr(),
-                sizes.as_ptr(),
-                count,
-                &attrs,
-                &first,
-                1,
-                stream_ptr(stream),
-            )
-        }
-    } else {
-        // SAFETY: as above, for cuMemcpyBatchAsync (which also writes `fail_idx`).
-        unsafe {
-            let call = std::mem::transmute::<usize, BatchFn>(f);
+    let rc = match batch {
+        // SAFETY: the three arrays hold `count` entries and stay alive for the call, which
+        // reads them before returning; the copies target memory the plan was validated
+        // against (the caller's contract).
+        Batch::WithFailIdx(call) => unsafe {
             call(
                 runs.dst().as_ptr(),
                 runs.src().as_ptr(),
@@ -242,14 +121,29 @@ pub(crate) fn batch_copy(
                 &first,
                 1,
                 &mut fail_idx,
-                stream_ptr(stream),
+                stream,
             )
-        }
+        },
+        // SAFETY: as above, without failIdx.
+        Batch::V2(call) => unsafe {
+            call(
+                runs.dst().as_ptr(),
+                runs.src().as_ptr(),
+                sizes.as_ptr(),
+                count,
+                &attrs,
+                &first,
+                1,
+                stream,
+            )
+        },
     };
-    let failed_at = if rc != 0 && fail_idx < count {
-        i64::try_from(fail_idx).unwrap_or(-1)
+    if rc == 0 {
+        Ok(())
     } else {
-        -1
-    };
-    (rc, failed_at)
+        Err(BatchFailure {
+            code: rc,
+            index: (fail_idx < count).then_some(fail_idx),
+        })
+    }
 }

@@ -2,15 +2,16 @@
 //! worker, and the CUDA entry points (registration, per-run and batched DMA submission).
 //!
 //! The Python package (`python/kvcache/transfer`) is the public API; these classes are its
-//! building blocks and are not meant to be used directly. CUDA is never linked: the Python
-//! side looks up the runtime and driver the process already loaded (torch's) and passes
-//! function addresses in, which also lets tests substitute fakes.
+//! building blocks and are not meant to be used directly. CUDA is never linked: `api` resolves
+//! the runtime and driver the process already loaded (torch's) by name, which also lets tests
+//! name a fake one; no entry point takes a function address from Python.
 //!
-//! Module dependencies run one way: `registrar` <- `pool` <- `plan` <- {`copier`, `cuda`} and
-//! `cuda` <- `queue`.
+//! Module dependencies run one way: `api` <- `registrar` <- `pool` <- `plan` <- {`copier`,
+//! `cuda`} and `cuda` <- `queue`.
 
 use pyo3::prelude::*;
 
+mod api;
 mod copier;
 mod cuda;
 mod ids;
@@ -19,6 +20,7 @@ mod pool;
 mod queue;
 mod registrar;
 
+pub use api::PyCudaApi;
 pub use copier::CpuCopier;
 pub use plan::{Plan, PyTransferLayout};
 pub use pool::PyHostChunkPool;
@@ -30,8 +32,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Plan>()?;
     m.add_class::<CpuCopier>()?;
     m.add_class::<CudaQueue>()?;
-    m.add_function(wrap_pyfunction!(cuda::cuda_memcpy_runs, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda::cuda_memcpy_batch, m)?)?;
+    m.add_class::<PyCudaApi>()?;
     m.add("PAGE_SIZE", kvcache_core::host::page_size())?;
     m.add(
         "BACKGROUND_PIECE_BYTES",

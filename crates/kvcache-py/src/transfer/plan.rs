@@ -542,6 +542,12 @@ impl PyTransferLayout {
         Ok(PyArray1::from_vec(py, ids))
     }
 
+    /// Why the copy kernel cannot serve `group` (None: it can): the first address or size it
+    /// would form that is not a multiple of 8 bytes (the pool's and the chunks' included).
+    fn kernel_problem(&self, group: usize) -> PyResult<Option<String>> {
+        self.shared.layout.kernel_problem(group).py_err()
+    }
+
     /// A group's distinct references as `(device base, block stride, segment offset, page
     /// slot bytes, bytes copied)` tuples (the copy kernel's per-tensor table).
     fn group_refs(&self, group: usize) -> PyResult<Vec<RefRow>> {

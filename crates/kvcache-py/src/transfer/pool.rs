@@ -14,7 +14,8 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt};
 
-use super::registrar::{CudartRegistrar, RuntimeFns};
+use super::api::PyCudaApi;
+use super::registrar::CudartRegistrar;
 use crate::errors::{typed, IntoPyResult};
 
 #[pyclass(module = "kvcache._core", name = "HostChunkPool", subclass, frozen)]
@@ -173,49 +174,30 @@ impl PyHostChunkPool {
         py.detach(move || region.close()).py_err()
     }
 
-    /// Registers the mapping through the given CUDA runtime functions (addresses of
-    /// `cudaHostRegister`, `cudaHostUnregister`, `cudaGetLastError`) in pieces of at most
-    /// `max_piece_bytes`, each prefaulted by several threads first. `keepalive` is held as
-    /// long as the registration (the library or the callback objects the addresses point
-    /// into).
+    /// Registers the mapping with the CUDA runtime `api` (`cudaHostRegister` with `flags`) in
+    /// pieces of at most `max_piece_bytes`, each prefaulted by several threads first.
     ///
-    /// With `background`, a thread of its own registers (pieces of at most
-    /// `BACKGROUND_PIECE_BYTES`) after `cudaSetDevice(device)` when `set_device_fn` is given,
-    /// and the call returns at once; see :meth:`pin_status`. Otherwise it blocks (GIL
-    /// released) and raises `TransferError` (all pieces rolled back, error cleared) on
-    /// failure. Returns the number of pieces.
-    ///
-    /// The addresses must point to functions with those exact C signatures; the Python layer
-    /// obtains them from the loaded runtime through ctypes.
-    #[pyo3(signature = (
-        register_fn, unregister_fn, get_last_error_fn, flags, max_piece_bytes, keepalive,
-        *, background=false, set_device_fn=0, device=0
-    ))]
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "the CUDA runtime entry points and options, as Python passes them"
-    )]
+    /// Every registration call, and the unregistration on `close()`, runs with `device`
+    /// current (None: the calling thread's). With `background`, a thread of its own
+    /// registers (pieces of at most `BACKGROUND_PIECE_BYTES`), bound to `device` first, and
+    /// the call returns at once; see :meth:`pin_status`.
+    /// Otherwise it blocks (GIL released) and raises `TransferError` (all pieces rolled back,
+    /// error cleared) on failure. Returns the number of pieces.
+    #[pyo3(signature = (api, flags, max_piece_bytes, *, background=false, device=None))]
     fn _register(
         &self,
         py: Python<'_>,
-        register_fn: usize,
-        unregister_fn: usize,
-        get_last_error_fn: usize,
+        api: &Bound<'_, PyCudaApi>,
         flags: u32,
         max_piece_bytes: usize,
-        keepalive: Py<PyAny>,
         background: bool,
-        set_device_fn: usize,
-        device: i32,
+        device: Option<i32>,
     ) -> PyResult<usize> {
-        let fns = RuntimeFns {
-            register: register_fn,
-            unregister: unregister_fn,
-            get_last_error: get_last_error_fn,
-            set_device: set_device_fn,
+        let registrar = Box::new(CudartRegistrar::new(
+            Arc::clone(&api.get().api),
+            flags,
             device,
-        };
-        let registrar = Box::new(CudartRegistrar::new(&fns, flags, keepalive)?);
+        ));
         let region = Arc::clone(&self.region);
         let unit = self.chunk_bytes;
         if background {

@@ -13,128 +13,34 @@
 //! not all be enqueued is still closed with its end event, and reported failed only when that
 //! event has completed: nothing of it may still run when its memory is released.
 //!
-//! CUDA entry points are function addresses from the loaded runtime and driver (private API: a
-//! wrong address is undefined behaviour, as with ctypes); tests pass ctypes fakes.
+//! CUDA is reached through a [`CudaApi`] (the loaded runtime, or the tests' fake). Every call
+//! runs with the queue's device current: the thread binds it once, `submit` (on the caller's
+//! thread, whose device is the caller's business) binds it for its two calls and restores the
+//! caller's. A job whose copies could not be batched is re-issued one copy per run; the
+//! driver's error and failing index are kept for the engine to log. An error that leaves the
+//! CUDA context unusable (an illegal address, a misaligned access: "sticky") marks the queue
+//! lost: every later job fails at once, naming the first cause.
 
 use std::collections::{HashMap, VecDeque};
-use std::ffi::{c_char, c_float, c_int, c_uint, c_void, CStr};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::ffi::{c_float, c_int, c_uint};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
 use kvcache_core::host::PinStatus;
 
-use super::cuda::{memcpy_each_run, MemcpyAsyncFn, RunFailure};
+use super::api::{is_sticky, CudaApi, Event, PyCudaApi, Stream};
+use super::cuda::{batch_copy, memcpy_each_run, BatchFailure, RunFailure};
 use super::plan::{Plan, PlanData};
-use super::registrar::nonzero;
 use crate::errors::typed;
-
-type Event = *mut c_void;
-type Stream = *mut c_void;
 
 /// cudaErrorNotReady: an event or stream has work still pending.
 const NOT_READY: c_int = 600;
 /// cudaEventDisableTiming.
 const DISABLE_TIMING: c_uint = 2;
-
-type EventCreateFn = unsafe extern "C" fn(*mut Event, c_uint) -> c_int;
-type EventFn = unsafe extern "C" fn(Event) -> c_int;
-type EventRecordFn = unsafe extern "C" fn(Event, Stream) -> c_int;
-type ElapsedFn = unsafe extern "C" fn(*mut c_float, Event, Event) -> c_int;
-type StreamWaitFn = unsafe extern "C" fn(Stream, Event, c_uint) -> c_int;
-type StreamFn = unsafe extern "C" fn(Stream) -> c_int;
-type SetDeviceFn = unsafe extern "C" fn(c_int) -> c_int;
-type LastErrorFn = unsafe extern "C" fn() -> c_int;
-type ErrorStringFn = unsafe extern "C" fn(c_int) -> *const c_char;
-
-#[derive(Clone, Copy)]
-struct Fns {
-    event_create: EventCreateFn,
-    event_destroy: EventFn,
-    event_record: EventRecordFn,
-    event_query: EventFn,
-    event_synchronize: EventFn,
-    event_elapsed: ElapsedFn,
-    stream_wait_event: StreamWaitFn,
-    stream_synchronize: StreamFn,
-    memcpy_async: MemcpyAsyncFn,
-    set_device: SetDeviceFn,
-    get_last_error: LastErrorFn,
-    get_error_string: ErrorStringFn,
-}
-
-// SAFETY: plain function pointers into the CUDA runtime, which is thread-safe.
-unsafe impl Send for Fns {}
-// SAFETY: as above.
-unsafe impl Sync for Fns {}
-
-fn addr(py_fns: &Bound<'_, PyDict>, name: &str) -> PyResult<usize> {
-    let value: usize = py_fns
-        .get_item(name)?
-        .ok_or_else(|| {
-            typed(
-                |e| &e.invalid_argument,
-                format!("missing CUDA function {name}"),
-            )
-        })?
-        .extract()?;
-    nonzero(value, name)
-}
-
-macro_rules! fn_at {
-    ($dict:expr, $name:literal, $ty:ty) => {{
-        let a = addr($dict, $name)?;
-        // SAFETY: per the private caller contract, `a` is the address of the named CUDA
-        // runtime function, whose C signature is `$ty`.
-        unsafe { std::mem::transmute::<usize, $ty>(a) }
-    }};
-}
-
-impl Fns {
-    fn from_dict(d: &Bound<'_, PyDict>) -> PyResult<Self> {
-        Ok(Fns {
-            event_create: fn_at!(d, "cudaEventCreateWithFlags", EventCreateFn),
-            event_destroy: fn_at!(d, "cudaEventDestroy", EventFn),
-            event_record: fn_at!(d, "cudaEventRecord", EventRecordFn),
-            event_query: fn_at!(d, "cudaEventQuery", EventFn),
-            event_synchronize: fn_at!(d, "cudaEventSynchronize", EventFn),
-            event_elapsed: fn_at!(d, "cudaEventElapsedTime", ElapsedFn),
-            stream_wait_event: fn_at!(d, "cudaStreamWaitEvent", StreamWaitFn),
-            stream_synchronize: fn_at!(d, "cudaStreamSynchronize", StreamFn),
-            memcpy_async: fn_at!(d, "cudaMemcpyAsync", MemcpyAsyncFn),
-            set_device: fn_at!(d, "cudaSetDevice", SetDeviceFn),
-            get_last_error: fn_at!(d, "cudaGetLastError", LastErrorFn),
-            get_error_string: fn_at!(d, "cudaGetErrorString", ErrorStringFn),
-        })
-    }
-
-    /// Reads and clears the calling thread's last error, and names `code`.
-    fn describe(&self, what: &str, code: c_int) -> String {
-        // SAFETY: cudaGetLastError takes no arguments; cudaGetErrorString returns a static
-        // NUL-terminated string (or NULL) for any code.
-        let name = unsafe {
-            (self.get_last_error)();
-            let p = (self.get_error_string)(code);
-            if p.is_null() {
-                format!("CUDA error {code}")
-            } else {
-                CStr::from_ptr(p).to_string_lossy().into_owned()
-            }
-        };
-        format!("{what} failed: {name} ({code})")
-    }
-}
-
-/// `cuMemcpyBatchAsync` with `failIdx` (12.8+ drivers) or its `_v2` (13.x), by address.
-#[derive(Clone, Copy)]
-struct Batch {
-    addr: usize,
-    v2: bool,
-}
 
 /// One queued job as the thread receives it.
 struct QueuedJob {
@@ -142,6 +48,13 @@ struct QueuedJob {
     plan: Arc<PlanData>,
     ready: usize,
     src_access_order: i32,
+}
+
+/// How a job's copies reached the stream.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Method {
+    Batched,
+    PerRun,
 }
 
 enum JobState {
@@ -157,21 +70,31 @@ enum JobState {
     Failed(String),
 }
 
+/// One failed batched call: the job, the driver's code and name, the copy it failed on (when
+/// the driver says), the job's copies, and whether the queue stopped batching because of it.
+type BatchReport = (u64, i32, String, Option<usize>, usize, bool);
+
 struct State {
     order: VecDeque<u64>,
     jobs: HashMap<u64, (JobState, Arc<PlanData>)>,
     /// Reusable events: (timing, no-timing).
     timing_events: Vec<usize>,
     ready_events: Vec<usize>,
+    batch_failures: Vec<BatchReport>,
+    /// The first sticky error seen: the context is lost, nothing more may be submitted.
+    lost: Option<String>,
 }
 
 struct Shared {
     state: Mutex<State>,
     cv: Condvar,
-    fns: Fns,
+    api: Arc<CudaApi>,
+    device: c_int,
     stream: usize,
-    batch: Mutex<Option<Batch>>,
-    batch_failed: AtomicBool,
+    /// Whether jobs still go through the driver's batched call.
+    batching: AtomicBool,
+    jobs_batched: AtomicU64,
+    jobs_per_run: AtomicU64,
 }
 
 impl Shared {
@@ -183,7 +106,33 @@ impl Shared {
         std::ptr::with_exposed_provenance_mut(self.stream)
     }
 
-    /// An event from the pool, or a new one; None (error cleared) when CUDA refuses.
+    /// Names a failed call (clearing the thread's last error); a sticky code also marks the
+    /// queue lost.
+    fn fail(&self, what: &str, code: c_int) -> String {
+        let cause = self.api.describe(what, code);
+        if is_sticky(code) {
+            let mut st = self.lock();
+            if st.lost.is_none() {
+                st.lost = Some(format!("the CUDA context is lost: {cause}"));
+            }
+        }
+        cause
+    }
+
+    /// The queue's device current on this thread until the guard drops (see
+    /// [`CudaApi::on_device`]); a sticky failure marks the queue lost.
+    fn bind(&self) -> Result<super::api::DeviceGuard<'_>, String> {
+        self.api
+            .bind(self.device)
+            .map_err(|(what, code)| self.fail(what, code))
+    }
+
+    fn lost(&self) -> Option<String> {
+        self.lock().lost.clone()
+    }
+
+    /// An event from the pool, or a new one (on the calling thread's current device, which
+    /// the caller made the queue's).
     fn event(&self, timing: bool) -> Result<usize, String> {
         {
             let mut st = self.lock();
@@ -199,9 +148,9 @@ impl Shared {
         let mut ev: Event = std::ptr::null_mut();
         let flags = if timing { 0 } else { DISABLE_TIMING };
         // SAFETY: cudaEventCreateWithFlags writes one event handle into `ev`.
-        let rc = unsafe { (self.fns.event_create)(&mut ev, flags) };
+        let rc = unsafe { (self.api.event_create)(&mut ev, flags) };
         if rc != 0 {
-            return Err(self.fns.describe("cudaEventCreateWithFlags", rc));
+            return Err(self.fail("cudaEventCreateWithFlags", rc));
         }
         Ok(ev.expose_provenance())
     }
@@ -219,55 +168,77 @@ fn ev(handle: usize) -> Event {
     std::ptr::with_exposed_provenance_mut(handle)
 }
 
-/// Enqueues every run of `plan` on the stream (one batched call, or one call per run after a
-/// batch failure); the cause of a failure, if any.
-fn enqueue_copies(shared: &Shared, plan: &PlanData, order: i32) -> Option<String> {
+/// Enqueues every run of `plan` on the stream: one batched call, or one call per run where
+/// the driver has none or a batched call failed (the same bytes, in the same stream order).
+/// The cause of a failure, if any.
+fn enqueue_copies(shared: &Shared, job: u64, plan: &PlanData, order: i32) -> Option<String> {
     let _guard = plan.copy_guard();
     let runs = plan.runs();
-    if runs.is_empty() {
-        return None;
-    }
-    let batch = *shared.batch.lock().unwrap_or_else(|e| e.into_inner());
+    let batch = shared
+        .api
+        .batch
+        .filter(|_| shared.batching.load(Ordering::Acquire));
+    let mut method = Method::PerRun;
     if let Some(b) = batch {
-        match super::cuda::batch_copy(runs, b.addr, b.v2, shared.stream, order) {
-            (0, _) => return None,
-            (rc, _failed_at) => {
-                // Every run is re-issued one by one below (same bytes, same stream order).
-                shared.fns.describe("cuMemcpyBatchAsync", rc);
-                if !matches!(plan.region().pin_status(), PinStatus::Pinning { .. }) {
-                    // Once pinning is over (done, failed or never asked for), the memory will
-                    // not change: the driver cannot batch these copies, stop trying. While a
-                    // background registration is still running, ranges not yet pinned may be
-                    // the cause, so only this job goes run by run.
-                    shared.batch_failed.store(true, Ordering::Release);
-                    *shared.batch.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        // SAFETY: the plan's runs lie inside the pool and the device tensors it was validated
+        // against; the plan (held by this job until it is reported) keeps the pool mapped and
+        // the engine keeps the device tensors alive; the stream is the queue's.
+        match unsafe { batch_copy(b, runs, shared.stream(), order) } {
+            Ok(()) => method = Method::Batched,
+            Err(BatchFailure { code, index }) => {
+                shared.api.clear_error();
+                let name = shared.api.driver_error_name(code);
+                // Once pinning is over (done, failed or never asked for) the memory will not
+                // change: the driver cannot batch these copies, stop trying. While a
+                // background registration is still running, ranges not yet pinned may be the
+                // cause, so only this job goes run by run.
+                let stop = !matches!(plan.region().pin_status(), PinStatus::Pinning { .. });
+                if stop {
+                    shared.batching.store(false, Ordering::Release);
+                }
+                let mut st = shared.lock();
+                st.batch_failures
+                    .push((job, code, name, index, runs.len(), stop));
+                if is_sticky(code) && st.lost.is_none() {
+                    st.lost = Some(format!(
+                        "the CUDA context is lost: cuMemcpyBatchAsync failed with {code}"
+                    ));
+                }
+                drop(st);
+                if is_sticky(code) {
+                    return Some(format!("cuMemcpyBatchAsync failed: {code}"));
                 }
             }
         }
     }
-    // SAFETY: `memcpy_async` is cudaMemcpyAsync (resolved by name); the plan's runs lie inside
-    // the pool and the device tensors it was validated against; the plan (held by this job
-    // until it is reported) keeps the pool mapped, and the engine keeps the device tensors
-    // alive. cudaMemcpyDefault (4) infers the direction.
-    match unsafe { memcpy_each_run(runs, shared.fns.memcpy_async, 4, shared.stream()) } {
+    let counter = match method {
+        Method::Batched => &shared.jobs_batched,
+        Method::PerRun => &shared.jobs_per_run,
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+    if method == Method::Batched {
+        return None;
+    }
+    // SAFETY: as above.
+    match unsafe { memcpy_each_run(&shared.api, runs, shared.stream()) } {
         Ok(()) => None,
         Err(RunFailure::Unaddressable { index }) => {
             Some(format!("run {index} does not fit in this address space"))
         }
         Err(RunFailure::Cuda { index, code }) => {
-            let cause = shared.fns.describe("cudaMemcpyAsync", code);
+            let cause = shared.fail("cudaMemcpyAsync", code);
             Some(format!("{cause} after {index} of {} runs", runs.len()))
         }
     }
 }
 
-fn run_queue(rx: Receiver<QueuedJob>, shared: Arc<Shared>, device: i32) {
+fn run_queue(rx: Receiver<QueuedJob>, shared: Arc<Shared>) {
     // SAFETY: cudaSetDevice takes a device ordinal; the thread works for that device only.
-    let bound = unsafe { (shared.fns.set_device)(device) };
-    let bind_error = (bound != 0).then(|| shared.fns.describe("cudaSetDevice", bound));
+    let bound = unsafe { (shared.api.set_device)(shared.device) };
+    let bind_error = (bound != 0).then(|| shared.fail("cudaSetDevice", bound));
     while let Ok(job) = rx.recv() {
-        let outcome = match &bind_error {
-            Some(e) => Err(e.clone()),
+        let outcome = match bind_error.clone().or_else(|| shared.lost()) {
+            Some(e) => Err(e),
             None => run_one(&shared, &job),
         };
         let mut st = shared.lock();
@@ -286,7 +257,7 @@ fn run_queue(rx: Receiver<QueuedJob>, shared: Arc<Shared>, device: i32) {
 
 /// Puts one job on the stream: wait for the submission point, start event, copies, end event.
 fn run_one(shared: &Shared, job: &QueuedJob) -> Result<(usize, usize, Option<String>), String> {
-    let fns = &shared.fns;
+    let api = &shared.api;
     let start = shared.event(true)?;
     let end = match shared.event(true) {
         Ok(e) => e,
@@ -299,27 +270,28 @@ fn run_one(shared: &Shared, job: &QueuedJob) -> Result<(usize, usize, Option<Str
     // SAFETY: valid events from the pool or from cudaEventCreateWithFlags, and the queue's
     // stream (kept alive by the engine that owns the queue).
     unsafe {
-        let rc = (fns.stream_wait_event)(shared.stream(), ev(job.ready), 0);
+        let rc = (api.stream_wait_event)(shared.stream(), ev(job.ready), 0);
         if rc != 0 {
             let mut st = shared.lock();
             shared.give_back(&mut st, start, true);
             shared.give_back(&mut st, end, true);
-            return Err(fns.describe("cudaStreamWaitEvent", rc));
+            drop(st);
+            return Err(shared.fail("cudaStreamWaitEvent", rc));
         }
         let mut error = None;
-        let rc = (fns.event_record)(ev(start), shared.stream());
+        let rc = (api.event_record)(ev(start), shared.stream());
         if rc != 0 {
-            error = Some(fns.describe("cudaEventRecord", rc));
+            error = Some(shared.fail("cudaEventRecord", rc));
         }
         if error.is_none() {
-            error = enqueue_copies(shared, &job.plan, job.src_access_order);
+            error = enqueue_copies(shared, job.id, &job.plan, job.src_access_order);
         }
-        let rc = (fns.event_record)(ev(end), shared.stream());
+        let rc = (api.event_record)(ev(end), shared.stream());
         if rc != 0 {
             // No end marker: make sure nothing of the job still runs before reporting it.
-            let cause = fns.describe("cudaEventRecord", rc);
-            (fns.stream_synchronize)(shared.stream());
-            (fns.get_last_error)();
+            let cause = shared.fail("cudaEventRecord", rc);
+            (api.stream_synchronize)(shared.stream());
+            api.clear_error();
             let mut st = shared.lock();
             shared.give_back(&mut st, start, true);
             shared.give_back(&mut st, end, true);
@@ -335,11 +307,8 @@ type Done = (u64, bool, Option<f64>, Option<String>);
 #[pyclass(module = "kvcache._core", name = "CudaQueue", frozen)]
 pub struct CudaQueue {
     shared: Arc<Shared>,
-    device: i32,
     tx: Mutex<Option<Sender<QueuedJob>>>,
     worker: Mutex<Option<JoinHandle<()>>>,
-    /// Keeps the runtime library (or the test's callbacks) alive while the thread may call it.
-    _keepalive: Py<PyAny>,
 }
 
 #[pymethods]
@@ -349,80 +318,90 @@ impl CudaQueue {
         Err(crate::errors::not_picklable(slf.as_any()))
     }
 
-    /// A queue submitting to `stream` (a `cudaStream_t`) on `device`. `fns` maps CUDA runtime
-    /// function names (cudaEventCreateWithFlags, cudaEventDestroy, cudaEventRecord,
-    /// cudaEventQuery, cudaEventSynchronize, cudaEventElapsedTime, cudaStreamWaitEvent,
-    /// cudaStreamSynchronize, cudaMemcpyAsync, cudaSetDevice, cudaGetLastError,
-    /// cudaGetErrorString) to their addresses; `batch_fn` is cuMemcpyBatchAsync (or its `_v2`
-    /// with `batch_v2`), 0 for one cudaMemcpyAsync per run. `keepalive` is held for the
-    /// queue's lifetime.
+    /// A queue submitting to `stream` (a `cudaStream_t` of `device`, which the caller keeps
+    /// alive for the queue's life) through `api`; its thread binds `device` first. The
+    /// driver's batched copy is used when `api` has it.
     #[new]
-    #[pyo3(signature = (stream, device, fns, keepalive, *, batch_fn=0, batch_v2=false))]
-    fn new(
-        stream: usize,
-        device: i32,
-        fns: &Bound<'_, PyDict>,
-        keepalive: Py<PyAny>,
-        batch_fn: usize,
-        batch_v2: bool,
-    ) -> PyResult<Self> {
-        let fns = Fns::from_dict(fns)?;
+    fn new(api: &Bound<'_, PyCudaApi>, stream: usize, device: i32) -> PyResult<Self> {
+        let api = Arc::clone(&api.get().api);
+        let batching = api.batch.is_some();
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 order: VecDeque::new(),
                 jobs: HashMap::new(),
                 timing_events: Vec::new(),
                 ready_events: Vec::new(),
+                batch_failures: Vec::new(),
+                lost: None,
             }),
             cv: Condvar::new(),
-            fns,
+            api,
+            device,
             stream,
-            batch: Mutex::new((batch_fn != 0).then_some(Batch {
-                addr: batch_fn,
-                v2: batch_v2,
-            })),
-            batch_failed: AtomicBool::new(false),
+            batching: AtomicBool::new(batching),
+            jobs_batched: AtomicU64::new(0),
+            jobs_per_run: AtomicU64::new(0),
         });
         let (tx, rx) = channel();
         let thread_shared = Arc::clone(&shared);
         let worker = std::thread::Builder::new()
             .name("kvcache-dma".into())
-            .spawn(move || run_queue(rx, thread_shared, device))
+            .spawn(move || run_queue(rx, thread_shared))
             .map_err(|e| typed(|e| &e.transfer, format!("cannot start DMA thread: {e}")))?;
         Ok(CudaQueue {
             shared,
-            device,
             tx: Mutex::new(Some(tx)),
             worker: Mutex::new(Some(worker)),
-            _keepalive: keepalive,
         })
     }
 
-    /// Whether batched submission is in use (False after a batch call failed: every later
-    /// job goes run by run).
+    /// Whether jobs go through the driver's batched call (False without one, and after a
+    /// batched call failed once pinning was over: every later job goes run by run).
     #[getter]
     fn batched(&self) -> bool {
-        self.shared
-            .batch
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.shared.batching.load(Ordering::Acquire)
     }
 
-    /// True once, after a batched call failed and the queue switched to per-run copies.
-    fn take_batch_failure(&self) -> bool {
-        self.shared.batch_failed.swap(false, Ordering::AcqRel)
+    /// Stops using the batched call (every later job goes run by run).
+    fn stop_batching(&self) {
+        self.shared.batching.store(false, Ordering::Release);
+    }
+
+    /// Jobs whose copies reached the stream by one batched call, and one call per run.
+    fn jobs_by_method(&self) -> (u64, u64) {
+        (
+            self.shared.jobs_batched.load(Ordering::Relaxed),
+            self.shared.jobs_per_run.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Failed batched calls since the last call, each once, as `(job_id, code, driver's name
+    /// for it, index of the failing copy or None, copies in the job, stopped batching)`.
+    fn take_batch_failures(&self) -> Vec<BatchReport> {
+        std::mem::take(&mut self.shared.lock().batch_failures)
+    }
+
+    /// Why the CUDA context is unusable (a sticky error seen by this queue), or None.
+    fn context_lost(&self) -> Option<String> {
+        self.shared.lost()
     }
 
     #[getter]
     fn device(&self) -> i32 {
-        self.device
+        self.shared.device
+    }
+
+    /// The stream this queue submits to.
+    #[getter]
+    fn stream(&self) -> usize {
+        self.shared.stream
     }
 
     /// Queues `plan` as job `job_id` (unique among unreported jobs): records an event on
-    /// `current_stream` now, so the copies see all work queued there before this call; the
-    /// thread then builds and enqueues them. `src_access_order`: 1 (stream order) when the
-    /// source may still be written by the device, 3 (any) for host sources.
+    /// `current_stream` (a stream of the queue's device) now, so the copies see all work
+    /// queued there before this call; the thread then builds and enqueues them.
+    /// `src_access_order`: 1 (stream order) when the source may still be written by the
+    /// device, 3 (any) for host sources. The caller's current device is left as it was.
     fn submit(
         &self,
         job_id: u64,
@@ -430,10 +409,19 @@ impl CudaQueue {
         current_stream: usize,
         src_access_order: i32,
     ) -> PyResult<()> {
+        if !(1..=3).contains(&src_access_order) {
+            return Err(typed(
+                |e| &e.invalid_argument,
+                format!("src_access_order must be 1, 2 or 3, got {src_access_order}"),
+            ));
+        }
         // Host-layer plans are accepted too (cudaMemcpyDefault copies host to host): the tests
         // drive a queue with them.
         let data = plan.get().data();
         data.check_not_executed()?;
+        if let Some(lost) = self.shared.lost() {
+            return Err(typed(|e| &e.transfer, lost));
+        }
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let tx = tx
             .as_ref()
@@ -445,10 +433,13 @@ impl CudaQueue {
             ));
         }
         let shared = &self.shared;
-        let recorded = shared.event(false).and_then(|ready| {
+        // The ready event is created on, and recorded to a stream of, the queue's device,
+        // whatever device the caller's thread has current.
+        let recorded = shared.bind().and_then(|_bound| {
+            let ready = shared.event(false)?;
             // SAFETY: a valid event, and the caller's current stream handle.
             let rc = unsafe {
-                (shared.fns.event_record)(
+                (shared.api.event_record)(
                     ev(ready),
                     std::ptr::with_exposed_provenance_mut(current_stream),
                 )
@@ -458,7 +449,8 @@ impl CudaQueue {
             } else {
                 let mut st = shared.lock();
                 shared.give_back(&mut st, ready, false);
-                Err(shared.fns.describe("cudaEventRecord", rc))
+                drop(st);
+                Err(shared.fail("cudaEventRecord", rc))
             }
         });
         let mut st = shared.lock();
@@ -494,6 +486,12 @@ impl CudaQueue {
         let shared = &self.shared;
         let mut done = Vec::new();
         let mut finished_plans = Vec::new();
+        if shared.lock().order.is_empty() {
+            return done;
+        }
+        // Queries from the caller's thread run with the queue's device current: a thread of
+        // another device (or of none yet) would otherwise make CUDA set up a context there.
+        let _bound = shared.bind();
         loop {
             let mut st = shared.lock();
             let Some(&id) = st.order.front() else { break };
@@ -511,9 +509,9 @@ impl CudaQueue {
                 } => {
                     let error = error.clone();
                     drop(st);
-                    // SAFETY: a valid event recorded on the queue's stream.
-                    let rc = unsafe { (shared.fns.event_query)(ev(end)) };
-                    st = shared.lock();
+                    // SAFETY: a valid event recorded on the queue's stream (querying an event
+                    // needs no particular current device).
+                    let rc = unsafe { (shared.api.event_query)(ev(end)) };
                     if rc == NOT_READY {
                         break;
                     }
@@ -521,20 +519,16 @@ impl CudaQueue {
                     let error = if rc == 0 {
                         let mut ms: c_float = 0.0;
                         // SAFETY: both events were recorded on the stream and have completed.
-                        if unsafe { (shared.fns.event_elapsed)(&mut ms, ev(start), ev(end)) } == 0 {
+                        if unsafe { (shared.api.event_elapsed)(&mut ms, ev(start), ev(end)) } == 0 {
                             seconds = Some(f64::from(ms) * 1e-3);
                         } else {
-                            // SAFETY: clears the error left by the failed call.
-                            unsafe { (shared.fns.get_last_error)() };
+                            shared.api.clear_error();
                         }
                         error
                     } else {
-                        Some(
-                            shared
-                                .fns
-                                .describe("the device reported an error; the job", rc),
-                        )
+                        Some(shared.fail("the device reported an error; the job", rc))
                     };
+                    st = shared.lock();
                     Some((Some((start, end)), error, seconds))
                 }
             };
@@ -584,13 +578,14 @@ impl CudaQueue {
                     })
                     .collect()
             };
+            let _bound = (!ends.is_empty()).then(|| shared.bind());
             for end in ends {
                 // SAFETY: a recorded event of a job not yet reported (events return to the
                 // pool only when poll() reports their job, on the caller's thread).
-                if unsafe { (shared.fns.event_synchronize)(ev(end)) } != 0 {
+                let rc = unsafe { (shared.api.event_synchronize)(ev(end)) };
+                if rc != 0 {
                     // The error surfaces again from poll()'s query; clear this thread's copy.
-                    // SAFETY: cudaGetLastError takes no arguments.
-                    unsafe { (shared.fns.get_last_error)() };
+                    shared.fail("cudaEventSynchronize", rc);
                 }
             }
         });
@@ -636,21 +631,22 @@ impl Drop for CudaQueue {
         {
             let _ = h.join();
         }
-        let fns = self.shared.fns;
+        let api = Arc::clone(&self.shared.api);
+        let _bound = api.on_device(self.shared.device);
         let mut st = self.shared.lock();
         // Every job still listed has an end event or none; wait for those on the stream
         // before their memory goes.
         for (state, _) in st.jobs.values() {
             if let JobState::Enqueued { end, .. } = state {
                 // SAFETY: a recorded event of this queue.
-                unsafe { (fns.event_synchronize)(ev(*end)) };
+                unsafe { (api.event_synchronize)(ev(*end)) };
             }
         }
         let mut events = std::mem::take(&mut st.timing_events);
         events.append(&mut st.ready_events);
         for e in events {
             // SAFETY: events this queue created and no longer uses.
-            unsafe { (fns.event_destroy)(ev(e)) };
+            unsafe { (api.event_destroy)(ev(e)) };
         }
     }
 }
