@@ -1,31 +1,34 @@
 #!/usr/bin/env bash
-# GPU checks of kvcache on a CUDA machine that has torch + Triton + numpy but no Rust.
-#
-# Build the abi3 wheel where Rust is available:   maturin build --release -o dist
-# then, on the GPU machine, from the repository root:
-#   bash bench/gpu_transfer_check.sh [dist/kvcache_offload-*.whl] [worker|transfer|all] [extra options]
+# The GPU check of kvcache on a CUDA machine that has torch + Triton + numpy but neither vLLM
+# nor Rust. Carry the repository checkout and the abi3 wheel (built where Rust is available:
+# `make wheel`), then, from the repository root:
+#   bash bench/gpu_transfer_check.sh [dist/kvcache_offload-*.whl] [check|worker|transfer|all] [options]
 # The wheel is installed into a private directory (nothing else is touched) and run from there:
-#   worker   (default, < 5 min on an H200) bench/gpu_worker_check.py: kvcache's vLLM worker vs
-#            vLLM 0.33.0's (when vLLM is installed) on identical layouts, with byte checks;
-#            JSON to $OUT/gpu_worker_check.json when OUT is set, else ./.
+#   check    (default, < 5 min on an H200) bench/gpu_check.py: every copy path, every byte,
+#            kvcache's worker under both vLLM contracts, bandwidth next to the large copy;
+#            JSON to $OUT/gpu_check.json (OUT set) or ./gpu_check.json.
+#   worker   bench/gpu_worker_check.py: the A/B against vLLM's own worker (needs vLLM with its
+#            compiled ops); JSON to $OUT/gpu_worker_check.json.
 #   transfer python -m kvcache.transfer bench: engine round trips and the bandwidth sweep;
 #            JSON to $OUT/transfer_bench.json.
-#   all      both (about 8 minutes).
+#   all      check, then transfer.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
-wheel="${1:-}"
-if [[ -z "$wheel" || "$wheel" == worker || "$wheel" == transfer || "$wheel" == all ]]; then
-    wheel="$(ls dist/kvcache_offload-*.whl 2>/dev/null | head -n 1 || true)"
-else
+if [[ "${1:-}" == *.whl ]]; then
+    wheel="$1"
     shift
+else
+    wheel="$(ls dist/kvcache_offload-*.whl 2>/dev/null | head -n 1 || true)"
 fi
 if [[ ! -f "$wheel" ]]; then
-    echo "no kvcache_offload wheel found in dist/ (build one: maturin build --release -o dist)" >&2
+    echo "no kvcache_offload wheel found in dist/ (build one: make wheel)" >&2
     exit 2
 fi
-mode="${1:-worker}"
-[[ $# -gt 0 ]] && shift
+mode=check
+case "${1:-}" in
+    check|worker|transfer|all) mode="$1"; shift ;;
+esac
 
 python="${PYTHON:-python3}"
 out="${OUT:-$PWD}"
@@ -35,7 +38,11 @@ trap 'rm -rf "$target"' EXIT
 "$python" -m pip install --quiet --no-deps --no-index --target "$target" "$wheel"
 cd "$target"  # so a checkout's python/ directory cannot shadow the installed wheel
 status=0
-if [[ "$mode" == worker || "$mode" == all ]]; then
+if [[ "$mode" == check || "$mode" == all ]]; then
+    PYTHONPATH="$target" timeout 290 "$python" "$here/gpu_check.py" \
+        --json "$out/gpu_check.json" "$@" || status=$?
+fi
+if [[ "$mode" == worker ]]; then
     PYTHONPATH="$target" timeout 290 "$python" "$here/gpu_worker_check.py" \
         --json "$out/gpu_worker_check.json" "$@" || status=$?
 fi
