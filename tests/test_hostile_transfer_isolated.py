@@ -130,6 +130,29 @@ CASES = [
         "engine.load([0], [0], group_sizes=[1, 0], block_indices=[2**64, 0])",
         "InvalidArgumentError",
     ),
+    # Registration once took function addresses from Python and called them: any int
+    # crashed the process. It takes a runtime loaded by name now, and nothing else.
+    (
+        "register-with-an-address",
+        "pool._register(0xdeadbeef, 3, 1 << 20)",
+        "InvalidTypeError",
+    ),
+    (
+        "register-with-addresses-by-keyword",
+        "pool._register(api=id(pool), flags=3, max_piece_bytes=1 << 20, background=True)",
+        "InvalidTypeError",
+    ),
+    # A library that is not a CUDA runtime is refused when it is loaded, not called.
+    (
+        "runtime-that-is-not-cuda",
+        "kvcache._core.CudaApi('libc.so.6')",
+        "TransferError",
+    ),
+    (
+        "runtime-path-with-nul",
+        "kvcache._core.CudaApi('libcudart\\x00.so')",
+        "InvalidArgumentError",
+    ),
     # A real job decoded and run, for contrast: the group without references gets
     # placeholders, nothing of it is copied.
     (

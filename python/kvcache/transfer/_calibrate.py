@@ -124,7 +124,7 @@ def _calibrate(
     # A chunk holds, per tensor, page_max // page slots of any page size: one pool serves all.
     chunk_bytes = layers * page_max
     chunks = max(1, job_bytes // chunk_bytes)
-    with HostChunkPool(chunks, chunk_bytes, pin=True) as pool:
+    with HostChunkPool(chunks, chunk_bytes, pin=True, device=device.index) as pool:
         if not pool.kernel_ready:
             return None
         # Device blocks: twice a job's, so that a job's random ids are scattered.
@@ -234,7 +234,8 @@ def round_trip(engine: Any) -> str | None:
         torch.cuda.synchronize(device)
     cpu_layers = [t.cpu() for t in layers]
     for pin in modes:
-        with HostChunkPool(len(chunks), engine.pool.chunk_bytes, pin=pin) as pool:
+        index = device.index if device.type == "cuda" else None
+        with HostChunkPool(len(chunks), engine.pool.chunk_bytes, pin=pin, device=index) as pool:
             kernel_ok = device.type != "cuda" or pool.kernel_ready
             if not kernel_ok:
                 logger.debug("self-check: the scratch pool is not kernel-ready; kernel skipped")

@@ -187,12 +187,18 @@ impl PyHostChunkPool {
     fn _register(
         &self,
         py: Python<'_>,
-        api: &Bound<'_, PyCudaApi>,
+        api: &Bound<'_, PyAny>,
         flags: u32,
         max_piece_bytes: usize,
         background: bool,
         device: Option<i32>,
     ) -> PyResult<usize> {
+        let api = api.cast::<PyCudaApi>().map_err(|_| {
+            typed(
+                |e| &e.invalid_type,
+                "api must be a kvcache._core.CudaApi (a runtime loaded by name)",
+            )
+        })?;
         let registrar = Box::new(CudartRegistrar::new(
             Arc::clone(&api.get().api),
             flags,
