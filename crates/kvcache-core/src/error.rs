@@ -32,6 +32,12 @@ pub enum CoreError {
         what: &'static str,
         semantics: &'static str,
     },
+    /// `defer_write_release` of a key whose write is not pending.
+    NotWritePending(KeyBuf),
+    /// `release_deferred_write` of an id that is not a deferred chunk (or is named twice).
+    NotDeferred(i64),
+    /// `reset_cache` while this many chunks' release is deferred.
+    DeferredWrites(usize),
 }
 
 impl fmt::Display for CoreError {
@@ -62,6 +68,16 @@ impl fmt::Display for CoreError {
             CoreError::Unsupported { what, semantics } => write!(
                 f,
                 "{what} is not part of vLLM {semantics}'s offloading manager protocol"
+            ),
+            CoreError::NotWritePending(k) => write!(f, "key {k:?} is not a pending write"),
+            CoreError::NotDeferred(id) => write!(
+                f,
+                "chunk {id} is not a chunk whose release was deferred (or is named twice)"
+            ),
+            CoreError::DeferredWrites(n) => write!(
+                f,
+                "reset_cache refused: {n} chunk(s) of failed writes are still deferred (a tier \
+                 may still write to them); release them first"
             ),
         }
     }

@@ -415,3 +415,44 @@ pub fn default_semantics(py: Python<'_>) -> PyResult<VllmSemantics> {
         .call_method0(pyo3::intern!(py, "default_semantics"))?;
     Ok(semantics_arg(&name)?.unwrap_or_default())
 }
+
+/// At most `max` ints (each within `i64`) from any iterable, drained no further than one item
+/// past `max`: a longer (or endless) iterable is refused with `InvalidArgumentError` before it
+/// can size anything. `what` names the argument in messages.
+pub fn bounded_ints(obj: &Bound<'_, PyAny>, what: &str, max: usize) -> PyResult<Vec<i64>> {
+    let py = obj.py();
+    let iter = obj.try_iter().map_err(|_| {
+        new_err(
+            py,
+            &exceptions(py).invalid_type,
+            format!("{what} must be an iterable of ints, got {}", type_name(obj)),
+        )
+    })?;
+    let mut out = Vec::new();
+    for (i, item) in iter.enumerate() {
+        let item = item?;
+        if i == max {
+            return Err(new_err(
+                py,
+                &exceptions(py).invalid_argument,
+                format!("{what} has more than the {max} entries it may have"),
+            ));
+        }
+        if item.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(new_err(
+                py,
+                &exceptions(py).invalid_type,
+                format!("{what}[{i}] is a bool, not an int"),
+            ));
+        }
+        let v: i64 = item.extract().map_err(|_| {
+            new_err(
+                py,
+                &exceptions(py).invalid_type,
+                format!("{what}[{i}] is not an int within 64 bits"),
+            )
+        })?;
+        out.push(v);
+    }
+    Ok(out)
+}

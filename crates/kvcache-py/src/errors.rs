@@ -33,7 +33,10 @@ impl From<Error> for PyErr {
                 CoreError::StaleRequest
                 | CoreError::RequestFinished
                 | CoreError::ChunkPending(_)
-                | CoreError::NoLoadPending(_) => &ex.invalid_state,
+                | CoreError::NoLoadPending(_)
+                | CoreError::NotWritePending(_)
+                | CoreError::DeferredWrites(_) => &ex.invalid_state,
+                CoreError::NotDeferred(_) => &ex.invalid_argument,
                 CoreError::OutOfMemory { .. } => &ex.out_of_memory,
                 CoreError::Unsupported { .. } => &ex.unsupported,
             };

@@ -24,8 +24,8 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 use crate::chunk::{fill_record_view, release_record_view};
 use crate::context::{require_context, ContextTypeCache, PositionWalk, Positions};
 use crate::conversion::{
-    collect_keys, count, default_semantics, int_in_range, key_bytes, semantics_arg, text,
-    with_core_keys, Flag, PyKey,
+    bounded_ints, collect_keys, count, default_semantics, int_in_range, key_bytes, semantics_arg,
+    text, with_core_keys, Flag, PyKey,
 };
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
@@ -413,6 +413,57 @@ impl PyManager {
         })
     }
 
+    /// vLLM 0.34's CPU primary tier: pins the keys' ready chunks for a secondary tier to read
+    /// (a cascade), like `prepare_load` but without recording an access of any request, and
+    /// returns a spec naming their chunk ids. `complete_load` (`complete_read`) unpins them.
+    #[pyo3(signature = (keys, req_context = None))]
+    fn prepare_read<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Bound<'py, PyAny>,
+        req_context: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = req_context;
+        let mut state = self.inner.lock(py)?;
+        let keys = collect_keys(&keys)?;
+        let ks = state.keys(&keys);
+        let shell = state.types.spec_shell(py)?;
+        let ids = state.ops.prepare_read(&ks).py_err()?;
+        state.types.spec(py, shell, &ids).inspect_err(|_| {
+            // Pinned just now, under the same lock: the unpin cannot fail.
+            let _ = state.ops.complete_load(&ks);
+        })
+    }
+
+    /// vLLM 0.34's CPU primary tier: fails the pending writes of `keys` as
+    /// `complete_store(keys, success=False)` does (the keys leave the cache), but keeps their
+    /// chunks out of the free list until `release_deferred_write`: the tier that was writing
+    /// them may still do so. Returns those chunk ids. Every key must be a distinct pending
+    /// write (`InvalidStateError`, `KeyNotFoundError`, `InvalidArgumentError`); nothing changes
+    /// on an error.
+    fn defer_write_release(&self, py: Python<'_>, keys: Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        self.inner
+            .lock(py)?
+            .with_keys(&keys, |ops, ks| ops.defer_write_release(ks))?
+            .py_err()
+    }
+
+    /// Returns chunks whose release `defer_write_release` deferred to the free list, in the
+    /// order given. Every id must be a deferred chunk named once (`InvalidArgumentError`);
+    /// nothing changes on an error.
+    fn release_deferred_write(&self, py: Python<'_>, chunk_ids: Bound<'_, PyAny>) -> PyResult<()> {
+        let mut state = self.inner.lock(py)?;
+        // At most the deferred chunks: a longer iterable is refused before it is drained.
+        let ids = bounded_ints(&chunk_ids, "chunk_ids", state.ops.num_deferred())?;
+        state.ops.release_deferred_write(&ids).py_err()
+    }
+
+    /// Chunks whose release is deferred (`defer_write_release`).
+    #[getter]
+    fn num_deferred_release_chunks(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner.lock(py)?.ops.num_deferred())
+    }
+
     /// Marks keys recently used (vLLM 0.33 semantics; under 0.34, which has no `touch`, it
     /// raises `UnsupportedOperationError`).
     #[pyo3(signature = (keys, req_context = None))]
@@ -617,10 +668,11 @@ impl PyManager {
         built
     }
 
-    /// Drops every chunk and request state.
+    /// Drops every chunk and request state. Refused (`InvalidStateError`, nothing changed)
+    /// while chunks of failed writes are deferred (`defer_write_release`).
     fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
         let mut state = self.inner.lock(py)?;
-        state.ops.reset();
+        state.ops.try_reset().py_err()?;
         state.owner.graveyard.take();
         state.observed.clear();
         Ok(())

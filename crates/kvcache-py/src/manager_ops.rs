@@ -44,7 +44,13 @@ pub trait ManagerOps: Send {
     fn finish_request(&mut self, token: RequestToken, positions: &[Option<i64>]);
     fn take_events(&mut self) -> Vec<Event>;
     fn requeue_events(&mut self, events: Vec<Event>);
-    fn reset(&mut self);
+    /// `reset`, refused while chunks of failed writes are deferred; and vLLM 0.34's CPU
+    /// primary tier (tiering), see `kvcache_core::manager` `primary`.
+    fn prepare_read(&mut self, keys: &[Key<'_>]) -> CoreResult<Vec<ChunkId>>;
+    fn defer_write_release(&mut self, keys: &[Key<'_>]) -> CoreResult<Vec<ChunkId>>;
+    fn release_deferred_write(&mut self, chunk_ids: &[i64]) -> CoreResult<()>;
+    fn num_deferred(&self) -> usize;
+    fn try_reset(&mut self) -> CoreResult<()>;
     fn take_stats(&mut self) -> Stats;
     fn memory_usage(&self) -> MemoryUsage;
     fn table(&self) -> &ChunkTable;
@@ -137,8 +143,20 @@ where
     fn requeue_events(&mut self, events: Vec<Event>) {
         Manager::requeue_events(self, events);
     }
-    fn reset(&mut self) {
-        Manager::reset(self);
+    fn prepare_read(&mut self, keys: &[Key<'_>]) -> CoreResult<Vec<ChunkId>> {
+        Manager::prepare_read(self, keys)
+    }
+    fn defer_write_release(&mut self, keys: &[Key<'_>]) -> CoreResult<Vec<ChunkId>> {
+        Manager::defer_write_release(self, keys)
+    }
+    fn release_deferred_write(&mut self, chunk_ids: &[i64]) -> CoreResult<()> {
+        Manager::release_deferred_write(self, chunk_ids)
+    }
+    fn num_deferred(&self) -> usize {
+        Manager::num_deferred(self)
+    }
+    fn try_reset(&mut self) -> CoreResult<()> {
+        Manager::try_reset(self)
     }
     fn take_stats(&mut self) -> Stats {
         Manager::take_stats(self)

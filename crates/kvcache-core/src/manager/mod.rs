@@ -19,6 +19,7 @@
 //! their key before use, since entries come and go. Request tables are pooled. Per key visit:
 //! O(1) expected, plus O(log n) for an LRU insertion into the middle of a large request group.
 
+mod primary;
 mod request;
 mod table;
 mod tracker;
@@ -135,6 +136,9 @@ pub struct Manager<P: Policy<ChunkId>> {
     stores_skipped: u64,
     allocation_sizes: Vec<usize>,
     requests: RequestRegistry<P::Request>,
+    /// Chunks of failed writes whose release a tiering caller deferred: out of the policy,
+    /// still write-pending, not yet free (see `primary`).
+    deferred: hashbrown::HashSet<ChunkId, foldhash::fast::FixedState>,
     scratch: Scratch,
 }
 
@@ -161,6 +165,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
             stores_skipped: 0,
             allocation_sizes: Vec::new(),
             requests: RequestRegistry::new(),
+            deferred: hashbrown::HashSet::default(),
             scratch: Scratch::default(),
             config,
         })
@@ -196,7 +201,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
         self.requests.len()
     }
 
-    /// Resident chunks (pending, ready or pinned).
+    /// Chunks in use: pending, ready or pinned, or held for a deferred release.
     pub fn len(&self) -> usize {
         self.table.num_resident()
     }
@@ -347,15 +352,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
         }
         self.check_not_finished(token, keys.iter().copied())?;
         for (r, &chunk) in recorded.iter().zip(&chunks) {
-            let record = self.table.record(chunk);
-            let cnt = record.ref_cnt();
-            if cnt == 0 {
-                let handle = r.resident.expect("loads are resident");
-                debug_assert_ne!(self.policy.evictable(handle), Some(false));
-                self.policy.set_evictable(handle, false);
-                self.num_evictable -= 1;
-            }
-            record.set_ref_cnt(cnt + 1);
+            self.pin(r.resident.expect("loads are resident"), chunk);
         }
         let entries = self.record_access(token, &recorded, observed);
         let req = self.requests.get_mut(token).expect("checked above");
@@ -365,6 +362,18 @@ impl<P: Policy<ChunkId>> Manager<P> {
             }
         }
         Ok(chunks)
+    }
+
+    /// One more reader of a ready chunk: a chunk nobody read becomes non-evictable.
+    fn pin(&mut self, handle: EntryId, chunk: ChunkId) {
+        let record = self.table.record(chunk);
+        let cnt = record.ref_cnt();
+        if cnt == 0 {
+            debug_assert_ne!(self.policy.evictable(handle), Some(false));
+            self.policy.set_evictable(handle, false);
+            self.num_evictable -= 1;
+        }
+        record.set_ref_cnt(cnt + 1);
     }
 
     /// vLLM 0.33's `touch`: marks keys recently used. vLLM 0.34 has no `touch`.
@@ -753,6 +762,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
     /// Drops every chunk and request state (vLLM's `reset_cache`); events, the access tracker
     /// and pending stats survive, as in vLLM.
     pub fn reset(&mut self) {
+        debug_assert!(self.deferred.is_empty(), "see try_reset");
         self.policy.clear();
         self.requests.reset();
         self.num_evictable = 0;
@@ -795,11 +805,19 @@ impl<P: Policy<ChunkId>> Manager<P> {
         self.policy.validate()?;
         let n = self.table.num_chunks();
         let resident = self.table.num_resident();
-        if resident != self.policy.len() {
+        if resident != self.policy.len() + self.deferred.len() {
             return Err(format!(
-                "{resident} chunks allocated, policy holds {}",
-                self.policy.len()
+                "{resident} chunks allocated, policy holds {} and {} are deferred",
+                self.policy.len(),
+                self.deferred.len()
             ));
+        }
+        if let Some(c) = self
+            .deferred
+            .iter()
+            .find(|&&c| self.table.record(c).ref_cnt() != PENDING)
+        {
+            return Err(format!("deferred chunk {c} is not write-pending"));
         }
         let (mut evictable, mut pending, mut used) = (0, 0, 0);
         for (id, r) in self.table.records().iter().enumerate() {
