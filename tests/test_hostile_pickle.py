@@ -309,6 +309,8 @@ EXEMPT = {
     "BaseCachePolicy": "not instantiable; every policy class derives from it",
     "CPUOffloadingSpec": "vLLM's spec class, copied as vLLM copies it; what it builds refuses",
     "KvCacheOffloadingSpec": "an alias of CPUOffloadingSpec",
+    "KvCacheTieringOffloadingSpec": "vLLM's tiering spec class, copied as vLLM copies it; "
+    "its manager's primary tier refuses (tests/test_tiering_conformance.py)",
 }
 
 

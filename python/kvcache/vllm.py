@@ -100,6 +100,7 @@ __all__ = [
     "CPUOffloadingSpec",
     "CPUOffloadingWorker",
     "KvCacheOffloadingSpec",
+    "KvCacheTieringOffloadingSpec",
     "LRUCachePolicy",
     "TurnCachePolicy",
     "UnsupportedVersionError",
@@ -496,3 +497,21 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
 #: The name to give vLLM's ``OffloadingSpecFactory`` (``spec_name``): ``CPUOffloadingSpec``
 #: itself is registered to vLLM's spec, which the factory would pick instead.
 KvCacheOffloadingSpec = CPUOffloadingSpec
+
+
+if VLLM_SEMANTICS == "0.34":
+    from kvcache._vllm_tiering import KvCacheTieringOffloadingSpec, primary_tier_class
+
+    #: vLLM 0.34's CPU primary tier of tiered offloading, on kvcache's Rust manager.
+    CPUPrimaryTierOffloadingManager = primary_tier_class()
+else:
+
+    class KvCacheTieringOffloadingSpec:  # type: ignore[no-redef]
+        """vLLM 0.34's tiered offloading with kvcache's primary tier; refused under 0.33."""
+
+        def __init__(self, config: Any) -> None:
+            raise UnsupportedVersionError(
+                "KvCacheTieringOffloadingSpec needs vLLM 0.34.0's tiered offloading "
+                "(vllm/v1/kv_offload/tiering/), which vLLM 0.33.0 does not have; use "
+                "KvCacheOffloadingSpec, or upgrade vLLM to 0.34.0"
+            )

@@ -1,0 +1,233 @@
+"""vLLM 0.34's tiered offloading with kvcache's Rust manager as the CPU primary tier.
+
+vLLM's ``TieringOffloadingSpec`` (``vllm/v1/kv_offload/tiering/``) puts secondary tiers
+(``fs``, ``obj``, ``p2p``, out-of-tree ones) behind a CPU primary tier: its
+``TieringOffloadingManager`` stores every chunk in the primary tier and cascades it to each
+secondary tier, and promotes chunks found only in a secondary tier into the primary tier
+before the GPU loads them. :class:`KvCacheTieringOffloadingSpec` keeps all of that vLLM's own
+(the tiering manager, every tier, their I/O, NIXL, the shared host region the tiers read and
+write) and replaces the primary tier's bookkeeping with kvcache's Rust manager
+(:class:`CPUPrimaryTierOffloadingManager`): the same decisions, events, stats and chunk ids as
+vLLM's ``CPUPrimaryTierOffloadingManager``, for kvcache's policies.
+
+The primary tier's contract, beyond the GPU-facing manager protocol, as the tiering manager
+uses it:
+
+- ``prepare_read(keys, req_context)``: pin ready chunks for a cascade to a secondary tier,
+  without recording an access of the request (tiering's own transfer, not a cache reuse);
+  ``complete_read`` is ``complete_load``.
+- ``prepare_write``/``complete_write``: ``prepare_store``/``complete_store`` of a promotion.
+- ``defer_write_release(keys) -> chunk ids``: a failed promotion's keys leave the cache while
+  the tier that was writing may still touch their chunks; ``release_deferred_write(ids)``
+  frees them later; ``num_deferred_release_chunks``; ``reset_cache`` is refused meanwhile.
+- ``get_kv_memoryview()``: the shared host region (rows of chunks) the secondary tiers copy
+  to and from; ``_num_chunks``; ``shutdown()`` releases the view and the region.
+
+Under vLLM 0.33 (no tiering) ``kvcache.vllm.KvCacheTieringOffloadingSpec`` refuses to build.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager as _VllmPrimaryTier,
+)
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvcache._core import InvalidArgumentError, InvalidTypeError
+from kvcache._vllm_logging import route_to_vllm
+from kvcache._vllm_version import VLLM_SEMANTICS
+
+logger = logging.getLogger("kvcache.vllm")
+
+
+def primary_tier_class() -> type:
+    """kvcache's primary tier, defined on first use (it subclasses ``kvcache.vllm``'s manager,
+    which imports this module)."""
+    global _PRIMARY
+    if _PRIMARY is None:
+        _PRIMARY = _define_primary_tier()
+    return _PRIMARY
+
+
+_PRIMARY: type | None = None
+
+
+def _define_primary_tier() -> type:
+    from kvcache.vllm import CPUOffloadingManager
+
+    class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
+        """vLLM 0.34's CPU primary tier on kvcache's Rust manager (see the module docs): the
+        constructor and methods of vLLM's ``CPUPrimaryTierOffloadingManager``."""
+
+        def __new__(
+            cls,
+            num_chunks: int,
+            mmap_region: Any,
+            cache_policy: str = "lru",
+            cache_policy_module_path: str | None = None,
+            enable_events: bool = False,
+            info: Any = None,
+        ) -> CPUPrimaryTierOffloadingManager:
+            return super().__new__(
+                cls, num_chunks, cache_policy, cache_policy_module_path, enable_events, info=info
+            )
+
+        def __init__(
+            self,
+            num_chunks: int,
+            mmap_region: Any,
+            cache_policy: str = "lru",
+            cache_policy_module_path: str | None = None,
+            enable_events: bool = False,
+            info: Any = None,
+        ) -> None:
+            super().__init__(
+                num_chunks, cache_policy, cache_policy_module_path, enable_events, info=info
+            )
+            self._mmap_region = mmap_region
+            self._kv_memoryview = mmap_region.create_kv_memoryview()
+
+        # The secondary tier's view of the same operations (vLLM's aliases).
+        complete_read = CPUOffloadingManager.complete_load
+        prepare_write = CPUOffloadingManager.prepare_store
+        complete_write = CPUOffloadingManager.complete_store
+
+        @property
+        def _num_chunks(self) -> int:
+            return int(self.num_chunks)
+
+        def get_kv_memoryview(self) -> memoryview:
+            """The shared host region as ``(num_chunks, row bytes)``: chunk ``c`` is
+            ``view[c]``."""
+            return self._kv_memoryview
+
+        def shutdown(self) -> None:
+            super().shutdown()
+            self._kv_memoryview.release()
+            self._mmap_region.cleanup()
+
+    return CPUPrimaryTierOffloadingManager
+
+
+class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
+    """vLLM 0.34's ``TieringOffloadingSpec`` (same keys: ``secondary_tiers``,
+    ``tier_poll_interval_s``, ``backpressure``, ``cpu_bytes_to_use``, ``eviction_policy``)
+    with kvcache's Rust manager as the CPU primary tier; every secondary tier, the tiering
+    manager and the GPU worker are vLLM's. ``"kvcache_worker": true`` is refused here:
+    kvcache's worker keeps its own host pool, which the secondary tiers cannot see."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        from kvcache.vllm import rust_policy
+
+        route_to_vllm()
+        super().__init__(config)
+        extra = self.extra_config
+        worker = extra.get("kvcache_worker")
+        if worker is not None and not isinstance(worker, bool):
+            raise InvalidTypeError(
+                "kvcache_worker in kv_connector_extra_config must be true or false"
+            )
+        if worker:
+            raise InvalidArgumentError(
+                '"kvcache_worker": true is not available with KvCacheTieringOffloadingSpec: '
+                "the secondary tiers read and write vLLM's shared host region, which vLLM's "
+                "worker fills; kvcache's worker keeps a pool of its own"
+            )
+        if not isinstance(self.eviction_policy, str):
+            raise InvalidTypeError(
+                "eviction_policy in kv_connector_extra_config must be a string, got "
+                f"{self.eviction_policy!r}"
+            )
+        self.policy_kind = rust_policy(self.eviction_policy, self.cache_policy_module_path)
+
+    def _primary_tier(self, region: SharedOffloadRegion) -> Any:
+        kwargs = dict(
+            num_chunks=self.num_chunks,
+            enable_events=self.kv_events_config.enable_kv_cache_events,
+            mmap_region=region,
+            info=self.cpu_info,
+        )
+        if self.policy_kind is None:
+            logger.warning(
+                "kvcache's primary tier runs kvcache's policies only; policy %r from %r runs "
+                "in vLLM's primary tier",
+                self.eviction_policy,
+                self.cache_policy_module_path,
+            )
+            return _VllmPrimaryTier(
+                cache_policy=self.eviction_policy,
+                cache_policy_module_path=self.cache_policy_module_path,
+                **kwargs,
+            )
+        return primary_tier_class()(
+            cache_policy=self.policy_kind, cache_policy_module_path=None, **kwargs
+        )
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is not None:
+            return self._manager
+        if int(self.extra_config.get("store_threshold", 0)) >= 2:
+            raise InvalidArgumentError(
+                "store_threshold is not supported with tiering (as with vLLM's own spec)"
+            )
+        region: SharedOffloadRegion | None = None
+        primary: Any = None
+        tiers: list[Any] = []
+        try:
+            # The scheduler's mapping of the shared host region (rank None): the secondary
+            # tiers copy chunks through it while the workers' mappings fill it from the GPU.
+            region = SharedOffloadRegion(
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
+                rank=None,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+            )
+            self._scheduler_mmap = region
+            primary = self._primary_tier(region)
+            view = primary.get_kv_memoryview()
+            for tier_config in self.secondary_tier_configs:
+                tiers.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
+            self._manager = TieringOffloadingManager(
+                primary_tier=primary,
+                secondary_tiers=tiers,
+                tier_poll_interval_s=self.tier_poll_interval_s,
+            )
+        except BaseException:
+            _close_all(tiers, primary, region)
+            self._scheduler_mmap = None
+            raise
+        logger.info(
+            "kvcache manager ready: vllm=%s tiering=vLLM's primary=%s policy=%s "
+            "secondary_tiers=[%s] worker=vLLM's (tiering) chunks=%d",
+            VLLM_SEMANTICS,
+            "kvcache (Rust)" if self.policy_kind is not None else "vLLM's",
+            self.policy_kind or self.eviction_policy,
+            ", ".join(t.tier_type for t in tiers),
+            self.num_chunks,
+        )
+        return self._manager
+
+
+def _close_all(tiers: list[Any], primary: Any, region: Any) -> None:
+    """Undoes a manager built part-way (tiers first, then the primary tier or its region)."""
+    for tier in reversed(tiers):
+        try:
+            tier.shutdown()
+        except Exception:
+            logger.exception("shutting down a secondary tier after a failed start failed")
+    try:
+        if primary is not None:
+            primary.shutdown()
+        elif region is not None:
+            region.cleanup()
+    except Exception:
+        logger.exception("releasing the primary tier after a failed start failed")

@@ -1,0 +1,166 @@
+"""kvcache's CPU primary tier under vLLM 0.34's tiered offloading, against vLLM's own.
+
+vLLM's ``TieringOffloadingManager`` runs twice through vLLM's spec factory: over vLLM's
+``CPUPrimaryTierOffloadingManager`` (``TieringOffloadingSpec``) and over kvcache's
+(``KvCacheTieringOffloadingSpec``), with the same secondary tiers: vLLM's in-memory
+``example`` tier, vLLM's ``fs`` tier on a temporary directory, and an out-of-tree test tier
+that fails cascades and promotions (partial promotions whose chunks' release is deferred).
+The decision logs (see tests/tiering_driver.py) must be identical step by step; a negative
+control shows that the comparison catches a primary tier that does not defer a chunk
+release (a primary tier that frees a failed promotion's chunks at once). Under vLLM 0.33,
+which has no tiering, the spec refuses with one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import oracle_semantics, require_oracle
+
+pytestmark = pytest.mark.oracle
+
+EXAMPLE = {"type": "example"}
+FS = {"type": "fs", "root_dir": "{root}/fs", "n_read_threads": 2, "n_write_threads": 2}
+FAULTY = {"type": "FaultyTier", "module_path": "tests.tiering_tiers"}
+
+
+def needs_tiering() -> None:
+    require_oracle()
+    if oracle_semantics() != "0.34":
+        pytest.skip("tiering is vLLM 0.34's")
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize(
+    ("name", "tiers"),
+    [
+        ("example", [EXAMPLE]),
+        ("fs", [FS]),
+        ("faulty", [FAULTY]),
+        ("fs+faulty", [FS, FAULTY]),
+    ],
+)
+def test_tiering_over_our_primary_tier_decides_as_over_vllms(
+    name: str, tiers: list, policy: str
+) -> None:
+    needs_tiering()
+    from tests.tiering_driver import Options, assert_same, run_both
+
+    ref, ours = run_both(tiers, Options(), seed=hash(name) % 1000, eviction_policy=policy)
+    assert_same(ref, ours)
+    # The run reached what the contract is about.
+    kinds = {entry[0] for entry in ref}
+    assert {"lookup", "load", "store", "events", "tiers", "stats"} <= kinds
+    lookups = {r for e in ref if e[0] == "lookup" for r in e[2]}
+    assert "HIT" in lookups
+    if name != "fs":
+        # Promotions from a secondary tier: a miss in the primary tier, then pending.
+        assert "HIT_PENDING" in lookups
+    if "faulty" in name:
+        assert any(e[0] == "primary" and e[1] > 0 for e in ref), "no release was deferred"
+
+
+def test_reset_with_transfers_in_flight_decides_as_vllms() -> None:
+    needs_tiering()
+    from tests.tiering_driver import Options, assert_same, run_both
+
+    ref, ours = run_both([EXAMPLE, FAULTY], Options(reset_every=17), seed=7)
+    assert_same(ref, ours)
+    assert any(e[0] == "reset" for e in ref)
+
+
+def test_the_comparison_catches_a_release_that_is_not_deferred(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Negative control: a primary tier that frees a failed promotion's chunks at once
+    (instead of deferring them until the tier lets go) hands those chunk ids out again
+    earlier; the logs must then differ."""
+    needs_tiering()
+    import kvcache.vllm
+    from tests.tiering_driver import Options, run_both
+
+    primary = kvcache.vllm.CPUPrimaryTierOffloadingManager
+
+    def release_at_once(self, keys):  # type: ignore[no-untyped-def]
+        self.complete_store(list(keys), None, success=False)
+        return []
+
+    monkeypatch.setattr(primary, "defer_write_release", release_at_once)
+    ref, ours = run_both([FAULTY], Options(), seed=hash("faulty") % 1000, eviction_policy="lru")
+    assert ref != ours
+
+
+def test_our_spec_builds_our_primary_tier_with_vllms_tiers_and_worker_choice() -> None:
+    needs_tiering()
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+    import kvcache
+    import kvcache.vllm
+    from tests.tiering_driver import build, tiering_config
+
+    _spec, manager = build("kvcache", [EXAMPLE], eviction_policy="turn")
+    try:
+        assert isinstance(manager, TieringOffloadingManager)
+        assert isinstance(manager.primary_tier, kvcache.vllm.CPUPrimaryTierOffloadingManager)
+        assert manager.primary_tier.cache_policy == "turn"
+        assert [t.tier_type for t in manager.secondary_tiers] == ["example"]
+        view = manager.primary_tier.get_kv_memoryview()
+        assert view.shape[0] == manager.primary_tier._num_chunks
+    finally:
+        manager.shutdown()
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    with pytest.raises(kvcache.InvalidArgumentError, match="kvcache_worker"):
+        OffloadingSpecFactory.create_spec(tiering_config("kvcache", [EXAMPLE], kvcache_worker=True))
+    bad = OffloadingSpecFactory.create_spec(tiering_config("kvcache", [EXAMPLE], store_threshold=2))
+    with pytest.raises(kvcache.InvalidArgumentError, match="store_threshold"):
+        bad.get_manager()
+
+
+def test_the_primary_tier_contract_refuses_what_vllm_asserts() -> None:
+    """What vLLM's primary tier asserts (and may half-apply), ours refuses with a typed error
+    and changes nothing."""
+    needs_tiering()
+    from vllm.v1.kv_offload.base import ReqContext
+
+    import kvcache
+    from tests.conftest import make_key
+    from tests.tiering_driver import build
+
+    _spec, manager = build("kvcache", [])
+    p = manager.primary_tier
+    try:
+        ctx = ReqContext(req_id="r")
+        keys = [make_key(b, 0) for b in range(3)]
+        out = p.prepare_store(keys, ctx)
+        assert [int(c) for c in out.store_spec.block_ids] == [0, 1, 2]
+        p.complete_store(keys[2:], ctx, success=True)
+        before = p._debug_state()
+        with pytest.raises(kvcache.InvalidStateError):
+            p.defer_write_release(keys)  # keys[2] is ready, not a pending write
+        with pytest.raises(kvcache.InvalidArgumentError):
+            p.release_deferred_write([0])  # not deferred
+        assert p._debug_state() == before
+        assert p.defer_write_release(keys[:2]) == [0, 1]
+        assert p.num_deferred_release_chunks == 2
+        with pytest.raises(kvcache.InvalidStateError, match="deferred"):
+            p.reset_cache()
+        with pytest.raises(kvcache.InvalidArgumentError):
+            p.release_deferred_write(iter(range(10**9)))  # more ids than deferred chunks
+        p.release_deferred_write([1, 0])
+        assert p.num_deferred_release_chunks == 0
+        p.reset_cache()
+        p.validate()
+    finally:
+        manager.shutdown()
+
+
+def test_under_vllm_033_the_tiering_spec_refuses_in_one_line() -> None:
+    require_oracle()
+    if oracle_semantics() != "0.33":
+        pytest.skip("the refusal is 0.33's")
+    import kvcache
+    import kvcache.vllm
+
+    with pytest.raises(kvcache.vllm.UnsupportedVersionError, match=r"needs vLLM 0\.34\.0"):
+        kvcache.vllm.KvCacheTieringOffloadingSpec(None)
