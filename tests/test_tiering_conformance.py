@@ -164,3 +164,24 @@ def test_under_vllm_033_the_tiering_spec_refuses_in_one_line() -> None:
 
     with pytest.raises(kvcache.vllm.UnsupportedVersionError, match=r"needs vLLM 0\.34\.0"):
         kvcache.vllm.KvCacheTieringOffloadingSpec(None)
+
+
+def test_the_tiering_cost_bench_runs(tmp_path: object) -> None:
+    """bench/tiering_cost.py (README figures) on a tiny workload, so that it cannot rot."""
+    needs_tiering()
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "tiering_cost.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--tier", "example", "--conversations", "4", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("vllm ") for line in lines)
+    assert any(line.startswith("kvcache ") for line in lines)
+    assert "bookkeeping per resident chunk" in done.stdout
