@@ -212,7 +212,7 @@ where
             return Ok(());
         }
         let ctx = require_context(Some(ctx))?;
-        let keys = collect_keys(keys)?;
+        let keys = collect_keys(keys, "keys")?;
         let positions = if P::READS_POSITIONS {
             Some(Positions::new(Some(ctx), &mut self.contexts)?)
         } else {
@@ -293,7 +293,7 @@ where
         n: usize,
         protected: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyList>>> {
-        let protected = collect_keys(protected)?;
+        let protected = collect_keys(protected, "protected")?;
         self.bury_dead();
         let guard = self
             .policy
