@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcache._core import InvalidArgumentError, InvalidTypeError, OutOfRangeError
+from kvcache._core import MAX_ITEMS, InvalidArgumentError, InvalidTypeError, OutOfRangeError
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -25,7 +25,8 @@ def as_ids(name: str, ids: object) -> np.ndarray:
     Vectorised (no per-id Python work). Floats and bools are refused rather than truncated, and
     so is anything that is not a sequence, None included (``InvalidTypeError``); integers beyond
     int64 are out of range (``OutOfRangeError``), like any other bad id; nested sequences are
-    not 1-d (``InvalidArgumentError``).
+    not 1-d (``InvalidArgumentError``), and so are more than ``MAX_ITEMS`` ids, before any copy.
+    A generator is not a sequence: it is refused, never drained.
     """
     if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype in (np.int64, np.int32):
         return ids
@@ -37,6 +38,10 @@ def as_ids(name: str, ids: object) -> np.ndarray:
         raise InvalidTypeError(f"{name} must be a sequence of ints, got {type(ids).__name__}")
     if arr.ndim != 1:
         raise InvalidArgumentError(f"{name} must be 1-d, got shape {arr.shape}")
+    if arr.size > MAX_ITEMS:
+        raise InvalidArgumentError(
+            f"{name}: more than {MAX_ITEMS} items, the most kvcache reads from one argument"
+        )
     if arr.size == 0:
         return np.empty(0, dtype=np.int64)
     if arr.dtype == object:
