@@ -1,7 +1,7 @@
 //! Id arrays from Python, converted once into `Vec<i64>`: 1-d int64 or int32 buffers (numpy
 //! arrays, as vLLM's specs hold them) are read directly; anything else goes through
 //! `kvcache.transfer._checks.as_ids` (vectorised numpy: lists, other integer dtypes, typed
-//! errors for the rest). Also short integer sequences (group spans). Every copy is
+//! errors for the rest). Also short integer sequences (group spans) and job ids. Every copy is
 //! checked and allocated fallibly (`conversion::Drain`): a buffer's item count is its exporter's
 //! word, and a zero-stride numpy view claims any count over eight bytes.
 
@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyInt};
 
-use crate::conversion::Drain;
+use crate::conversion::{items, Drain};
 use crate::errors::typed;
 
 /// Copies a 1-d native-order buffer of int64 or int32 into a vector, or converts any other
@@ -67,6 +67,14 @@ fn copied<T: pyo3::buffer::Element + Copy + Default>(
     out.resize(n, T::default());
     buf.copy_to_slice(py, &mut out)?;
     Ok(out)
+}
+
+/// `wait`'s `job_ids`: None (every job), or an iterable of job ids.
+pub(crate) fn job_ids(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u64>>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    items(obj, "job_ids").map(Some)
 }
 
 /// Whether a buffer's struct format is in this machine's byte order. `PyBuffer` matches the
