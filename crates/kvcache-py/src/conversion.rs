@@ -263,7 +263,7 @@ pub unsafe fn with_hashed_keys<T, R>(
     if let Some(ks) = unsafe { borrowed_keys(keys, |b| Key::new(hasher, b)) }? {
         return Ok(call(target, &ks));
     }
-    let owned = collect_keys(keys, "keys")?;
+    let owned = collect_keys(keys)?;
     let mut ks = Vec::new();
     // At most `MAX_ITEMS` keys: `owned` passed the same check.
     Drain::new(keys.py()).claim(&mut ks, owned.len(), "keys")?;
@@ -286,9 +286,13 @@ pub fn with_core_keys<T, R>(
     unsafe { with_hashed_keys(target, keys, hasher, call) }
 }
 
-/// Collects an iterable of keys (lists and tuples without the iterator protocol); `what`
-/// names the argument.
-pub fn collect_keys<'py>(
+/// Collects an iterable of keys (lists and tuples without the iterator protocol).
+pub fn collect_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    collect_named_keys(obj, "keys")
+}
+
+/// [`collect_keys`] for an argument named `what` in messages (`protected`).
+pub fn collect_named_keys<'py>(
     obj: &Bound<'py, PyAny>,
     what: &str,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {

@@ -24,7 +24,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 use crate::chunk::{fill_record_view, release_record_view};
 use crate::context::{require_context, ContextTypeCache, PositionWalk, Positions};
 use crate::conversion::{
-    collect_keys, count, default_semantics, int_in_range, items, key_bytes, semantics_arg, text,
+    collect_keys, count, default_semantics, int_in_range, key_bytes, semantics_arg, text,
     with_core_keys, Flag, PyKey,
 };
 use crate::errors::IntoPyResult;
@@ -169,7 +169,7 @@ impl State {
         load: bool,
     ) -> PyResult<RequestCall<'py>> {
         let ctx = require_context(Some(req_context))?;
-        let keys = collect_keys(keys, "keys")?;
+        let keys = collect_keys(keys)?;
         let (positions, cursor) = self.positions(ctx, &keys)?;
         self.bury_dead();
         let ops = &self.ops;
@@ -439,7 +439,7 @@ impl PyManager {
         #[pyo3(from_py_with = next_uses_arg)] next_uses: Vec<u64>,
     ) -> PyResult<()> {
         let mut state = self.inner.lock(py)?;
-        let keys = collect_keys(&keys, "keys")?;
+        let keys = collect_keys(&keys)?;
         if keys.len() != next_uses.len() {
             return Err(new_err(
                 py,
@@ -753,7 +753,7 @@ fn store_threshold_arg(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
 }
 
 fn next_uses_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    items(obj, "next_uses")
+    crate::conversion::items(obj, "next_uses")
 }
 
 fn max_tracker_size_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
