@@ -298,3 +298,43 @@ def test_zero_stride_ids_raise(arg: str, limit: str, expected: str) -> None:
     script = _script(ONE_CALL, PLAN, "layout.plan(True, items, [0])", ARG=arg, LIMIT=limit)
     report = run_isolated(script, max_rss=1536 << 20).check()
     assert report["call"]["outcome"] == expected, report
+
+
+# The transfer engine's Python methods read some arguments in Python first: the same bound.
+ENGINE = """
+import itertools, torch
+import numpy as np
+from kvcache.transfer import HostChunkPool, TransferEngine
+
+pool = HostChunkPool(4, 64, pin=False)
+np.frombuffer(pool, dtype=np.uint8)[:] = np.arange(pool.nbytes, dtype=np.uint8)
+layer = torch.arange(64, dtype=torch.float32).reshape(4, 16)
+engine = TransferEngine([layer], pool)
+job = engine.load([0], [1])
+engine.wait([job])
+before = (bytes(memoryview(pool)), layer.clone(), engine.poll())
+try:
+    {call}
+    outcome = "returned"
+except BaseException as exc:
+    outcome = type(exc).__name__
+after = (bytes(memoryview(pool)), layer, engine.poll())
+unchanged = before[0] == after[0] and torch.equal(before[1], after[1]) and after[2] == []
+report(outcome=outcome, unchanged=unchanged)
+"""
+
+ENGINE_CASES = [
+    # The same valid id forever: a set of one id, filled without end (a hang).
+    ("wait.job_ids", "engine.wait(itertools.repeat(job))"),
+    ("gpu_layers", "TransferEngine(itertools.repeat(layer), pool)"),
+    ("groups", "TransferEngine([layer], pool, groups=(g for g in itertools.repeat([])))"),
+    ("offsets", "TransferEngine([layer], pool, offsets=iter(itertools.repeat(0)))"),
+]
+
+
+@pytest.mark.parametrize("call", [c[1] for c in ENGINE_CASES], ids=[c[0] for c in ENGINE_CASES])
+def test_an_endless_iterable_to_the_transfer_engine_raises(call: str) -> None:
+    pytest.importorskip("torch")
+    report = run_isolated(ENGINE.replace("{call}", call), max_rss=1536 << 20).check()
+    assert report["outcome"] == "InvalidArgumentError", report
+    assert report["unchanged"], report

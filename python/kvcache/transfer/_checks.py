@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
+from typing import TypeVar
+
 import numpy as np
 
 from kvcache._core import MAX_ITEMS, InvalidArgumentError, InvalidTypeError, OutOfRangeError
 
 _INT64_MAX = np.iinfo(np.int64).max
+
+_T = TypeVar("_T")
+
+
+def bounded_list(name: str, items: Iterable[_T]) -> list[_T]:
+    """``items`` as a list of at most ``MAX_ITEMS`` items, as the Rust side reads its
+    arguments: an endless iterator is refused (``InvalidArgumentError``) after one item past
+    the bound, never drained further."""
+    out = list(itertools.islice(items, MAX_ITEMS + 1))
+    if len(out) > MAX_ITEMS:
+        raise InvalidArgumentError(
+            f"{name}: more than {MAX_ITEMS} items, the most kvcache reads from one argument"
+        )
+    return out
 
 
 def check_count(name: str, value: object) -> int:
