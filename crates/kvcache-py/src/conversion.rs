@@ -44,7 +44,9 @@ const SIGNAL_EVERY: usize = 1 << 14;
 ///   (`job_ids`).
 ///
 /// Group sizes, block indices and per-group pointer counts (`transfer::ids::small_ints`) stop
-/// at the layout's group count instead.
+/// at the layout's group count instead. The transfer engine's Python methods read what they
+/// keep in Python (job ids, layers, one-shot groups and offsets) with the same bound
+/// (`kvcache.transfer._checks.bounded_list`).
 pub struct Drain<'py> {
     py: Python<'py>,
     /// Items read so far in this call, across all of its arguments.
