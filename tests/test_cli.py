@@ -506,7 +506,7 @@ def test_capacities_of_the_same_chunks_run_once_with_a_note(
     [
         (["--requests", "99999999999"], "at most 100,000 requests"),
         (["--requests", str(cli.MAX_SYNTHETIC_REQUESTS + 1)], "generated in memory"),
-        (["--block-tokens", "99999999999999999999"], "at most 1,048,576 tokens"),
+        (["--block-tokens", "99999999999999999999"], "from 1 to 1,048,576"),
     ],
 )
 def test_sizes_that_would_exhaust_memory_are_refused(
@@ -529,7 +529,7 @@ def test_trace_options_are_bounded_and_checked(
     trace = tmp_path / "one.jsonl"
     trace.write_text(json.dumps({"hash_ids": [1, 2]}) + "\n")
     huge_block = ["replay", "--trace", str(trace), "--block-tokens", "99999999999999999999"]
-    assert_one_line_error(*run(huge_block, capsys), "--block-tokens", "at most")
+    assert_one_line_error(*run(huge_block, capsys), "--block-tokens", "from 1 to")
     seeded = ["replay", "--trace", str(trace), "--seed", "3"]
     assert_one_line_error(*run(seeded, capsys), "--seed", "trace")
     # --requests only caps how much of a trace is read: any count is fine.

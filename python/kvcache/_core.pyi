@@ -15,6 +15,7 @@ from typing_extensions import disjoint_base
 
 __all__ = [
     "BACKGROUND_PIECE_BYTES",
+    "MAX_ITEMS",
     "PAGE_SIZE",
     "POLICY_KINDS",
     "ARCCachePolicy",
@@ -134,6 +135,10 @@ class TurnCachePolicy(BaseCachePolicy):
 
 def order_request_keys(key_groups: Iterable[Iterable[bytes]], req_context: Any) -> list[bytes]: ...
 def _refuse_pickling(obj: object) -> NoReturn: ...
+
+#: The most items kvcache reads from one argument (keys of one call, ids, job ids, layers);
+#: more raise InvalidArgumentError.
+MAX_ITEMS: int
 
 #: Every policy kvcache offers: short name (vLLM's registered name) -> class (whose
 #: ``__name__`` is vLLM's class name), in the core's order.

@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn, TextIO
 
 import kvcache
+from kvcache._core import MAX_ITEMS
 from kvcache._semantics import VLLM_SEMANTICS
 from kvcache.replay.backends import (
     BACKENDS,
@@ -37,8 +38,8 @@ from kvcache.replay.capacity import (
     parse_size,
     resolve_capacities,
 )
-from kvcache.replay.driver import ReplayOptions
-from kvcache.replay.errors import ConfigError, ReplayError
+from kvcache.replay.driver import MAX_STORE_THRESHOLD, ReplayOptions
+from kvcache.replay.errors import ConfigError, ReplayError, quoted
 from kvcache.replay.progress import GridProgress, RunLines
 from kvcache.replay.report import (
     check_plot_path,
@@ -48,7 +49,13 @@ from kvcache.replay.report import (
     to_json,
 )
 from kvcache.replay.runner import ProgressFactory, Row, grid_runs, run_grid
-from kvcache.replay.trace import DEFAULT_TRACE_BLOCK_TOKENS, load_mooncake_trace
+from kvcache.replay.trace import (
+    DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_TRACE_BLOCK_TOKENS,
+    MAX_JSON_DEPTH,
+    MAX_LINE_BYTES,
+    load_mooncake_trace,
+)
 from kvcache.replay.workload import SyntheticChat, Workload, synthetic_chat
 
 __all__ = ["build_parser", "main"]
@@ -62,6 +69,14 @@ DISTRIBUTION = "kvcache-offload"
 MAX_SYNTHETIC_REQUESTS = 100_000
 #: Tokens per key: far above any KV block size, and keeps every token position within int64.
 MAX_BLOCK_TOKENS = 1 << 20
+#: What a count without a tighter bound may be: the largest signed 64-bit integer.
+MAX_COUNT = (1 << 63) - 1
+#: Each repeat replays every policy and capacity once more.
+MAX_REPEAT = 1_000
+#: Layers, KV heads, head size: far above any model's.
+MAX_MODEL_DIM = 1 << 20
+#: The largest host size a capacity or block may name (1 EiB).
+MAX_BYTES = 1 << 60
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,46 +86,55 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
-    return value
+def _int_option(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high``, the range named when refused."""
 
-
-def _block_tokens(text: str) -> int:
-    value = _positive_int(text)
-    if value > MAX_BLOCK_TOKENS:
-        raise argparse.ArgumentTypeError(
-            f"expected at most {MAX_BLOCK_TOKENS:,} tokens, not {text}"
-        )
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, not {text!r}")
-    return value
-
-
-def _byte_size(text: str) -> int:
-    """A byte count: plain digits, or a number with a unit (``2MiB``)."""
-    if text.strip().isdigit():
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"expected a size >= 1 byte, not {text!r}")
+    def parse(text: str) -> int:
+        try:
+            value: int | None = int(text)
+        except ValueError:  # not an integer, or more digits than Python converts
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer from {low:,} to {high:,}, not {quoted(text)}"
+            )
         return value
-    try:
-        return parse_size(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _size_option(high: int, shown: str) -> Callable[[str], int]:
+    """An argparse type: a byte count from 1 to ``high`` (``shown`` in words), as plain digits
+    or a number with a unit (``2MiB``)."""
+
+    def parse(text: str) -> int:
+        refused = f"expected a size from 1 byte to {shown}, not {quoted(text)}"
+        if text.strip().isdigit():
+            try:
+                value = int(text)
+            except ValueError:  # more digits than Python converts
+                raise argparse.ArgumentTypeError(refused) from None
+        else:
+            try:
+                value = parse_size(text)
+            except ConfigError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+        if not 1 <= value <= high:
+            raise argparse.ArgumentTypeError(refused)
+        return value
+
+    return parse
+
+
+#: The replay's --help epilog (argparse fills it to the terminal's width).
+_LIMITS = (
+    "limits: every number is checked as it is parsed, and a refusal names the accepted range "
+    "(a count without a tighter bound is at most 2**63 - 1). A trace is read only from a "
+    f"regular file; a line may be {format_bytes(DEFAULT_MAX_LINE_BYTES)} long (raise it with "
+    f"--max-line-bytes, up to {format_bytes(MAX_LINE_BYTES)}), nest JSON {MAX_JSON_DEPTH} "
+    f"levels deep, and hold integers of up to 64 bits and at most {MAX_ITEMS:,} hash ids. "
+    "See docs/replay.md."
+)
 
 
 def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
@@ -123,25 +147,36 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
             "evictions, failed prepares and the time spent inside the manager per key visit "
             "(replay time minus the same replay against a do-nothing manager)."
         ),
+        epilog=_LIMITS,
     )
     wl = rp.add_argument_group("workload")
     wl.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (one request a line)")
     wl.add_argument(
         "--requests",
-        type=_positive_int,
+        type=_int_option(1, MAX_COUNT),
         metavar="N",
         help=f"synthetic: number of requests (default {SyntheticChat().requests}, at most "
         f"{MAX_SYNTHETIC_REQUESTS:,}); trace: replay only the first N",
     )
     wl.add_argument(
-        "--seed", type=int, metavar="N", help="synthetic workload seed (default 0; not for traces)"
+        "--seed",
+        type=_int_option(-(1 << 63), (1 << 63) - 1),
+        metavar="N",
+        help="synthetic workload seed, a 64-bit integer (default 0; not for traces)",
     )
     wl.add_argument(
         "--block-tokens",
-        type=_block_tokens,
+        type=_int_option(1, MAX_BLOCK_TOKENS),
         metavar="N",
         help=f"tokens per key (default {SyntheticChat().block_tokens} synthetic, "
         f"{DEFAULT_TRACE_BLOCK_TOKENS} for traces)",
+    )
+    wl.add_argument(
+        "--max-line-bytes",
+        type=_size_option(MAX_LINE_BYTES, format_bytes(MAX_LINE_BYTES)),
+        metavar="SIZE",
+        help=f"longest trace line read (default {format_bytes(DEFAULT_MAX_LINE_BYTES)}, at most "
+        f"{format_bytes(MAX_LINE_BYTES)}); a longer line is refused",
     )
     ex = rp.add_argument_group("experiment")
     ex.add_argument(
@@ -177,21 +212,21 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
     )
     ex.add_argument(
         "--lag",
-        type=_non_negative_int,
+        type=_int_option(0, MAX_COUNT),
         default=8,
         metavar="N",
         help="a request's loads and stores complete after N later requests (default 8)",
     )
     ex.add_argument(
         "--fail-store-every",
-        type=_non_negative_int,
+        type=_int_option(0, MAX_COUNT),
         default=0,
         metavar="K",
         help="complete every K-th store job with success=False (default 0: never)",
     )
     ex.add_argument(
         "--preempt-every",
-        type=_non_negative_int,
+        type=_int_option(0, MAX_COUNT),
         default=0,
         metavar="K",
         help="preempt every K-th request once: rescheduled at the next step, it offers its keys "
@@ -199,7 +234,7 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
     )
     ex.add_argument(
         "--store-threshold",
-        type=_non_negative_int,
+        type=_int_option(0, MAX_STORE_THRESHOLD),
         default=1,
         metavar="N",
         help="offers a key needs before it is stored (vLLM's store_threshold; default 1: at once)",
@@ -214,7 +249,7 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
     )
     ex.add_argument(
         "--repeat",
-        type=_positive_int,
+        type=_int_option(1, MAX_REPEAT),
         default=1,
         metavar="N",
         help="time each replay N times and keep the fastest (default 1)",
@@ -232,18 +267,19 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
     )
     bs.add_argument(
         "--bytes-per-block",
-        type=_byte_size,
+        type=_size_option(MAX_BYTES, "1 EiB"),
         metavar="SIZE",
         help="bytes of one offloaded block, all workers together (e.g. 2MiB or 2097152)",
     )
-    bs.add_argument("--num-layers", type=_positive_int, metavar="N", help="attention layers")
+    model_dim = _int_option(1, MAX_MODEL_DIM)
+    bs.add_argument("--num-layers", type=model_dim, metavar="N", help="attention layers")
     bs.add_argument(
         "--num-kv-heads",
-        type=_positive_int,
+        type=model_dim,
         metavar="N",
         help="KV heads of the model (all tensor-parallel ranks together)",
     )
-    bs.add_argument("--head-size", type=_positive_int, metavar="N", help="head dimension")
+    bs.add_argument("--head-size", type=model_dim, metavar="N", help="head dimension")
     bs.add_argument(
         "--kv-dtype",
         default=DEFAULT_KV_DTYPE,
@@ -304,6 +340,8 @@ def _check_workload_flags(args: argparse.Namespace) -> None:
     if args.trace is not None:
         if args.seed is not None:
             raise ConfigError("--seed sets the built-in workload; a trace replays as recorded")
+    elif args.max_line_bytes is not None:
+        raise ConfigError("--max-line-bytes limits trace lines; give it with --trace")
     elif args.requests is not None and args.requests > MAX_SYNTHETIC_REQUESTS:
         raise ConfigError(
             f"--requests {args.requests:,}: the built-in workload is generated in memory; "
@@ -317,6 +355,7 @@ def _load_workload(args: argparse.Namespace) -> Workload:
             args.trace,
             block_tokens=args.block_tokens or DEFAULT_TRACE_BLOCK_TOKENS,
             max_requests=args.requests,
+            max_line_bytes=args.max_line_bytes or DEFAULT_MAX_LINE_BYTES,
         )
     defaults = SyntheticChat()
     spec = SyntheticChat(

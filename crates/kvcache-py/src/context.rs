@@ -10,7 +10,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyString, PyType};
 
-use crate::conversion::{collect_keys, key_bytes, type_name};
+use crate::conversion::{collect_keys_into, key_bytes, type_name, Drain};
 use crate::exceptions::{exceptions, new_err};
 
 /// Module names of the `ReqContext` classes (vLLM's and ours) whose methods are plain
@@ -327,7 +327,6 @@ pub fn order_request_keys<'py>(
     key_groups: &Bound<'py, PyAny>,
     positions: Positions<'py>,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-    let mut keys = Vec::new();
     let groups = key_groups.try_iter().map_err(|_| {
         let py = key_groups.py();
         new_err(
@@ -339,8 +338,17 @@ pub fn order_request_keys<'py>(
             ),
         )
     })?;
-    for group in groups {
-        keys.extend(collect_keys(&group?)?);
+    // The groups and all their keys count against one bound, so that neither endless groups
+    // nor endless keys in one of them run on.
+    let mut drain = Drain::new(key_groups.py());
+    let groups = {
+        let mut out = Vec::new();
+        drain.read_into(groups, &mut out, "key_groups", Ok)?;
+        out
+    };
+    let mut keys = Vec::new();
+    for group in &groups {
+        collect_keys_into(&mut drain, group, &mut keys, "key_groups")?;
     }
     let mut walk = PositionWalk::new(positions, 0);
     let mut ranked = Vec::with_capacity(keys.len());

@@ -1,8 +1,9 @@
-//! Python → Rust conversions of keys and counts. (Everything read from a request context is in
-//! `context`.)
+//! Python → Rust conversions of keys, counts and callers' iterables. (Everything read from a
+//! request context is in `context`.)
 //!
 //! Every batch call converts and validates all of its input before the core is touched, so a
-//! bad element anywhere raises with nothing changed.
+//! bad element anywhere raises with nothing changed. Every iterable a caller passes is read
+//! through [`Drain`], which bounds what it may cost.
 
 use kvcache_core::{Key, KeyHasher, VllmSemantics};
 
@@ -10,7 +11,129 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
+use crate::errors::{no_memory_for, too_many_items};
 use crate::exceptions::{exceptions, new_err};
+
+/// The most items kvcache reads from one argument (2**22): the keys of one call (the key
+/// groups of `on_request_finished` together), a spec's chunk ids, a transfer's block or chunk
+/// ids, job ids, a layout's layers, groups or offsets. A long request's keys are far fewer
+/// (a million tokens at 16 per key is 65,536 keys). The bound keeps every allocation a call
+/// makes for its items (our copy, the hashed keys, the core's per-call vectors) bounded, and
+/// ends an endless iterable after a fixed amount of work.
+pub const MAX_ITEMS: usize = 1 << 22;
+
+/// Items read between two checks for a pending signal. An iterator written in C
+/// (`itertools.repeat`) runs no bytecode, so without them Ctrl-C would wait for the bound.
+const SIGNAL_EVERY: usize = 1 << 14;
+
+/// Reads callers' iterables into Rust vectors, for one call: the one place where a caller's
+/// iterable sizes a Rust allocation. A vector grows fallibly (the system refusing memory is
+/// `OutOfMemoryError`, a `MemoryError`, with the partial vector freed first), the call reads
+/// at most [`MAX_ITEMS`] items in all (then `InvalidArgumentError`), a `__len__` never sizes
+/// anything, and a pending signal (Ctrl-C) ends a long read. The call fails before the core is
+/// touched, so nothing changes.
+///
+/// Every binding that reads a caller's iterable reads it here:
+/// - policies: `touch`, `on_store_miss`, `on_request_access`, `on_request_finished` (the key
+///   groups and their keys), `evict` (`protected`); `order_request_keys`;
+/// - managers: `prepare_load`, `prepare_store`, `touch`, `complete_load`, `complete_store`,
+///   `_hint_next_uses` (keys and next uses);
+/// - `LoadStoreSpec(block_ids)`;
+/// - transfer: `TransferLayout(layers, groups, offsets)`, `TransferLayout.plan` and the
+///   engines' submits (block and chunk ids, `transfer::ids::id_vec`), both copiers' `wait`
+///   (`job_ids`).
+///
+/// Group sizes, block indices and per-group pointer counts (`transfer::ids::small_ints`) stop
+/// at the layout's group count instead. The transfer engine's Python methods read what they
+/// keep in Python (job ids, layers, one-shot groups and offsets) with the same bound
+/// (`kvcache.transfer._checks.bounded_list`).
+pub struct Drain<'py> {
+    py: Python<'py>,
+    /// Items read so far in this call, across all of its arguments.
+    read: usize,
+}
+
+impl<'py> Drain<'py> {
+    pub fn new(py: Python<'py>) -> Self {
+        Drain { py, read: 0 }
+    }
+
+    /// Appends `items`, each converted by `convert`, to `out`.
+    pub fn read_into<T>(
+        &mut self,
+        items: impl IntoIterator<Item = PyResult<Bound<'py, PyAny>>>,
+        out: &mut Vec<T>,
+        what: &str,
+        mut convert: impl FnMut(Bound<'py, PyAny>) -> PyResult<T>,
+    ) -> PyResult<()> {
+        for item in items {
+            let item = convert(item?)?;
+            self.push(out, item, what)?;
+        }
+        Ok(())
+    }
+
+    /// The items of `obj`, an iterable, each converted by `convert`; `what` names the argument.
+    pub fn read<T>(
+        &mut self,
+        obj: &Bound<'py, PyAny>,
+        what: &str,
+        convert: impl FnMut(Bound<'py, PyAny>) -> PyResult<T>,
+    ) -> PyResult<Vec<T>> {
+        let items = obj.try_iter().map_err(|_| {
+            new_err(
+                self.py,
+                &exceptions(self.py).invalid_type,
+                format!("{what} must be iterable, got {}", type_name(obj)),
+            )
+        })?;
+        let mut out = Vec::new();
+        self.read_into(items, &mut out, what, convert)?;
+        Ok(out)
+    }
+
+    /// Appends one item the caller read (for loops that convert items with their index).
+    #[inline]
+    pub fn push<T>(&mut self, out: &mut Vec<T>, item: T, what: &str) -> PyResult<()> {
+        if self.read == MAX_ITEMS {
+            return Err(too_many_items(what, MAX_ITEMS));
+        }
+        if out.len() == out.capacity() {
+            self.grow(out, what)?;
+        }
+        out.push(item);
+        self.read += 1;
+        if self.read % SIGNAL_EVERY == 0 {
+            self.py.check_signals()?;
+        }
+        Ok(())
+    }
+
+    /// Doubles `out`'s room, never beyond [`MAX_ITEMS`].
+    #[cold]
+    fn grow<T>(&self, out: &mut Vec<T>, what: &str) -> PyResult<()> {
+        // `out` holds at most `read` < MAX_ITEMS items here, so there is room.
+        let more = out.capacity().max(64).min(MAX_ITEMS - out.len());
+        out.try_reserve_exact(more).map_err(|_| {
+            // Freed before the error is built: raising needs memory too.
+            *out = Vec::new();
+            no_memory_for(what, self.read)
+        })
+    }
+
+    /// Room in `out` for exactly `n` more items, which the caller reads from a container of
+    /// known size (a list, a tuple, a buffer) and appends with plain pushes; they count as
+    /// read. Checks nothing else, so it suits loops that must not run Python code.
+    pub fn claim<T>(&mut self, out: &mut Vec<T>, n: usize, what: &str) -> PyResult<()> {
+        if n > MAX_ITEMS - self.read {
+            return Err(too_many_items(what, MAX_ITEMS));
+        }
+        out.try_reserve_exact(n)
+            .map_err(|_| no_memory_for(what, self.read))?;
+        self.read += n;
+        Ok(())
+    }
+}
 
 /// The name of `obj`'s type, for error messages.
 pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
@@ -92,7 +215,8 @@ pub unsafe fn borrowed_keys<'a, K>(
             ffi::PyTuple_Size(ptr)
         }
     };
-    let mut keys = Vec::with_capacity(n.max(0).unsigned_abs());
+    let mut keys = Vec::new();
+    Drain::new(obj.py()).claim(&mut keys, n.max(0).unsigned_abs(), "keys")?;
     for i in 0..n {
         // SAFETY: `i` is in bounds (no Python code runs in this loop, so the size holds);
         // the item is a borrowed reference kept alive by the container.
@@ -142,10 +266,10 @@ pub unsafe fn with_hashed_keys<T, R>(
         return Ok(call(target, &ks));
     }
     let owned = collect_keys(keys)?;
-    let ks: Vec<Key<'_>> = owned
-        .iter()
-        .map(|k| Key::new(hasher, key_bytes(k)))
-        .collect();
+    let mut ks = Vec::new();
+    // At most `MAX_ITEMS` keys: `owned` passed the same check.
+    Drain::new(keys.py()).claim(&mut ks, owned.len(), "keys")?;
+    ks.extend(owned.iter().map(|k| Key::new(hasher, key_bytes(k))));
     Ok(call(target, &ks))
 }
 
@@ -166,11 +290,40 @@ pub fn with_core_keys<T, R>(
 
 /// Collects an iterable of keys (lists and tuples without the iterator protocol).
 pub fn collect_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    collect_named_keys(obj, "keys")
+}
+
+/// [`collect_keys`] for an argument named `what` in messages (`protected`).
+pub fn collect_named_keys<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let mut keys = Vec::new();
+    collect_keys_into(&mut Drain::new(obj.py()), obj, &mut keys, what)?;
+    Ok(keys)
+}
+
+/// Appends the keys of `obj` (see [`collect_keys`]) to `keys`, counted by `drain`.
+pub fn collect_keys_into<'py>(
+    drain: &mut Drain<'py>,
+    obj: &Bound<'py, PyAny>,
+    keys: &mut Vec<Bound<'py, PyBytes>>,
+    what: &str,
+) -> PyResult<()> {
     if let Ok(list) = obj.cast::<PyList>() {
-        return list.iter().map(as_key).collect();
+        // `as_key` runs no Python code, so the list keeps its length while it is read.
+        drain.claim(keys, list.len(), what)?;
+        for item in list.iter() {
+            keys.push(as_key(item)?);
+        }
+        return Ok(());
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple.iter().map(as_key).collect();
+        drain.claim(keys, tuple.len(), what)?;
+        for item in tuple.iter() {
+            keys.push(as_key(item)?);
+        }
+        return Ok(());
     }
     if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyString>() {
         // A lone key is iterable (as ints); refuse it rather than treat bytes as a key list.
@@ -200,11 +353,28 @@ pub fn collect_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyB
         Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => 0,
         Err(e) => return Err(e),
     };
-    let mut keys = Vec::with_capacity(hint.min(1024));
-    for item in iter {
-        keys.push(as_key(item?)?);
+    if keys.is_empty() {
+        keys.reserve_exact(hint.min(1024));
     }
-    Ok(keys)
+    drain.read_into(iter, keys, what, as_key)
+}
+
+/// The items of the iterable argument `what`, each extracted as `T`, read by a [`Drain`]: what
+/// pyo3's `Vec<T>` gives, without letting a `__len__` size the vector. A `str` or `bytes` is
+/// refused (`InvalidTypeError`), as pyo3 refuses a `str`: its items are not what was meant.
+pub fn items<'py, T>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<T>>
+where
+    T: pyo3::conversion::FromPyObjectOwned<'py>,
+{
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        let py = obj.py();
+        return Err(new_err(
+            py,
+            &exceptions(py).invalid_type,
+            format!("{what} must be a sequence, got {}", type_name(obj)),
+        ));
+    }
+    Drain::new(obj.py()).read(obj, what, |item| item.extract::<T>().map_err(Into::into))
 }
 
 /// A Python int (not a bool) as an `i128`, for range checks on our side; a type error otherwise.

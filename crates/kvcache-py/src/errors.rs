@@ -105,6 +105,22 @@ pub fn typed(pick: impl FnOnce(&Exceptions) -> &Py<PyType>, message: impl Into<S
     Python::attach(|py| new_err(py, pick(exceptions(py)), message.into()))
 }
 
+/// An argument with more items than kvcache reads from one (see `conversion::MAX_ITEMS`).
+pub fn too_many_items(what: &str, max: usize) -> PyErr {
+    typed(
+        |e| &e.invalid_argument,
+        format!("{what}: more than {max} items, the most kvcache reads from one argument"),
+    )
+}
+
+/// The system refused memory for an argument's items: `OutOfMemoryError` (a `MemoryError`).
+pub fn no_memory_for(what: &str, read: usize) -> PyErr {
+    typed(
+        |e| &e.out_of_memory,
+        format!("not enough memory to read {what} ({read} items read)"),
+    )
+}
+
 /// The refusal every kvcache class gives `pickle`, `copy.copy` and `copy.deepcopy` (all three
 /// go through `__reduce__`). Policies, managers, pools and plans own Rust state no constructor
 /// call rebuilds, and a copy that shared it would be two objects mutating one cache; the small

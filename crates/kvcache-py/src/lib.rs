@@ -25,6 +25,7 @@ mod transfer;
 #[pymodule(gil_used = true)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("MAX_ITEMS", conversion::MAX_ITEMS)?;
     m.add_class::<chunk::ChunkStatus>()?;
     m.add_class::<policy::BaseCachePolicy>()?;
     kinds::register(m)?;

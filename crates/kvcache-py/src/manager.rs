@@ -487,7 +487,7 @@ impl PyManager {
         &self,
         py: Python<'_>,
         keys: Bound<'_, PyAny>,
-        next_uses: Vec<u64>,
+        #[pyo3(from_py_with = next_uses_arg)] next_uses: Vec<u64>,
     ) -> PyResult<()> {
         let mut state = self.inner.lock(py)?;
         let keys = collect_keys(&keys)?;
@@ -802,6 +802,10 @@ fn module_path_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
 
 fn store_threshold_arg(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
     int_in_range(obj, "store_threshold", "a 64-bit int")
+}
+
+fn next_uses_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    crate::conversion::items(obj, "next_uses")
 }
 
 fn max_tracker_size_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {

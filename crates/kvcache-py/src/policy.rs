@@ -17,7 +17,9 @@ use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
 
 use crate::chunk::PyChunk;
 use crate::context::{order_request_keys, require_context, ContextTypeCache, Positions};
-use crate::conversion::{collect_keys, key_bytes, type_name, with_core_keys, EvictCount, PyKey};
+use crate::conversion::{
+    collect_keys, collect_named_keys, key_bytes, type_name, with_core_keys, EvictCount, PyKey,
+};
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::guard::Guarded;
@@ -293,7 +295,7 @@ where
         n: usize,
         protected: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyList>>> {
-        let protected = collect_keys(protected)?;
+        let protected = collect_named_keys(protected, "protected")?;
         self.bury_dead();
         let guard = self
             .policy

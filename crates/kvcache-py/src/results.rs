@@ -15,7 +15,7 @@ use pyo3::types::{PyBytes, PyIterator, PyList, PyType};
 
 use kvcache_core::manager::{ChunkId, Event, LookupResult};
 
-use crate::conversion::{int_in_range, type_name};
+use crate::conversion::{int_in_range, type_name, Drain};
 use crate::exceptions::{exceptions, new_err};
 use kvcache_core::KeyBuf;
 
@@ -45,9 +45,9 @@ impl LoadStoreSpec {
             )
         })?;
         let mut ids = Vec::new();
-        for item in items {
-            ids.push(int_in_range::<i32>(&item?, "a chunk id", "a 32-bit int")?);
-        }
+        Drain::new(py).read_into(items, &mut ids, "block_ids", |item| {
+            int_in_range::<i32>(&item, "a chunk id", "a 32-bit int")
+        })?;
         Ok(LoadStoreSpec {
             block_ids: PyArray1::from_vec(py, ids).unbind(),
         })

@@ -22,10 +22,12 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvcache.replay.errors import ConfigError
+from kvcache.replay.errors import ConfigError, quoted
 
 __all__ = [
     "DTYPE_BYTES",
+    "MAX_CHUNKS",
+    "MAX_PERCENT",
     "PAGE_BYTES",
     "BlockSize",
     "Capacity",
@@ -69,6 +71,11 @@ _UNITS: dict[str, int] = {
 _SIZE = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>[a-z]+)", re.IGNORECASE)
 #: Far beyond any host's memory; keeps a typo from turning into an absurd number.
 _MAX_BYTES = 2**60
+#: A capacity in chunks: what the manager's ``num_chunks`` holds (a signed 64-bit count).
+MAX_CHUNKS = 2**63 - 1
+#: A capacity as a percentage: anything above 100 % is clamped to the workload anyway; the
+#: bound keeps ``percent x unique blocks`` a finite number.
+MAX_PERCENT = 10_000
 
 
 def parse_size(text: str) -> int:
@@ -78,13 +85,14 @@ def parse_size(text: str) -> int:
     unit = _UNITS.get(match["unit"].lower()) if match else None
     if match is None or unit is None:
         raise ConfigError(
-            f"expected a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), not {text!r}"
+            "expected a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
+            f"not {quoted(text)}"
         )
     value = float(match["number"]) * unit
     if value < 1:
-        raise ConfigError(f"a size must be at least 1 byte, not {text!r}")
+        raise ConfigError(f"a size must be at least 1 byte, not {quoted(text)}")
     if value > _MAX_BYTES:
-        raise ConfigError(f"size {text!r} is out of range (at most 1 EiB)")
+        raise ConfigError(f"size {quoted(text)} is out of range (at most 1 EiB)")
     return int(value)
 
 
@@ -184,29 +192,37 @@ def parse_capacities(text: str) -> list[CapacitySpec]:
     for raw in text.split(","):
         item = raw.strip()
         if not item:
-            raise ConfigError(f"empty item in --capacity {text!r}")
-        malformed = f"malformed capacity {item!r} (expected e.g. 10%, 4096 or 64GiB)"
+            raise ConfigError(f"empty item in --capacity {quoted(text)}")
+        malformed = f"malformed capacity {quoted(item)} (expected e.g. 10%, 4096 or 64GiB)"
         if item.endswith("%"):
             try:
                 percent = float(item[:-1])
             except ValueError:
                 raise ConfigError(malformed) from None
-            if not math.isfinite(percent) or percent <= 0:
-                raise ConfigError(f"capacity must be > 0, not {item!r}")
+            if not (math.isfinite(percent) and 0 < percent <= MAX_PERCENT):
+                raise ConfigError(
+                    f"capacity must be > 0% and at most {MAX_PERCENT:,}%, not {quoted(item)}"
+                )
             specs.append(CapacitySpec(item, percent=percent))
         elif item[-1:].isalpha():
             try:
                 size = parse_size(item)
             except ConfigError as exc:
-                raise ConfigError(f"malformed capacity {item!r}: {exc}") from None
+                raise ConfigError(f"malformed capacity {quoted(item)}: {exc}") from None
             specs.append(CapacitySpec(item, bytes=size))
         else:
-            try:
-                chunks = int(item)
-            except ValueError:
-                raise ConfigError(malformed) from None
-            if chunks <= 0:
-                raise ConfigError(f"capacity must be > 0, not {item!r}")
+            digits = item.lstrip("+-")
+            if digits.isdigit() and len(digits) > len(str(MAX_CHUNKS)):
+                chunks = MAX_CHUNKS + 1  # out of range, and more than Python may convert
+            else:
+                try:
+                    chunks = int(item)
+                except ValueError:
+                    raise ConfigError(malformed) from None
+            if not 0 < chunks <= MAX_CHUNKS:
+                raise ConfigError(
+                    f"capacity must be > 0 and at most {MAX_CHUNKS:,} chunks, not {quoted(item)}"
+                )
             specs.append(CapacitySpec(item, chunks=chunks))
     return specs
 

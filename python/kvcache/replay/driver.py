@@ -57,6 +57,7 @@ from kvcache.replay.workload import Workload
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "MAX_STORE_THRESHOLD",
     "NOT_CALLED",
     "Decision",
     "EventRecord",
@@ -66,6 +67,9 @@ __all__ = [
     "replay",
     "result_name",
 ]
+
+#: The largest ``store_threshold`` a replay takes (vLLM's tracker counts offers per key).
+MAX_STORE_THRESHOLD = 1_000_000
 
 #: Script entry for a request whose keys all hit: ``prepare_store`` was not called.
 NOT_CALLED: Any = type("NotCalled", (), {"__repr__": lambda self: "NOT_CALLED"})()
@@ -104,9 +108,10 @@ class ReplayOptions:
             raise ConfigError(f"fail-store-every must be >= 0, not {self.fail_store_every}")
         if self.preempt_every < 0:
             raise ConfigError(f"preempt-every must be >= 0, not {self.preempt_every}")
-        if not 0 <= self.store_threshold <= 1_000_000:
+        if not 0 <= self.store_threshold <= MAX_STORE_THRESHOLD:
             raise ConfigError(
-                f"store-threshold must be between 0 and 1000000, not {self.store_threshold}"
+                f"store-threshold must be between 0 and {MAX_STORE_THRESHOLD}, "
+                f"not {self.store_threshold}"
             )
 
 

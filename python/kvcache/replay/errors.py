@@ -22,3 +22,9 @@ class ConfigError(ReplayError):
 
 class BackendUnavailable(ReplayError):
     """The requested manager implementation cannot be imported in this environment."""
+
+
+def quoted(text: str) -> str:
+    """``text`` quoted for a one-line message, cut short when long (a number of 5,000 digits
+    given as an option)."""
+    return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text):,} characters)"

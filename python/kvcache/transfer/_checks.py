@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
+from typing import TypeVar
+
 import numpy as np
 
-from kvcache._core import InvalidArgumentError, InvalidTypeError, OutOfRangeError
+from kvcache._core import MAX_ITEMS, InvalidArgumentError, InvalidTypeError, OutOfRangeError
 
 _INT64_MAX = np.iinfo(np.int64).max
+
+_T = TypeVar("_T")
+
+
+def bounded_list(name: str, items: Iterable[_T]) -> list[_T]:
+    """``items`` as a list of at most ``MAX_ITEMS`` items, as the Rust side reads its
+    arguments: an endless iterator is refused (``InvalidArgumentError``) after one item past
+    the bound, never drained further."""
+    out = list(itertools.islice(items, MAX_ITEMS + 1))
+    if len(out) > MAX_ITEMS:
+        raise InvalidArgumentError(
+            f"{name}: more than {MAX_ITEMS} items, the most kvcache reads from one argument"
+        )
+    return out
 
 
 def check_count(name: str, value: object) -> int:
@@ -25,7 +43,8 @@ def as_ids(name: str, ids: object) -> np.ndarray:
     Vectorised (no per-id Python work). Floats and bools are refused rather than truncated, and
     so is anything that is not a sequence, None included (``InvalidTypeError``); integers beyond
     int64 are out of range (``OutOfRangeError``), like any other bad id; nested sequences are
-    not 1-d (``InvalidArgumentError``).
+    not 1-d (``InvalidArgumentError``), and so are more than ``MAX_ITEMS`` ids, before any copy.
+    A generator is not a sequence: it is refused, never drained.
     """
     if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype in (np.int64, np.int32):
         return ids
@@ -37,6 +56,10 @@ def as_ids(name: str, ids: object) -> np.ndarray:
         raise InvalidTypeError(f"{name} must be a sequence of ints, got {type(ids).__name__}")
     if arr.ndim != 1:
         raise InvalidArgumentError(f"{name} must be 1-d, got shape {arr.shape}")
+    if arr.size > MAX_ITEMS:
+        raise InvalidArgumentError(
+            f"{name}: more than {MAX_ITEMS} items, the most kvcache reads from one argument"
+        )
     if arr.size == 0:
         return np.empty(0, dtype=np.int64)
     if arr.dtype == object:

@@ -13,7 +13,7 @@ from kvcache._core import (
     InvalidTypeError,
     PoolClosedError,
 )
-from kvcache.transfer._checks import check_count
+from kvcache.transfer._checks import bounded_list, check_count
 from kvcache.transfer._cuda_backend import (
     DEFAULT_KERNEL_MIN_RUNS,
     DEFAULT_KERNEL_PROGRAMS,
@@ -46,15 +46,15 @@ class JobResult(NamedTuple):
     error: str | None
 
 
-def _reusable(value: Any, depth: int) -> Any:
+def _reusable(value: Any, depth: int, name: str) -> Any:
     """``value`` with its one-shot iterators (generators, ``iter(...)``) turned into lists, down
     to ``depth`` levels of nesting: the engine reads ``groups``/``offsets`` twice (Rust checks
     them, then the scratch copy for the self-check is built from them). Anything else is left
-    as given, so Rust still names a bad entry."""
+    as given, so Rust still names a bad entry. An endless iterator is refused at the bound."""
     if isinstance(value, Iterator):
-        value = list(value)
+        value = bounded_list(name, value)
     if depth > 1 and isinstance(value, list | tuple):
-        return [_reusable(item, depth - 1) for item in value]
+        return [_reusable(item, depth - 1, name) for item in value]
     return value
 
 
@@ -226,7 +226,7 @@ class TransferEngine:
             raise PoolClosedError("the host chunk pool is closed")
         if isinstance(gpu_layers, torch.Tensor):
             raise InvalidTypeError("gpu_layers must be a sequence of tensors (one per layer)")
-        layers = list(gpu_layers)
+        layers = bounded_list("gpu_layers", gpu_layers)
         if not layers:
             raise InvalidArgumentError("gpu_layers is empty")
         for i, t in enumerate(layers):
@@ -245,7 +245,7 @@ class TransferEngine:
         host = device.type == "cpu"
         specs = [_layer_spec(t, i, host=host) for i, t in enumerate(layers)]
         # groups and offsets are checked in Rust (typed errors naming the bad entry).
-        groups, offsets = _reusable(groups, 3), _reusable(offsets, 1)
+        groups, offsets = _reusable(groups, 3, "groups"), _reusable(offsets, 1, "offsets")
         self._layout = _core.TransferLayout(pool, specs, blocks_per_chunk, groups, offsets)
         self._grouped = groups is not None or offsets is not None
         # What a scratch copy of this engine needs (see self_check).
@@ -473,7 +473,7 @@ class TransferEngine:
         wanted: set[int] | None = None
         if job_ids is not None:
             wanted = set()
-            for j in job_ids:
+            for j in bounded_list("job_ids", job_ids):
                 if isinstance(j, bool) or not isinstance(j, int):
                     raise InvalidTypeError(f"job ids are ints, got {type(j).__name__}")
                 if not 0 <= j < self._issued:

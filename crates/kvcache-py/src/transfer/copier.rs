@@ -156,7 +156,11 @@ impl CpuCopier {
     /// Blocks (GIL released) until none of `job_ids` (all jobs if None) is still running.
     /// Results stay queued for `poll()`.
     #[pyo3(signature = (job_ids=None))]
-    fn wait(&self, py: Python<'_>, job_ids: Option<Vec<u64>>) {
+    fn wait(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::ids::job_ids)] job_ids: Option<Vec<u64>>,
+    ) {
         let shared = Arc::clone(&self.shared);
         py.detach(move || {
             let mut st = shared.lock();

@@ -1,20 +1,23 @@
 //! Id arrays from Python, converted once into `Vec<i64>`: 1-d int64 or int32 buffers (numpy
 //! arrays, as vLLM's specs hold them) are read directly; anything else goes through
 //! `kvcache.transfer._checks.as_ids` (vectorised numpy: lists, other integer dtypes, typed
-//! errors for the rest). Also short integer sequences (group spans).
+//! errors for the rest). Also short integer sequences (group spans) and job ids. Every copy is
+//! checked and allocated fallibly (`conversion::Drain`): a buffer's item count is its exporter's
+//! word, and a zero-stride numpy view claims any count over eight bytes.
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyInt};
 
+use crate::conversion::{items, Drain};
 use crate::errors::typed;
 
 /// Copies a 1-d native-order buffer of int64 or int32 into a vector, or converts any other
 /// object with the package's `as_ids` (which raises `InvalidTypeError`, `OutOfRangeError` or
 /// `InvalidArgumentError` on what is not a 1-d sequence of ints).
 pub(crate) fn id_vec(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
-    if let Some(ids) = id_buffer(py, obj)? {
+    if let Some(ids) = id_buffer(py, name, obj)? {
         return Ok(ids);
     }
     // Looked up once per process: the slow path still costs no import per call.
@@ -22,7 +25,7 @@ pub(crate) fn id_vec(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyRe
     let converted = AS_IDS
         .import(py, "kvcache.transfer._checks", "as_ids")?
         .call1((name, obj))?;
-    id_buffer(py, &converted)?.ok_or_else(|| {
+    id_buffer(py, name, &converted)?.ok_or_else(|| {
         typed(
             |e| &e.invalid_type,
             format!("{name} must be a 1-d sequence of ints"),
@@ -31,20 +34,47 @@ pub(crate) fn id_vec(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyRe
 }
 
 /// The ids of a 1-d native-order int64 or int32 buffer; None for any other object.
-fn id_buffer(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
+fn id_buffer(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
     let usable =
         |dims: usize, format: &std::ffi::CStr| dims == 1 && native_order(format.to_bytes());
     if let Ok(buf) = PyBuffer::<i64>::get(obj) {
         if usable(buf.dimensions(), buf.format()) {
-            return buf.to_vec(py).map(Some);
+            return copied(py, name, &buf).map(Some);
         }
     }
     if let Ok(buf) = PyBuffer::<i32>::get(obj) {
         if usable(buf.dimensions(), buf.format()) {
-            return Ok(Some(buf.to_vec(py)?.into_iter().map(i64::from).collect()));
+            let narrow = copied(py, name, &buf)?;
+            let mut ids = Vec::new();
+            Drain::new(py).claim(&mut ids, narrow.len(), name)?;
+            ids.extend(narrow.into_iter().map(i64::from));
+            return Ok(Some(ids));
         }
     }
     Ok(None)
+}
+
+/// A buffer's items, copied into a vector whose size is checked (`conversion::MAX_ITEMS`) and
+/// allocated fallibly.
+fn copied<T: pyo3::buffer::Element + Copy + Default>(
+    py: Python<'_>,
+    name: &str,
+    buf: &PyBuffer<T>,
+) -> PyResult<Vec<T>> {
+    let n = buf.item_count();
+    let mut out = Vec::new();
+    Drain::new(py).claim(&mut out, n, name)?;
+    out.resize(n, T::default());
+    buf.copy_to_slice(py, &mut out)?;
+    Ok(out)
+}
+
+/// `wait`'s `job_ids`: None (every job), or an iterable of job ids.
+pub(crate) fn job_ids(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u64>>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    items(obj, "job_ids").map(Some)
 }
 
 /// Whether a buffer's struct format is in this machine's byte order. `PyBuffer` matches the

@@ -17,7 +17,7 @@ use pyo3::types::{PyBool, PyBytes, PyInt, PyIterator, PyString, PyTuple};
 
 use super::ids::{id_vec, native_order, small_ints};
 use super::pool::PyHostChunkPool;
-use crate::conversion::{count, int_in_range, type_name};
+use crate::conversion::{count, int_in_range, type_name, Drain};
 use crate::errors::{typed, IntoPyResult};
 
 /// `(device base, block stride, segment offset, page slot bytes, bytes copied)`.
@@ -128,8 +128,10 @@ fn index_in_range<T: TryFrom<i128>>(obj: &Bound<'_, PyAny>, what: &str) -> PyRes
     }
 }
 
-/// `groups`: per KV-cache group, `(layer index, bytes per block)` pairs of ints.
+/// `groups`: per KV-cache group, `(layer index, bytes per block)` pairs of ints. The groups
+/// and all their pairs count against one bound ([`Drain`]).
 fn group_refs(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<GroupRef>>> {
+    let mut drain = Drain::new(obj.py());
     let mut groups = Vec::new();
     for (g, group) in items(obj, "groups", "a sequence of groups")?.enumerate() {
         let group = group?;
@@ -150,22 +152,31 @@ fn group_refs(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<GroupRef>>> {
                     format!("{what} must be a (layer index, bytes) pair"),
                 ));
             };
-            refs.push(GroupRef {
+            let group_ref = GroupRef {
                 tensor: index_in_range(tensor, &format!("{what}[0] (layer index)"))?,
                 bytes: index_in_range(bytes, &format!("{what}[1] (bytes per block)"))?,
-            });
+            };
+            drain.push(&mut refs, group_ref, "groups")?;
         }
-        groups.push(refs);
+        drain.push(&mut groups, refs, "groups")?;
     }
     Ok(groups)
 }
 
 /// `offsets`: each layer's segment offset inside a chunk, in bytes.
 fn segment_offsets(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    items(obj, "offsets", "a sequence of ints")?
-        .enumerate()
-        .map(|(i, o)| index_in_range(&o?, &format!("offsets[{i}]")))
-        .collect()
+    let mut drain = Drain::new(obj.py());
+    let mut offsets = Vec::new();
+    for (i, o) in items(obj, "offsets", "a sequence of ints")?.enumerate() {
+        let offset = index_in_range(&o?, &format!("offsets[{i}]"))?;
+        drain.push(&mut offsets, offset, "offsets")?;
+    }
+    Ok(offsets)
+}
+
+/// `layers`, read by a [`Drain`] (pyo3's `Vec` would size itself by `__len__`).
+fn layers_arg<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+    crate::conversion::items(obj, "layers")
 }
 
 /// A caller's output buffer: writable int64 memory in native byte order.
@@ -267,7 +278,7 @@ impl PyTransferLayout {
     #[pyo3(signature = (pool, layers, blocks_per_chunk, groups=None, offsets=None))]
     fn new(
         pool: &Bound<'_, PyHostChunkPool>,
-        layers: Vec<Bound<'_, PyTuple>>,
+        #[pyo3(from_py_with = layers_arg)] layers: Vec<Bound<'_, PyTuple>>,
         #[pyo3(from_py_with = blocks_per_chunk_arg)] blocks_per_chunk: usize,
         groups: Option<Bound<'_, PyAny>>,
         offsets: Option<Bound<'_, PyAny>>,

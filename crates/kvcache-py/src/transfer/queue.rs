@@ -554,7 +554,11 @@ impl CudaQueue {
     /// Blocks (GIL released) until the given jobs (all if None) have finished on the device;
     /// results stay queued for `poll()`.
     #[pyo3(signature = (job_ids=None))]
-    fn wait(&self, py: Python<'_>, job_ids: Option<Vec<u64>>) {
+    fn wait(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::ids::job_ids)] job_ids: Option<Vec<u64>>,
+    ) {
         let shared = Arc::clone(&self.shared);
         py.detach(move || {
             let ends: Vec<usize> = {
