@@ -175,6 +175,11 @@ CASES = [
     ("manager.touch", MANAGER, "K[0]", "obj.touch(items)"),
     ("manager.complete_load", MANAGER, "K[0]", "obj.complete_load(items)"),
     ("manager.complete_store", MANAGER, "K[2]", "obj.complete_store(items)"),
+    # vLLM 0.34's primary tier (tiering).
+    ("manager.prepare_read", MANAGER, "K[0]", "obj.prepare_read(items)"),
+    ("manager.defer_write_release", MANAGER, "K[2]", "obj.defer_write_release(items)"),
+    # (release_deferred_write reads no more ids than chunks are deferred: an endless
+    # iterable is refused after one item more, tests/test_tiering_conformance.py.)
     (
         "manager._hint_next_uses.keys",
         "obj, ctx = manager('belady')",

@@ -37,7 +37,9 @@ const SIGNAL_EVERY: usize = 1 << 14;
 /// - policies: `touch`, `on_store_miss`, `on_request_access`, `on_request_finished` (the key
 ///   groups and their keys), `evict` (`protected`); `order_request_keys`;
 /// - managers: `prepare_load`, `prepare_store`, `touch`, `complete_load`, `complete_store`,
-///   `_hint_next_uses` (keys and next uses);
+///   `_hint_next_uses` (keys and next uses); as vLLM 0.34's primary tier: `prepare_read`,
+///   `defer_write_release` (keys), `release_deferred_write` (chunk ids, also bounded by the
+///   deferred chunks: `bounded_ints`);
 /// - `LoadStoreSpec(block_ids)`;
 /// - transfer: `TransferLayout(layers, groups, offsets)`, `TransferLayout.plan` and the
 ///   engines' submits (block and chunk ids, `transfer::ids::id_vec`), both copiers' `wait`
@@ -586,21 +588,15 @@ pub fn default_semantics(py: Python<'_>) -> PyResult<VllmSemantics> {
     Ok(semantics_arg(&name)?.unwrap_or_default())
 }
 
-/// At most `max` ints (each within `i64`) from any iterable, drained no further than one item
-/// past `max`: a longer (or endless) iterable is refused with `InvalidArgumentError` before it
-/// can size anything. `what` names the argument in messages.
+/// At most `max` ints (each within `i64`) from any iterable, through [`Drain`] (so never past
+/// [`MAX_ITEMS`] either): an iterable longer than `max` is refused with `InvalidArgumentError`
+/// after `max + 1` items. `what` names the argument in messages.
 pub fn bounded_ints(obj: &Bound<'_, PyAny>, what: &str, max: usize) -> PyResult<Vec<i64>> {
     let py = obj.py();
-    let iter = obj.try_iter().map_err(|_| {
-        new_err(
-            py,
-            &exceptions(py).invalid_type,
-            format!("{what} must be an iterable of ints, got {}", type_name(obj)),
-        )
-    })?;
-    let mut out = Vec::new();
-    for (i, item) in iter.enumerate() {
-        let item = item?;
+    let mut at = 0usize;
+    let ints = Drain::new(py).read(obj, what, |item| {
+        let i = at;
+        at += 1;
         if i == max {
             return Err(new_err(
                 py,
@@ -615,14 +611,13 @@ pub fn bounded_ints(obj: &Bound<'_, PyAny>, what: &str, max: usize) -> PyResult<
                 format!("{what}[{i}] is a bool, not an int"),
             ));
         }
-        let v: i64 = item.extract().map_err(|_| {
+        item.extract::<i64>().map_err(|_| {
             new_err(
                 py,
                 &exceptions(py).invalid_type,
                 format!("{what}[{i}] is not an int within 64 bits"),
             )
-        })?;
-        out.push(v);
-    }
-    Ok(out)
+        })
+    })?;
+    Ok(ints)
 }
