@@ -483,6 +483,21 @@ pub enum ManagerOp {
     TakeEvents {
         requeue: bool,
     },
+    /// vLLM 0.34's primary tier: pin keys for a secondary tier's read (a cascade).
+    ReadForTier {
+        keys: Vec<u8>,
+    },
+    /// Unpin every outstanding tier read.
+    CompleteReads,
+    /// A failed promotion: defer the release of a request's pending stores.
+    DeferWrites {
+        req: usize,
+    },
+    /// The tier lets go of the first `count` deferred chunks (and an id never deferred is
+    /// refused).
+    ReleaseDeferred {
+        count: u8,
+    },
 }
 
 impl<'a> Arbitrary<'a> for ManagerOp {
@@ -494,7 +509,7 @@ impl<'a> Arbitrary<'a> for ManagerOp {
                 .map(|_| u.int_in_range(0..=MANAGER_KEYS - 1))
                 .collect()
         };
-        Ok(match u.int_in_range(0..=16)? {
+        Ok(match u.int_in_range(0..=20)? {
             0 => ManagerOp::NewRequest,
             1..=4 => ManagerOp::Step {
                 req: req(u)?,
@@ -514,8 +529,14 @@ impl<'a> Arbitrary<'a> for ManagerOp {
                 keys: keys(u)?,
                 next: u.arbitrary()?,
             },
-            _ => ManagerOp::TakeEvents {
+            16 => ManagerOp::TakeEvents {
                 requeue: u.ratio(1, 3)?,
+            },
+            17 => ManagerOp::ReadForTier { keys: keys(u)? },
+            18 => ManagerOp::CompleteReads,
+            19 => ManagerOp::DeferWrites { req: req(u)? },
+            _ => ManagerOp::ReleaseDeferred {
+                count: u.int_in_range(0..=4)?,
             },
         })
     }
@@ -597,6 +618,9 @@ struct Req {
 pub struct ManagerHarness<P: Policy<ChunkId>> {
     m: Manager<P>,
     reqs: Vec<Req>,
+    /// Keys pinned by secondary-tier reads, and chunks whose release is deferred.
+    reads: Vec<Vec<u8>>,
+    deferred: Vec<i64>,
 }
 
 impl<P: Policy<ChunkId>> ManagerHarness<P> {
@@ -612,6 +636,8 @@ impl<P: Policy<ChunkId>> ManagerHarness<P> {
         ManagerHarness {
             m,
             reqs: Vec::new(),
+            reads: Vec::new(),
+            deferred: Vec::new(),
         }
     }
 
@@ -791,11 +817,84 @@ impl<P: Policy<ChunkId>> ManagerHarness<P> {
                 m.hint_next_uses(&ks, &vec![next; ks.len()]);
             }
             ManagerOp::Reset => {
-                m.reset();
-                for r in &mut self.reqs {
-                    r.loads.clear();
-                    r.stores.clear();
+                let before = self.snapshot();
+                match self.m.try_reset() {
+                    Ok(()) if !self.deferred.is_empty() => {
+                        return Err("reset accepted with deferred chunks".into());
+                    }
+                    Ok(()) => {
+                        for r in &mut self.reqs {
+                            r.loads.clear();
+                            r.stores.clear();
+                        }
+                        self.reads.clear();
+                    }
+                    Err(_) if self.deferred.is_empty() => return Err("reset refused".into()),
+                    Err(_) if self.snapshot() != before => {
+                        return Err("a refused reset changed state".into());
+                    }
+                    Err(_) => {}
                 }
+            }
+            ManagerOp::ReadForTier { keys } => {
+                let bytes: Vec<Vec<u8>> = keys.iter().map(|&k| manager_key(k)).collect();
+                let ks: Vec<Key<'_>> = bytes.iter().map(|b| m.key(b)).collect();
+                let before = self.snapshot();
+                let requests = self.m.num_requests();
+                match self.m.prepare_read(&ks) {
+                    Ok(ids) if ids.len() != ks.len() => {
+                        return Err(format!("{} chunk ids for {} reads", ids.len(), ks.len()));
+                    }
+                    Ok(_) => self.reads.extend(bytes),
+                    Err(_) if self.snapshot() != before => {
+                        return Err("a refused prepare_read changed state".into());
+                    }
+                    Err(_) => {}
+                }
+                if self.m.num_requests() != requests {
+                    return Err("a tier read touched request state".into());
+                }
+            }
+            ManagerOp::CompleteReads => {
+                let reads = std::mem::take(&mut self.reads);
+                let ks: Vec<Key<'_>> = reads.iter().map(|b| m.key(b)).collect();
+                m.complete_load(&ks)
+                    .map_err(|e| format!("complete_load of tier reads: {e}"))?;
+            }
+            ManagerOp::DeferWrites { req } => {
+                let Some(r) = self.reqs.get_mut(*req) else {
+                    return self.validate();
+                };
+                let mut stores = std::mem::take(&mut r.stores);
+                stores.dedup();
+                let ks: Vec<Key<'_>> = stores.iter().map(|b| m.key(b)).collect();
+                let before = self.snapshot();
+                match self.m.defer_write_release(&ks) {
+                    Ok(ids) => {
+                        self.deferred.extend(ids.into_iter().map(i64::from));
+                        for k in &ks {
+                            if self.m.lookup(*k) != LookupResult::Miss {
+                                return Err("a deferred key is still in the cache".into());
+                            }
+                        }
+                    }
+                    Err(_) if self.snapshot() != before => {
+                        return Err("a refused defer_write_release changed state".into());
+                    }
+                    // Not all pending any more (a reset, a completion): they stay as they are.
+                    Err(_) => self.reqs[*req].stores = stores,
+                }
+            }
+            ManagerOp::ReleaseDeferred { count } => {
+                let before = self.snapshot();
+                if self.m.release_deferred_write(&[1 << 40]).is_ok() || self.snapshot() != before {
+                    return Err("an id never deferred was released".into());
+                }
+                let n = usize::from(*count).min(self.deferred.len());
+                let ids: Vec<i64> = self.deferred.drain(..n).collect();
+                self.m
+                    .release_deferred_write(&ids)
+                    .map_err(|e| format!("release_deferred_write: {e}"))?;
             }
             ManagerOp::TakeEvents { requeue } => {
                 let events = m.take_events();
