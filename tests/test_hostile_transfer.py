@@ -111,6 +111,27 @@ for name, args, expected in [
         expected,
         ctor=True,
     )
+
+
+def _mapped(n: int) -> Any:
+    import mmap
+
+    return mmap.mmap(-1, n)
+
+
+for name, buffer, expected in [
+    ("read-only", lambda: bytes(8192), InvalidArgumentError),
+    ("too-small", lambda: _mapped(4096), InvalidArgumentError),
+    ("not-a-buffer", lambda: object(), InvalidTypeError),
+    ("not-page-aligned", lambda: memoryview(_mapped(3 * 4096))[1:], InvalidArgumentError),
+    ("not-contiguous", lambda: memoryview(_mapped(4 * 4096))[::2], InvalidArgumentError),
+]:
+    case(
+        f"pool-buffer-{name}",
+        lambda *_, b=buffer: HostChunkPool(2, 4096, pin=False, buffer=b()),
+        expected,
+        ctor=True,
+    )
 for name, pin in [("str", "yes"), ("none", None), ("int", 1), ("float", 0.0)]:
     case(
         f"pool-pin-{name}",

@@ -90,7 +90,7 @@ def test_the_comparison_catches_a_release_that_is_not_deferred(
     assert ref != ours
 
 
-def test_our_spec_builds_our_primary_tier_with_vllms_tiers_and_worker_choice() -> None:
+def test_our_spec_builds_our_primary_tier_with_vllms_tiers() -> None:
     needs_tiering()
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
@@ -110,8 +110,12 @@ def test_our_spec_builds_our_primary_tier_with_vllms_tiers_and_worker_choice() -
         manager.shutdown()
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    with pytest.raises(kvcache.InvalidArgumentError, match="kvcache_worker"):
-        OffloadingSpecFactory.create_spec(tiering_config("kvcache", [EXAMPLE], kvcache_worker=True))
+    # The worker settings are read as by kvcache's CPU spec (tests/test_tiering_worker.py
+    # runs the worker itself).
+    with pytest.raises(kvcache.InvalidTypeError, match="kvcache_worker"):
+        OffloadingSpecFactory.create_spec(
+            tiering_config("kvcache", [EXAMPLE], kvcache_worker="yes")
+        )
     bad = OffloadingSpecFactory.create_spec(tiering_config("kvcache", [EXAMPLE], store_threshold=2))
     with pytest.raises(kvcache.InvalidArgumentError, match="store_threshold"):
         bad.get_manager()

@@ -184,3 +184,32 @@ def test_pin_auto_without_cuda_stays_pageable_quietly(caplog: pytest.LogCaptureF
     assert not caplog.records
     with pytest.raises(RuntimeError, match="CUDA"):
         HostChunkPool(2, 4096, pin=True)
+
+
+def test_a_pool_over_a_callers_buffer_copies_into_it_and_leaves_it_on_close() -> None:
+    """``buffer=``: the chunks are the caller's memory (vLLM's shared region under tiering):
+    copies land there, the pool keeps the export while it lives, and closing it leaves the
+    bytes alone."""
+    import mmap
+
+    import numpy as np
+    import torch
+
+    from kvcache.transfer import TransferEngine
+
+    mapping = mmap.mmap(-1, 4 * 4096)
+    pool = HostChunkPool(4, 4096, pin=False, buffer=mapping)
+    layer = torch.arange(8 * 4096, dtype=torch.int32).to(torch.uint8).view(8, 4096)
+    with TransferEngine([layer], pool) as engine:
+        engine.wait([engine.store([5, 2], [3, 0])])
+        assert engine.poll() == [(0, True)]
+    view = np.frombuffer(mapping, dtype=np.uint8).reshape(4, 4096)
+    assert (view[3] == layer[5].numpy()).all()
+    assert (view[0] == layer[2].numpy()).all()
+    with pytest.raises(BufferError):
+        mapping.close()  # exported to the pool
+    pool.close()
+    assert (view[3] == layer[5].numpy()).all(), "closing the pool emptied the caller's memory"
+    del view, pool, engine  # the engine's layout holds the pool too
+    gc.collect()
+    mapping.close()  # the pool let go of it

@@ -120,33 +120,78 @@ def _define_primary_tier() -> type:
 class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
     """vLLM 0.34's ``TieringOffloadingSpec`` (same keys: ``secondary_tiers``,
     ``tier_poll_interval_s``, ``backpressure``, ``cpu_bytes_to_use``, ``eviction_policy``)
-    with kvcache's Rust manager as the CPU primary tier; every secondary tier, the tiering
-    manager and the GPU worker are vLLM's. ``"kvcache_worker": true`` is refused here:
-    kvcache's worker keeps its own host pool, which the secondary tiers cannot see."""
+    with kvcache's Rust manager as the CPU primary tier; every secondary tier and the tiering
+    manager are vLLM's. The GPU worker follows the same rule as ``KvCacheOffloadingSpec``:
+    vLLM's, unless ``"kvcache_worker": true`` (the default once kvcache's worker has passed a
+    GPU run), in which case kvcache's worker moves the bytes directly in vLLM's shared host
+    region, the rows the secondary tiers read and write."""
 
     def __init__(self, config: OffloadingConfig) -> None:
-        from kvcache.vllm import rust_policy
+        from kvcache.vllm import CPUOffloadingSpec, rust_policy
 
         route_to_vllm()
         super().__init__(config)
-        extra = self.extra_config
-        worker = extra.get("kvcache_worker")
-        if worker is not None and not isinstance(worker, bool):
-            raise InvalidTypeError(
-                "kvcache_worker in kv_connector_extra_config must be true or false"
-            )
-        if worker:
-            raise InvalidArgumentError(
-                '"kvcache_worker": true is not available with KvCacheTieringOffloadingSpec: '
-                "the secondary tiers read and write vLLM's shared host region, which vLLM's "
-                "worker fills; kvcache's worker keeps a pool of its own"
-            )
+        # The worker settings are read exactly as kvcache's CPU spec reads them.
+        CPUOffloadingSpec._read_worker_settings(self, self.extra_config)
         if not isinstance(self.eviction_policy, str):
             raise InvalidTypeError(
                 "eviction_policy in kv_connector_extra_config must be a string, got "
                 f"{self.eviction_policy!r}"
             )
         self.policy_kind = rust_policy(self.eviction_policy, self.cache_policy_module_path)
+
+    def create_worker(self, kv_caches: Any) -> Any:
+        """vLLM's worker, or kvcache's over vLLM's shared host region (see the class docs);
+        one start-up line says which, and why."""
+        from kvcache._vllm_worker import HostRegionView, build_worker
+        from kvcache.vllm import CPUOffloadingSpec
+
+        reason = CPUOffloadingSpec.worker_unsupported(self, kv_caches)  # type: ignore[arg-type]
+        if reason is not None:
+            worker = super().create_worker(kv_caches)
+            self._log_worker(f"vLLM's ({reason})")
+            return worker
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        view = HostRegionView(
+            buffer=memoryview(region.mmap_obj),
+            row_bytes=self.kv_bytes_per_chunk,
+            slot_offset=rank * self.cpu_page_size_per_worker,
+            release=region.cleanup,
+        )
+        try:
+            worker, why = build_worker(
+                kv_caches,
+                lambda: TieringOffloadingSpec.create_worker(self, kv_caches),
+                blocks_per_chunk=self.blocks_per_chunk,
+                num_chunks=self.num_chunks,
+                pin=self.pin_setting,
+                copy=self.copy_setting,
+                kernel_max_run_bytes=self.kernel_max_run_bytes,
+                host_region=view,
+            )
+        except BaseException:
+            del view
+            region.cleanup()
+            raise
+        where = "kvcache (in vLLM's shared host region)"
+        self._log_worker(where if why is None else f"vLLM's ({why})")
+        return worker
+
+    def _log_worker(self, text: str) -> None:
+        logger.info(
+            "kvcache worker ready: vllm=%s tiering=vLLM's primary=%s worker=%s chunks=%d",
+            VLLM_SEMANTICS,
+            "kvcache (Rust)" if self.policy_kind is not None else "vLLM's",
+            text,
+            self.num_chunks,
+        )
 
     def _primary_tier(self, region: SharedOffloadRegion) -> Any:
         kwargs = dict(
@@ -207,7 +252,7 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
             raise
         logger.info(
             "kvcache manager ready: vllm=%s tiering=vLLM's primary=%s policy=%s "
-            "secondary_tiers=[%s] worker=vLLM's (tiering) chunks=%d",
+            "secondary_tiers=[%s] chunks=%d",
             VLLM_SEMANTICS,
             "kvcache (Rust)" if self.policy_kind is not None else "vLLM's",
             self.policy_kind or self.eviction_policy,

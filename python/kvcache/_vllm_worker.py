@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -52,6 +52,18 @@ logger = logging.getLogger("kvcache.vllm")
 
 PinSetting = Literal["background", "blocking", "off"]
 _PIN_MODES: dict[str, Any] = {"background": "background", "blocking": "auto", "off": False}
+
+
+class HostRegionView(NamedTuple):
+    """Host memory the worker's chunks live in when it is not a pool of its own: vLLM's shared
+    host region (tiered offloading, where the secondary tiers read and write the same rows).
+    Chunk ``c`` is row ``c`` of ``row_bytes`` bytes in ``buffer``; this rank's slot starts
+    ``slot_offset`` bytes into the row; ``release`` is called once the worker has let go."""
+
+    buffer: Any
+    row_bytes: int
+    slot_offset: int
+    release: Callable[[], None]
 
 
 class SelfCheckError(TransferError):
@@ -211,7 +223,9 @@ class CPUOffloadingWorker(OffloadingWorker):
         copy: Literal["auto", "kernel", "dma"] = "auto",
         kernel_max_run_bytes: int | None = None,
         self_check: bool = True,
+        host_region: HostRegionView | None = None,
     ) -> None:
+        self._host_region = host_region
         if pin not in _PIN_MODES:
             raise InvalidArgumentError(
                 f"kvcache_pin must be 'background', 'blocking' or 'off', got {pin!r}"
@@ -220,7 +234,18 @@ class CPUOffloadingWorker(OffloadingWorker):
         self.chunk_bytes = chunk_bytes
         # The KV tensors' device pins the pool, whatever device the calling thread has.
         device = views[0].device.index if views and views[0].device.type == "cuda" else None
-        self.pool = HostChunkPool(num_chunks, chunk_bytes, pin=_PIN_MODES[pin], device=device)
+        if host_region is None:
+            self.pool = HostChunkPool(num_chunks, chunk_bytes, pin=_PIN_MODES[pin], device=device)
+        else:
+            # Rows of vLLM's shared region; this rank's slot at its offset in each row.
+            offsets = [o + host_region.slot_offset for o in offsets]
+            self.pool = HostChunkPool(
+                num_chunks,
+                host_region.row_bytes,
+                pin=_PIN_MODES[pin],
+                device=device,
+                buffer=host_region.buffer,
+            )
         try:
             self.engine = TransferEngine(
                 views,
@@ -365,11 +390,16 @@ class CPUOffloadingWorker(OffloadingWorker):
             self.engine.wait(mine)
 
     def shutdown(self) -> None:
-        """Waits for every job, then releases the host memory."""
+        """Waits for every job, then releases the host memory (a shared region's owner is
+        told once the pool has let go of it)."""
         try:
             self.engine.close()
         finally:
             self.pool.close()
+            region, self._host_region = self._host_region, None
+            if region is not None:
+                del self.pool, self.engine  # the pool's buffer export goes with them
+                region.release()
 
     def describe(self) -> dict[str, Any]:
         """What runs: pool size, pinning state, DMA method and the load cut-off."""

@@ -301,21 +301,7 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
         route_to_vllm()  # vLLM may have configured its logging after this module was imported
         super().__init__(config)
         extra = self.extra_config
-        #: None when the configuration does not name a worker (the default applies).
-        self.worker_setting: bool | None = (
-            None if "kvcache_worker" not in extra else _flag(extra, "kvcache_worker", False)
-        )
-        self.use_kvcache_worker = (
-            WORKER_GPU_EVIDENCE is not None if self.worker_setting is None else self.worker_setting
-        )
-        self.pin_setting = _choice(extra, "kvcache_pin", _PIN_SETTINGS)
-        self.copy_setting = _choice(extra, "kvcache_copy", _COPY_SETTINGS)
-        cutoff = extra.get("kvcache_kernel_max_run_bytes")
-        if cutoff is not None and (isinstance(cutoff, bool) or not isinstance(cutoff, int)):
-            raise InvalidTypeError("kvcache_kernel_max_run_bytes must be an int (bytes) or null")
-        if cutoff is not None and cutoff < 0:
-            raise InvalidArgumentError("kvcache_kernel_max_run_bytes must be >= 0")
-        self.kernel_max_run_bytes: int | None = cutoff
+        self._read_worker_settings(extra)
         # vLLM takes both as given; anything but a string would only surface later, as an
         # "out-of-tree policy" silently run by vLLM's manager.
         if not isinstance(self.eviction_policy, str):
@@ -346,6 +332,24 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
                 self.eviction_policy,
                 f"{self.eviction_policy.upper()}CachePolicy",
             )
+
+    def _read_worker_settings(self, extra: Any) -> None:
+        """The worker keys of ``kv_connector_extra_config`` (typed errors for bad values)."""
+        #: None when the configuration does not name a worker (the default applies).
+        self.worker_setting: bool | None = (
+            None if "kvcache_worker" not in extra else _flag(extra, "kvcache_worker", False)
+        )
+        self.use_kvcache_worker = (
+            WORKER_GPU_EVIDENCE is not None if self.worker_setting is None else self.worker_setting
+        )
+        self.pin_setting = _choice(extra, "kvcache_pin", _PIN_SETTINGS)
+        self.copy_setting = _choice(extra, "kvcache_copy", _COPY_SETTINGS)
+        cutoff = extra.get("kvcache_kernel_max_run_bytes")
+        if cutoff is not None and (isinstance(cutoff, bool) or not isinstance(cutoff, int)):
+            raise InvalidTypeError("kvcache_kernel_max_run_bytes must be an int (bytes) or null")
+        if cutoff is not None and cutoff < 0:
+            raise InvalidArgumentError("kvcache_kernel_max_run_bytes must be >= 0")
+        self.kernel_max_run_bytes: int | None = cutoff
 
     def manager_description(self) -> str:
         if self.policy_kind is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from kvcache import _core
 from kvcache._core import (
@@ -51,6 +51,12 @@ class HostChunkPool(_core.HostChunkPool):
     it current, on whichever thread (default: the calling thread's current device), so a
     rank's pool never touches another GPU.
 
+    ``buffer``: instead of a mapping of its own, the pool uses the first
+    ``num_chunks * chunk_bytes`` bytes of this writable, C-contiguous, page-aligned buffer
+    (for example a shared mapping other processes also use), holding its export for as long
+    as the pool or a transfer using it lives; it is pinned like an own mapping, and closing
+    the pool unpins it but leaves its bytes alone.
+
     Lifetime: :meth:`close` (also on ``with`` exit, or when the pool is collected) stops a
     background registration, unregisters the memory and returns its pages to the system,
     exactly once. It is refused (``TransferError``) while transfers are in flight. Views that
@@ -65,6 +71,7 @@ class HostChunkPool(_core.HostChunkPool):
         *,
         pin: PinMode = "auto",
         device: int | None = None,
+        buffer: Any = None,
     ) -> Self:
         check_count("num_chunks", num_chunks)
         check_count("chunk_bytes", chunk_bytes)
@@ -79,7 +86,7 @@ class HostChunkPool(_core.HostChunkPool):
             raise InvalidArgumentError(
                 f"pin must be True, False, 'auto' or 'background', got {pin!r}"
             )
-        return super().__new__(cls, num_chunks, chunk_bytes)
+        return super().__new__(cls, num_chunks, chunk_bytes, buffer=buffer)
 
     def __init__(
         self,
@@ -88,6 +95,7 @@ class HostChunkPool(_core.HostChunkPool):
         *,
         pin: PinMode = "auto",
         device: int | None = None,
+        buffer: Any = None,
     ) -> None:
         if "_pin_reported" in vars(self):
             # Running __init__ again would re-pin, and close the pool on a failure.

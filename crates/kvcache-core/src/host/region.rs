@@ -231,11 +231,15 @@ struct State {
 }
 
 /// A private anonymous mapping of at least `len` bytes (rounded up to whole pages), never
-/// populated eagerly. Shared through `Arc`; see the module docs for the lifetime rules.
+/// populated eagerly; or ([`HostRegion::borrowed`]) memory someone else mapped and keeps alive.
+/// Shared through `Arc`; see the module docs for the lifetime rules.
 pub struct HostRegion {
     ptr: NonNull<u8>,
     len: usize,
     map_len: usize,
+    /// Set for borrowed memory: keeps its owner's mapping alive for as long as this region
+    /// lives (dropped last). Borrowed memory is never unmapped nor emptied here.
+    owner: Option<Box<dyn Send + Sync>>,
     state: Mutex<State>,
     /// One lock per `stripe_bytes` of the mapping, held for writing while a piece overlapping
     /// it is being registered, for reading by whoever submits DMA on a range overlapping it
@@ -247,7 +251,7 @@ pub struct HostRegion {
 }
 
 // SAFETY: `ptr` designates a mapping owned exclusively by this value and unmapped only in
-// `Drop`. The type never creates Rust references into the mapping; it only hands out its
+// `Drop`, or borrowed memory that `owner` keeps mapped for as long as this value lives. The type never creates Rust references into the mapping; it only hands out its
 // address, and whoever reads or writes through that address is responsible for ordering its
 // accesses (the copy functions document this). All other state sits behind a `Mutex`.
 unsafe impl Send for HostRegion {}
@@ -287,14 +291,50 @@ impl HostRegion {
         }
         let ptr = NonNull::new(raw.cast::<u8>())
             .ok_or_else(|| HostError::Map(std::io::Error::other("mmap returned NULL")))?;
+        Ok(Self::over(ptr, len, map_len, None, stripe_bytes))
+    }
+
+    /// A region over memory `owner` keeps mapped (for example another process's shared
+    /// mapping, exported through Python's buffer protocol): `len` bytes from `ptr`, both
+    /// page-aligned. It can be registered (pinned) and copied to like an owned region, but is
+    /// never unmapped, and `close()` leaves its contents alone. `owner` is dropped after
+    /// everything else, when the last `Arc` of the region goes.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be readable and writable memory that stays mapped for as long
+    /// as `owner` lives.
+    pub unsafe fn borrowed(
+        ptr: NonNull<u8>,
+        len: usize,
+        owner: Box<dyn Send + Sync>,
+    ) -> HostResult<Self> {
+        let page = page_size();
+        if len == 0 || len % page != 0 || ptr.as_ptr().addr() % page != 0 {
+            return Err(HostError::Geometry(format!(
+                "borrowed host memory must be whole pages at a page boundary ({len} bytes at \
+                 {:#x})",
+                ptr.as_ptr().addr()
+            )));
+        }
+        Ok(Self::over(ptr, len, len, Some(owner), COPY_STRIPE_BYTES))
+    }
+
+    fn over(
+        ptr: NonNull<u8>,
+        len: usize,
+        map_len: usize,
+        owner: Option<Box<dyn Send + Sync>>,
+        stripe_bytes: usize,
+    ) -> Self {
         // At most 2^47 / 2^30 stripes for any mapping the system granted.
         let stripes = (0..map_len.div_ceil(stripe_bytes))
             .map(|_| RwLock::new(()))
             .collect();
-        Ok(HostRegion {
+        HostRegion {
             ptr,
             len,
             map_len,
+            owner,
             state: Mutex::new(State {
                 registration: None,
                 partial: None,
@@ -307,7 +347,12 @@ impl HostRegion {
             stripes,
             stripe_bytes,
             cancel: AtomicBool::new(false),
-        })
+        }
+    }
+
+    /// Whether the memory is borrowed ([`Self::borrowed`]) rather than owned.
+    pub fn is_borrowed(&self) -> bool {
+        self.owner.is_some()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -674,11 +719,15 @@ impl HostRegion {
             + st.partial.take().map_or(0, Registration::undo);
         st.planned = None;
         st.status = PinStatus::Unpinned;
-        // SAFETY: the range is exactly our own private anonymous mapping. MADV_DONTNEED only
-        // drops its pages: later accesses through stale views see fresh zero pages, so no
-        // access can fault. No transfer is running (no leases).
-        let rc = unsafe { libc::madvise(self.as_ptr().cast(), self.map_len, libc::MADV_DONTNEED) };
-        debug_assert_eq!(rc, 0, "madvise(MADV_DONTNEED) on our own mapping failed");
+        if self.owner.is_none() {
+            // SAFETY: the range is exactly our own private anonymous mapping. MADV_DONTNEED
+            // only drops its pages: later accesses through stale views see fresh zero pages,
+            // so no access can fault. No transfer is running (no leases). Borrowed memory
+            // holds its owner's data and is left alone.
+            let rc =
+                unsafe { libc::madvise(self.as_ptr().cast(), self.map_len, libc::MADV_DONTNEED) };
+            debug_assert_eq!(rc, 0, "madvise(MADV_DONTNEED) on our own mapping failed");
+        }
         st.closed = true;
         Ok(failures)
     }
@@ -722,10 +771,14 @@ impl Drop for HostRegion {
         {
             reg.undo();
         }
-        // SAFETY: we own the mapping and this is its only unmap; no `Arc` (hence no lease,
-        // plan or copy) refers to it any more.
-        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.map_len) };
-        debug_assert_eq!(rc, 0, "munmap of our own mapping failed");
+        if self.owner.is_none() {
+            // SAFETY: we own the mapping and this is its only unmap; no `Arc` (hence no
+            // lease, plan or copy) refers to it any more.
+            let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.map_len) };
+            debug_assert_eq!(rc, 0, "munmap of our own mapping failed");
+        }
+        // Borrowed memory: `owner` (dropped with the fields, after the registrations were
+        // undone above) lets its mapping go.
     }
 }
 

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvcache_core::host::{HostRegion, PinStatus};
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -45,10 +46,16 @@ impl PyHostChunkPool {
         Err(crate::errors::not_picklable(slf.as_any()))
     }
 
+    /// A pool of `num_chunks * chunk_bytes` bytes: its own anonymous mapping, or with
+    /// `buffer`, the memory of that writable, C-contiguous buffer (at least as many bytes,
+    /// page-aligned, whole pages), kept exported for as long as the pool or anything using
+    /// it lives; closing such a pool unpins it and leaves its bytes alone.
     #[new]
+    #[pyo3(signature = (num_chunks, chunk_bytes, *, buffer=None))]
     fn new(
         #[pyo3(from_py_with = num_chunks_arg)] num_chunks: usize,
         #[pyo3(from_py_with = chunk_bytes_arg)] chunk_bytes: usize,
+        buffer: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         if num_chunks == 0 || chunk_bytes == 0 {
             return Err(typed(
@@ -65,7 +72,10 @@ impl PyHostChunkPool {
                     "num_chunks * chunk_bytes is too large",
                 )
             })?;
-        let region = HostRegion::new(len).py_err()?;
+        let region = match buffer {
+            None => HostRegion::new(len).py_err()?,
+            Some(obj) => borrowed_region(obj, len)?,
+        };
         Ok(PyHostChunkPool {
             region: Arc::new(region),
             num_chunks,
@@ -335,4 +345,51 @@ fn num_chunks_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
 
 fn chunk_bytes_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     crate::conversion::count(obj, "chunk_bytes")
+}
+
+/// A buffer export held for as long as a borrowed region lives. Released with the interpreter
+/// attached; after interpreter shutdown there is nothing to release it to: leaked.
+struct HeldBuffer(Option<PyBuffer<u8>>);
+
+impl Drop for HeldBuffer {
+    fn drop(&mut self) {
+        let mut slot = self.0.take();
+        if Python::try_attach(|_| drop(slot.take())).is_none() {
+            std::mem::forget(slot.take());
+        }
+    }
+}
+
+/// A region over `obj`'s memory (the first `len` bytes of a writable, C-contiguous buffer of
+/// at least `len` bytes), keeping the export alive.
+fn borrowed_region(obj: &Bound<'_, PyAny>, len: usize) -> PyResult<HostRegion> {
+    let buf = PyBuffer::<u8>::get(obj).map_err(|_| {
+        typed(
+            |e| &e.invalid_type,
+            format!(
+                "buffer must export bytes (the buffer protocol), got {}",
+                crate::conversion::type_name(obj)
+            ),
+        )
+    })?;
+    if buf.readonly() || !buf.is_c_contiguous() {
+        return Err(typed(
+            |e| &e.invalid_argument,
+            "buffer must be writable and C-contiguous",
+        ));
+    }
+    if buf.len_bytes() < len {
+        return Err(typed(
+            |e| &e.invalid_argument,
+            format!(
+                "buffer holds {} bytes, the pool needs {len}",
+                buf.len_bytes()
+            ),
+        ));
+    }
+    let ptr = std::ptr::NonNull::new(buf.buf_ptr().cast::<u8>())
+        .ok_or_else(|| typed(|e| &e.invalid_argument, "buffer has no memory"))?;
+    // SAFETY: a writable, C-contiguous export of at least `len` bytes from `ptr`; the export
+    // (held in the owner box) keeps the exporter's memory valid until it is released.
+    unsafe { HostRegion::borrowed(ptr, len, Box::new(HeldBuffer(Some(buf)))) }.py_err()
 }

@@ -339,3 +339,38 @@ fn close_releases_pages() {
     let first = unsafe { r.as_ptr().read() };
     assert_eq!(first, 0);
 }
+
+#[test]
+fn borrowed_memory_is_registered_copied_and_never_emptied_or_unmapped() {
+    let page = page_size();
+    // The owner: another region whose mapping the borrowed one uses.
+    let owner = Arc::new(HostRegion::new(4 * page).unwrap());
+    let base = owner.as_ptr();
+    // SAFETY: the owner's mapping, written through its own pointer only here.
+    unsafe { std::ptr::write_bytes(base, 0xA5, 4 * page) };
+    let ptr = NonNull::new(base).unwrap();
+    // Misaligned or partial pages are refused.
+    // SAFETY: the memory is the owner's, kept alive by the box (not used on an error).
+    let odd = unsafe { HostRegion::borrowed(ptr, page + 1, Box::new(Arc::clone(&owner))) };
+    assert!(matches!(odd, Err(HostError::Geometry(_))));
+    // SAFETY: as above.
+    let region = Arc::new(
+        unsafe { HostRegion::borrowed(ptr, 4 * page, Box::new(Arc::clone(&owner))) }.unwrap(),
+    );
+    assert!(region.is_borrowed());
+    let (mock, log) = mock(None);
+    region.register(mock, page, 2 * page).unwrap();
+    assert_eq!(log.registered.lock().unwrap().len(), 2);
+    assert_eq!(region.close().unwrap(), 0);
+    assert_eq!(log.unregistered.lock().unwrap().len(), 2);
+    drop(region);
+    // Neither emptied by close() nor unmapped by drop: the owner's bytes are all there.
+    // SAFETY: the owner's mapping is still alive (we hold `owner`).
+    let bytes = unsafe { std::slice::from_raw_parts(base, 4 * page) };
+    assert!(bytes.iter().all(|&b| b == 0xA5));
+    assert_eq!(
+        Arc::strong_count(&owner),
+        1,
+        "the borrowed region let its owner go"
+    );
+}
