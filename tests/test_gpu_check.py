@@ -70,30 +70,9 @@ def test_a_wrong_byte_fails_the_run(tmp_path: Path) -> None:
 def test_the_gpu_command_runs_from_the_carried_wheel(tmp_path: Path) -> None:
     """``bench/gpu_transfer_check.sh`` as the GPU machine runs it: the wheel from dist/,
     installed privately, default mode (this check); here on the CPU."""
-    import os
-    import shutil
+    from tests.test_worker_gpu_script import run_sh_from_wheel
 
-    from tests.test_worker_gpu_script import stand_in_wheel
-
-    dist = tmp_path / "dist"
-    dist.mkdir()
-    given = os.environ.get("KVCACHE_WHEEL")
-    if given:
-        shutil.copy(given, dist)
-    else:
-        stand_in_wheel(dist)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHON=sys.executable, OUT=str(out))
-    done = subprocess.run(
-        ["bash", str(SCRIPT.parent / "gpu_transfer_check.sh"), "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=env,
-    )
+    done, out = run_sh_from_wheel(tmp_path, "--device", "cpu")
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "gpu_check.json").read_text())
     assert {p["name"] for p in report["paths"]} == PATHS

@@ -254,13 +254,13 @@ def stand_in_wheel(dist: Path) -> Path:
     return path
 
 
-def test_gpu_transfer_check_sh_dry_run_on_cpu(tmp_path: Path) -> None:
-    """bench/gpu_transfer_check.sh as the GPU machine runs it (default wheel glob in dist/,
-    private install, worker mode), here as the CPU dry run."""
+def run_sh_from_wheel(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``bench/gpu_transfer_check.sh`` as a GPU machine runs it: the wheel in ``dist/`` (the
+    real one from ``KVCACHE_WHEEL``, else a stand-in), installed privately, ``OUT`` set;
+    returns the run and the ``OUT`` folder."""
     import os
     import shutil
 
-    require_oracle()
     dist = tmp_path / "dist"
     dist.mkdir()
     given = os.environ.get("KVCACHE_WHEEL")
@@ -273,14 +273,21 @@ def test_gpu_transfer_check_sh_dry_run_on_cpu(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHON=sys.executable, OUT=str(out))
     done = subprocess.run(
-        ["bash", str(SCRIPT.parent / "gpu_transfer_check.sh"), "worker", "--device", "cpu",
-         "--quick"],
+        ["bash", str(SCRIPT.parent / "gpu_transfer_check.sh"), *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=tmp_path,
         env=env,
-    )  # fmt: skip
+    )
+    return done, out
+
+
+def test_gpu_transfer_check_sh_dry_run_on_cpu(tmp_path: Path) -> None:
+    """bench/gpu_transfer_check.sh as the GPU machine runs it (default wheel glob in dist/,
+    private install, worker mode), here as the CPU dry run."""
+    require_oracle()
+    done, out = run_sh_from_wheel(tmp_path, "worker", "--device", "cpu", "--quick")
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "gpu_worker_check.json").read_text())
     assert report["rows"]

@@ -35,46 +35,27 @@ TOKENS_PER_BLOCK = 16
 
 
 def tiering_config(spec: str, tiers: list[dict[str, Any]], **extra: Any) -> Any:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
+    """The test adapter's configuration (tests/test_vllm_adapter.py) for one side of a
+    tiering run, with a shared host region of its own (a fresh engine id)."""
+    import dataclasses
+
+    from tests.test_vllm_adapter import offloading_config
 
     names = (
         {"spec_name": "TieringOffloadingSpec"}
         if spec == "vllm"
         else {"spec_name": "KvCacheTieringOffloadingSpec", "spec_module_path": "kvcache.vllm"}
     )
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=4096,
-        enable_kv_cache_events=True,
-        extra_config={
+    config = offloading_config(
+        **{
             "cpu_bytes_to_use": 24 * 4096,
             "secondary_tiers": tiers,
             "tier_poll_interval_s": 0,
             **names,
             **extra,
-        },
-        engine_id=f"kvcache-tiering-{uuid.uuid4().hex}",
-        model=OffloadingModelConfig(name="m", dtype="float16", max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
+        }
     )
+    return dataclasses.replace(config, engine_id=f"kvcache-tiering-{uuid.uuid4().hex}")
 
 
 def build(spec: str, tiers: list[dict[str, Any]], **extra: Any) -> tuple[Any, Any]:

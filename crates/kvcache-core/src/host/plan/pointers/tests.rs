@@ -20,14 +20,13 @@ fn r(tensor: usize, bytes: u64) -> GroupRef {
     GroupRef { tensor, bytes }
 }
 
-/// Two tensors (the second smaller, with padded blocks) and two groups: one referencing both,
-/// the other the first tensor twice (a repeated reference, as vLLM's packed layouts give).
-fn two_groups() -> TransferLayout {
+/// Two tensors (the second smaller, with padded blocks) and the given groups over them.
+fn over_two_tensors(groups: Vec<Vec<GroupRef>>) -> TransferLayout {
     let layers = vec![layer(1 << 20, 64, 64, 10), layer(1 << 30, 96, 64, 6)];
     TransferLayout::with_groups(
         layers,
         vec![0, 128],
-        vec![vec![r(0, 64), r(1, 48)], vec![r(0, 32), r(0, 64)]],
+        groups,
         2,
         HostGeometry {
             base: 1 << 40,
@@ -37,6 +36,12 @@ fn two_groups() -> TransferLayout {
         },
     )
     .unwrap()
+}
+
+/// Two groups: one referencing both tensors, the other the first tensor twice (a repeated
+/// reference, as vLLM's packed layouts give).
+fn two_groups() -> TransferLayout {
+    over_two_tensors(vec![vec![r(0, 64), r(1, 48)], vec![r(0, 32), r(0, 64)]])
 }
 
 /// What vLLM's `resolve_device_pointers` produces for `ids` (group after group).
@@ -211,20 +216,7 @@ fn the_reciprocal_divides_exactly_at_the_edges() {
 /// The first group of `two_groups`, plus a group without references (a pipeline stage that
 /// holds none of its layers: vLLM passes its block count and no pointers).
 fn with_empty_group() -> TransferLayout {
-    let layers = vec![layer(1 << 20, 64, 64, 10), layer(1 << 30, 96, 64, 6)];
-    TransferLayout::with_groups(
-        layers,
-        vec![0, 128],
-        vec![vec![r(0, 64), r(1, 48)], vec![]],
-        2,
-        HostGeometry {
-            base: 1 << 40,
-            num_chunks: 4,
-            chunk_stride: 256,
-            split_bytes: 0,
-        },
-    )
-    .unwrap()
+    over_two_tensors(vec![vec![r(0, 64), r(1, 48)], vec![]])
 }
 
 #[test]
