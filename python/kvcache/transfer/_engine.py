@@ -319,10 +319,12 @@ class TransferEngine:
 
     @property
     def jobs_by_method(self) -> dict[str, int]:
-        """How many jobs each copy method has been handed so far (``"dma"`` and ``"kernel"`` on
-        CUDA, ``"cpu"`` on CPU). The choice is made per job at submission and depends on the
-        queue's state as well as on the job, so these counts, not a guess from the job's
-        shape, say which method ran a job: the difference around it."""
+        """How many jobs each copy method ran so far: on CUDA ``"dma-batched"`` (one
+        ``cuMemcpyBatchAsync``), ``"dma-per-run"`` (one ``cudaMemcpyAsync`` per run, where the
+        driver has no batched call or it failed) and ``"kernel"``; on CPU ``"cpu"``. A DMA job
+        counts once its queue's thread has put it on the stream. The method depends on the
+        queue's state and the driver as well as on the job, so these counts, not a guess from
+        the job's shape, say which method ran a job: the difference around it."""
         return dict(self._backend.jobs_by_method)
 
     def self_check(self) -> str | None:
