@@ -1,14 +1,15 @@
-"""kvcache's CPU primary tier under vLLM 0.34's tiered offloading, against vLLM's own.
+"""kvcache's CPU primary tier under vLLM's tiered offloading (0.33.0 and 0.34.0), against
+vLLM's own.
 
 vLLM's ``TieringOffloadingManager`` runs twice through vLLM's spec factory: over vLLM's
 ``CPUPrimaryTierOffloadingManager`` (``TieringOffloadingSpec``) and over kvcache's
 (``KvCacheTieringOffloadingSpec``), with the same secondary tiers: vLLM's in-memory
 ``example`` tier, vLLM's ``fs`` tier on a temporary directory, and an out-of-tree test tier
-that fails cascades and promotions (partial promotions whose chunks' release is deferred).
-The decision logs (see tests/tiering_driver.py) must be identical step by step; a negative
-control shows that the comparison catches a primary tier that does not defer a chunk
-release (a primary tier that frees a failed promotion's chunks at once). Under vLLM 0.33,
-which has no tiering, the spec refuses with one line.
+that fails cascades and promotions (partial promotions, whose failed chunks' release 0.34
+defers until the tier lets go). The decision logs (see tests/tiering_driver.py) must be
+identical step by step. Negative controls show that the comparison catches a primary tier
+whose cascade reads never unpin (both releases) and one that frees a failed promotion's
+chunks at once instead of deferring them (0.34).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ FAULTY = {"type": "FaultyTier", "module_path": "tests.tiering_tiers"}
 
 def needs_tiering() -> None:
     require_oracle()
-    if oracle_semantics() != "0.34":
-        pytest.skip("tiering is vLLM 0.34's")
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -56,7 +55,9 @@ def test_tiering_over_our_primary_tier_decides_as_over_vllms(
     if name != "fs":
         # Promotions from a secondary tier: a miss in the primary tier, then pending.
         assert "HIT_PENDING" in lookups
-    if "faulty" in name:
+    # Partial promotions: failed keys whose chunks 0.34 holds until the tier lets go (0.33
+    # frees them at once).
+    if "faulty" in name and oracle_semantics() == "0.34":
         assert any(e[0] == "primary" and e[1] > 0 for e in ref), "no release was deferred"
 
 
@@ -74,8 +75,10 @@ def test_the_comparison_catches_a_release_that_is_not_deferred(
 ) -> None:
     """Negative control: a primary tier that frees a failed promotion's chunks at once
     (instead of deferring them until the tier lets go) hands those chunk ids out again
-    earlier; the logs must then differ."""
+    earlier; the logs must then differ. vLLM 0.33 has no deferred release."""
     needs_tiering()
+    if oracle_semantics() != "0.34":
+        pytest.skip("deferred releases are vLLM 0.34's")
     import kvcache.vllm
     from tests.tiering_driver import Options, run_both
 
@@ -87,6 +90,21 @@ def test_the_comparison_catches_a_release_that_is_not_deferred(
 
     monkeypatch.setattr(primary, "defer_write_release", release_at_once)
     ref, ours = run_both([FAULTY], Options(), seed=hash("faulty") % 1000, eviction_policy="lru")
+    assert ref != ours
+
+
+def test_the_comparison_catches_a_cascade_that_never_unpins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Negative control, both releases: a primary tier whose cascade reads never let go of
+    their chunks keeps them from eviction; the logs must then differ."""
+    needs_tiering()
+    import kvcache.vllm
+    from tests.tiering_driver import Options, run_both
+
+    primary = kvcache.vllm.CPUPrimaryTierOffloadingManager
+    monkeypatch.setattr(primary, "complete_read", lambda self, keys, *args, **kwargs: None)
+    ref, ours = run_both([EXAMPLE], Options(), seed=hash("example") % 1000, eviction_policy="lru")
     assert ref != ours
 
 
@@ -157,17 +175,6 @@ def test_the_primary_tier_contract_refuses_what_vllm_asserts() -> None:
         p.validate()
     finally:
         manager.shutdown()
-
-
-def test_under_vllm_033_the_tiering_spec_refuses_in_one_line() -> None:
-    require_oracle()
-    if oracle_semantics() != "0.33":
-        pytest.skip("the refusal is 0.33's")
-    import kvcache
-    import kvcache.vllm
-
-    with pytest.raises(kvcache.vllm.UnsupportedVersionError, match=r"needs vLLM 0\.34\.0"):
-        kvcache.vllm.KvCacheTieringOffloadingSpec(None)
 
 
 def test_the_tiering_cost_bench_runs(tmp_path: object) -> None:

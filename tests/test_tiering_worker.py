@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import oracle_semantics, require_oracle
+from tests.conftest import require_oracle
 from tests.test_worker_api import PLAIN, cpu_spec, dev
 from tests.vllm_worker_oracle import canonical, make_tensors, offloading_config, vllm_on_cpu
 
@@ -58,8 +58,6 @@ def region_bytes(worker: Any) -> bytes:
 
 def test_our_worker_writes_the_shared_region_exactly_as_vllms() -> None:
     require_oracle()
-    if oracle_semantics() != "0.34":
-        pytest.skip("tiering is vLLM 0.34's")
     import torch
 
     from kvcache.vllm import CPUOffloadingWorker
@@ -96,8 +94,6 @@ def test_our_worker_writes_the_shared_region_exactly_as_vllms() -> None:
 
 def test_without_the_setting_the_tiered_worker_is_vllms(caplog: pytest.LogCaptureFixture) -> None:
     require_oracle()
-    if oracle_semantics() != "0.34":
-        pytest.skip("tiering is vLLM 0.34's")
     import kvcache.vllm
 
     with vllm_on_cpu(), caplog.at_level(logging.INFO, logger="kvcache"):

@@ -162,7 +162,9 @@ def _primary_state(manager: Any) -> tuple:
     pending = (
         p.num_write_pending if hasattr(p, "num_write_pending") else p._num_write_pending_chunks
     )
-    return ("primary", p.num_deferred_release_chunks, pending)
+    # vLLM 0.33's primary tier has no deferred releases.
+    deferred = p.num_deferred_release_chunks if hasattr(p, "num_deferred_release_chunks") else 0
+    return ("primary", deferred, pending)
 
 
 @dataclass

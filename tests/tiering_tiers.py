@@ -61,13 +61,18 @@ class FaultyTier(ExampleSecondaryTierManager):
         self._loads += 1
         keys = list(job_metadata.keys)
         if self._fail_load_every and self._loads % self._fail_load_every == 0 and len(keys) > 1:
-            event = threading.Event()
-            self._releases.append([self._release_after, event])
+            # A partial promotion; from vLLM 0.34 on, the failed keys' chunks are released
+            # only once the tier sets the event (0.33 releases them at once).
+            deferred: dict[str, Any] = {}
+            if "deferred_release" in JobResult.__dataclass_fields__:
+                event = threading.Event()
+                self._releases.append([self._release_after, event])
+                deferred["deferred_release"] = event
             result = JobResult(
                 job_id=job_metadata.job_id,
                 success=False,
                 successful_keys=tuple(keys[:1]),
-                deferred_release=event,
+                **deferred,
             )
         elif all(k in self.chunks for k in keys):
             result = JobResult(job_id=job_metadata.job_id, success=True, transfer_time=0.0)

@@ -5,7 +5,8 @@ The wheel the suite tests against ships no tests; the source release of the same
 (and the two package markers above it) under ``.cache/`` in the repository, and returns the
 directory to run pytest in. ``KVCACHE_VLLM_SDIST`` names a local copy of the tarball instead
 (offline machines). ``run()`` runs a selection of those tests in a child pytest with
-``upstream_primary_plugin`` choosing the primary tier, and returns one record per test.
+``upstream_swap_plugin`` choosing whose manager and primary tier they build, and returns one
+record per test.
 """
 
 from __future__ import annotations
@@ -67,15 +68,17 @@ def tests_root() -> Path:
 
 
 def run(root: Path, mode: str, selection: list[str], report: Path) -> dict[str, dict]:
-    """Runs ``selection`` (paths or node ids under ``root``) with the primary tier ``mode``
-    (see ``upstream_primary_plugin``); returns ``{node id: {"outcome", "primary_tiers",
-    "longrepr"}}``. The child uses none of this project's pytest settings (``-c`` names an
-    empty file: vLLM's tests are not written for warnings as errors)."""
+    """Runs ``selection`` (paths or node ids under ``root``) on the side ``mode`` (see
+    ``upstream_swap_plugin``); returns ``{node id: {"outcome", "built", "longrepr"}}``.
+
+    The child uses none of this project's pytest settings (``-c`` names an empty file: vLLM's
+    tests are not written for warnings as errors)."""
     ini = report.with_suffix(".ini")
+    report.unlink(missing_ok=True)
     ini.write_text("[pytest]\n")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO / "tests")])
-    env["KVCACHE_UPSTREAM_PRIMARY"] = mode
+    env["KVCACHE_UPSTREAM"] = mode
     env["KVCACHE_UPSTREAM_REPORT"] = str(report)
     subprocess.run(
         [
@@ -90,7 +93,7 @@ def run(root: Path, mode: str, selection: list[str], report: Path) -> dict[str, 
             "-p",
             "no:cacheprovider",
             "-p",
-            "upstream_primary_plugin",
+            "upstream_swap_plugin",
             *selection,
         ],
         cwd=root,
@@ -102,4 +105,8 @@ def run(root: Path, mode: str, selection: list[str], report: Path) -> dict[str, 
     )
     if not report.exists():
         raise RuntimeError(f"vLLM's tests wrote no report under mode {mode!r}")
-    return json.loads(report.read_text())
+    records: dict[str, dict] = {}
+    for line in report.read_text().splitlines():
+        record = json.loads(line)
+        records[record["node"]] = record
+    return records

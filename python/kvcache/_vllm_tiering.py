@@ -1,4 +1,5 @@
-"""vLLM 0.34's tiered offloading with kvcache's Rust manager as the CPU primary tier.
+"""vLLM's tiered offloading (0.33.0 and 0.34.0) with kvcache's Rust manager as the CPU
+primary tier.
 
 vLLM's ``TieringOffloadingSpec`` (``vllm/v1/kv_offload/tiering/``) puts secondary tiers
 (``fs``, ``obj``, ``p2p``, out-of-tree ones) behind a CPU primary tier: its
@@ -17,13 +18,16 @@ uses it:
   without recording an access of the request (tiering's own transfer, not a cache reuse);
   ``complete_read`` is ``complete_load``.
 - ``prepare_write``/``complete_write``: ``prepare_store``/``complete_store`` of a promotion.
-- ``defer_write_release(keys) -> chunk ids``: a failed promotion's keys leave the cache while
-  the tier that was writing may still touch their chunks; ``release_deferred_write(ids)``
-  frees them later; ``num_deferred_release_chunks``; ``reset_cache`` is refused meanwhile.
+- ``defer_write_release(keys) -> chunk ids`` (0.34 only; 0.33 fails a promotion with
+  ``complete_write(success=False)``, freeing its chunks at once): a failed promotion's keys
+  leave the cache while the tier that was writing may still touch their chunks;
+  ``release_deferred_write(ids)`` frees them later; ``num_deferred_release_chunks``;
+  ``reset_cache`` is refused meanwhile.
 - ``get_kv_memoryview()``: the shared host region (rows of chunks) the secondary tiers copy
   to and from; ``_num_chunks``; ``shutdown()`` releases the view and the region.
 
-Under vLLM 0.33 (no tiering) ``kvcache.vllm.KvCacheTieringOffloadingSpec`` refuses to build.
+Under vLLM 0.33 the manager follows 0.33's decisions (``touch``, ``on_store_miss``, stored
+events), as everywhere in ``kvcache.vllm``.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def _define_primary_tier() -> type:
     from kvcache.vllm import CPUOffloadingManager
 
     class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
-        """vLLM 0.34's CPU primary tier on kvcache's Rust manager (see the module docs): the
+        """vLLM's CPU primary tier on kvcache's Rust manager (see the module docs): the
         constructor and methods of vLLM's ``CPUPrimaryTierOffloadingManager``."""
 
         def __new__(
@@ -118,7 +122,7 @@ def _define_primary_tier() -> type:
 
 
 class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
-    """vLLM 0.34's ``TieringOffloadingSpec`` (same keys: ``secondary_tiers``,
+    """vLLM's ``TieringOffloadingSpec`` (same keys: ``secondary_tiers``,
     ``tier_poll_interval_s``, ``backpressure``, ``cpu_bytes_to_use``, ``eviction_policy``)
     with kvcache's Rust manager as the CPU primary tier; every secondary tier and the tiering
     manager are vLLM's. The GPU worker follows the same rule as ``KvCacheOffloadingSpec``:

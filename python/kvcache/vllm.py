@@ -503,19 +503,7 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
 KvCacheOffloadingSpec = CPUOffloadingSpec
 
 
-if VLLM_SEMANTICS == "0.34":
-    from kvcache._vllm_tiering import KvCacheTieringOffloadingSpec, primary_tier_class
+from kvcache._vllm_tiering import KvCacheTieringOffloadingSpec, primary_tier_class  # noqa: E402
 
-    #: vLLM 0.34's CPU primary tier of tiered offloading, on kvcache's Rust manager.
-    CPUPrimaryTierOffloadingManager = primary_tier_class()
-else:
-
-    class KvCacheTieringOffloadingSpec:  # type: ignore[no-redef]
-        """vLLM 0.34's tiered offloading with kvcache's primary tier; refused under 0.33."""
-
-        def __init__(self, config: Any) -> None:
-            raise UnsupportedVersionError(
-                "KvCacheTieringOffloadingSpec needs vLLM 0.34.0's tiered offloading "
-                "(vllm/v1/kv_offload/tiering/), which vLLM 0.33.0 does not have; use "
-                "KvCacheOffloadingSpec, or upgrade vLLM to 0.34.0"
-            )
+#: The CPU primary tier of vLLM's tiered offloading, on kvcache's Rust manager.
+CPUPrimaryTierOffloadingManager = primary_tier_class()

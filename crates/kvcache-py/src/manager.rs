@@ -728,8 +728,10 @@ impl PyManager {
         })
     }
 
-    /// Internal state for tests: the policy's (as `BaseCachePolicy._debug_state`), the chunks, the free list, the allocation count and the evictable /
-    /// write-pending counts.
+    /// Internal state for tests: the policy's (as `BaseCachePolicy._debug_state`), the chunks,
+    /// the free list, the allocation count, the evictable / write-pending counts, the
+    /// `store_threshold` tracker's `(key, count)` least recent first (only when the threshold
+    /// is on) and the stores it skipped since the last `get_stats`.
     fn _debug_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let state = self.inner.lock(py)?;
         let ops = &state.ops;
@@ -744,6 +746,14 @@ impl PyManager {
         debug.set_item("num_allocated", ops.table().num_allocated())?;
         debug.set_item("num_evictable", ops.num_evictable())?;
         debug.set_item("num_write_pending", ops.num_write_pending())?;
+        if let Some(offers) = ops.tracked_offers() {
+            let tracked = PyList::empty(py);
+            for (key, count) in offers {
+                tracked.append((PyBytes::new(py, key), count))?;
+            }
+            debug.set_item("tracked_offers", tracked)?;
+        }
+        debug.set_item("stores_skipped", ops.stores_skipped())?;
         Ok(debug)
     }
 

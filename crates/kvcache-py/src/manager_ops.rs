@@ -57,6 +57,9 @@ pub trait ManagerOps: Send {
     fn inspect(&self) -> Inspection<'_>;
     /// Resident keys with their chunk ids.
     fn chunks(&self) -> Vec<(&[u8], ChunkId)>;
+    /// The `store_threshold` tracker, least recent first; `None` when the threshold is off.
+    fn tracked_offers(&self) -> Option<Vec<(&[u8], u32)>>;
+    fn stores_skipped(&self) -> u64;
     #[cfg(feature = "validate")]
     fn validate(&self) -> Result<(), String>;
 }
@@ -172,6 +175,12 @@ where
     }
     fn chunks(&self) -> Vec<(&[u8], ChunkId)> {
         self.policy().resident().map(|(k, &c)| (k, c)).collect()
+    }
+    fn tracked_offers(&self) -> Option<Vec<(&[u8], u32)>> {
+        Manager::tracked_offers(self).map(Iterator::collect)
+    }
+    fn stores_skipped(&self) -> u64 {
+        Manager::stores_skipped(self)
     }
     #[cfg(feature = "validate")]
     fn validate(&self) -> Result<(), String> {

@@ -196,6 +196,18 @@ impl<P: Policy<ChunkId>> Manager<P> {
         self.num_write_pending
     }
 
+    /// The `store_threshold` tracker's keys and counts, least recent first; `None` when the
+    /// threshold is off.
+    pub fn tracked_offers(&self) -> Option<impl Iterator<Item = (&[u8], u32)> + '_> {
+        self.tracker.as_ref().map(AccessTracker::entries)
+    }
+
+    /// Stores skipped by the threshold since the last `take_stats` (vLLM's
+    /// `stores_skipped_in_current_batch`).
+    pub fn stores_skipped(&self) -> u64 {
+        self.stores_skipped
+    }
+
     /// Live request states.
     pub fn num_requests(&self) -> usize {
         self.requests.len()

@@ -93,6 +93,14 @@ impl AccessTracker {
     pub fn heap_bytes(&self) -> usize {
         self.slab.allocation_size() + self.index.allocation_size()
     }
+
+    /// Tracked keys and their counts, least recent first (vLLM's `counts` in order).
+    pub fn entries(&self) -> impl Iterator<Item = (&[u8], u32)> + '_ {
+        self.order.iter(&self.slab).map(|idx| {
+            let tracked = self.slab.get(idx);
+            (tracked.key(), tracked.count)
+        })
+    }
 }
 
 #[cfg(test)]
@@ -117,6 +125,8 @@ mod tests {
             (t.count(k(b"a")), t.count(k(b"c")), t.count(k(b"d"))),
             (3, 2, 0)
         );
+        let entries: Vec<(&[u8], u32)> = t.entries().collect();
+        assert_eq!(entries, [(&b"a"[..], 3), (&b"c"[..], 2)]);
     }
 
     #[test]
