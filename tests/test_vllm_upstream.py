@@ -1,12 +1,13 @@
-"""vLLM 0.34.0's own KV-offloading tests, run against kvcache's manager and primary tier.
+"""vLLM's own KV-offloading tests, run against kvcache's manager and primary tier.
 
-The tests come from vLLM 0.34.0's source release (``tests/vllm_upstream.py`` fetches it,
-pinned by SHA-256): ``tests/v1/kv_offload/`` (the CPU manager with LRU and ARC, the policy
-factory, the specs, the shared host region, the tiering manager, the ``example``, ``fs``,
-``obj`` and ``p2p`` tiers with their transports mocked, backpressure, the lookup and poll
-threads), less two files that need a GPU: ``cpu/test_gpu_worker.py`` (vLLM's worker, CUDA)
-and ``tiering/test_p2p_lifecycle_e2e.py`` (serves a model). ``tests/upstream_swap_plugin.py``
-swaps the manager and the primary tier under them.
+The tests come from the installed vLLM release's source release (0.34.0 or 0.33.0;
+``tests/vllm_upstream.py`` fetches it, pinned by SHA-256): ``tests/v1/kv_offload/`` (the CPU
+manager with LRU and ARC, the policy factory, the specs, the shared host region, the tiering
+manager, the ``example``, ``fs``, ``obj`` and ``p2p`` tiers with their transports mocked,
+backpressure, the lookup and poll threads), less the files that need a GPU:
+``cpu/test_gpu_worker.py`` (vLLM's worker, CUDA) and 0.34.0's
+``tiering/test_p2p_lifecycle_e2e.py`` (serves a model). ``tests/upstream_swap_plugin.py`` swaps
+the manager and the primary tier under them.
 
 Every test that passes on vLLM's classes must pass on kvcache's, except ``EXPECTED``: each
 entry says why it cannot, and the words its failure must show, so a test that starts
@@ -57,20 +58,17 @@ FALL_BACK_ARC = [
         "pinned5-protected5-new_keys5-None",
     )
 ]
-EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
-    f"{TIERING}::test_defer_write_release_asserts_on_non_pending_key": (
-        "vLLM's primary tier checks this with `assert` (AssertionError, or nothing under "
-        "`python -O`); kvcache's raises InvalidStateError with the same words, nothing changed",
-        ("InvalidStateError", "is not a pending write"),
-    ),
+POLICY_ONLY = (
+    "kvcache's manager runs its Rust policies only; kvcache's spec gives a custom Python "
+    "policy to vLLM's own manager"
+)
+BOTH: dict[str, tuple[str, tuple[str, ...]]] = {
     f"{FACTORY}::test_register_and_resolve_custom_policy": (
-        "kvcache's manager runs its Rust policies only; kvcache's spec gives a custom Python "
-        "policy to vLLM's own manager",
+        POLICY_ONLY,
         ("InvalidArgumentError", "unsupported cache policy"),
     ),
     f"{FACTORY}::test_manager_resolves_policy_via_module_path": (
-        "kvcache's manager runs its Rust policies only; kvcache's spec gives a custom Python "
-        "policy to vLLM's own manager",
+        POLICY_ONLY,
         ("InvalidArgumentError", "unsupported cache policy"),
     ),
     f"{OFFLOAD}/tiering/test_tier_poll_thread.py::test_lock_defaults_to_no_op": (
@@ -97,7 +95,6 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
         ("no attribute 'evict'",),
     ),
     f"{MANAGER}::test_evictable_cache_chunk_count": (CALLS_POLICY, ("no attribute 'evict'",)),
-    **{node: (PATCHES_INTERNALS, ("no attribute 'on_store_miss'",)) for node in FALL_BACK_ARC},
     f"{MANAGER}::test_cpu_manager_reports_allocation_size_on_allocation_failure": (
         PATCHES_INTERNALS,
         ("no attribute '_allocate_chunks'",),
@@ -111,21 +108,48 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
         ("no attribute 'on_request_finished'",),
     ),
 }
+# Why each test that passes on vLLM's side cannot pass on kvcache's, and the words its
+# failure must show, by release.
+EXPECTED: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
+    "0.34": {
+        **BOTH,
+        f"{TIERING}::test_defer_write_release_asserts_on_non_pending_key": (
+            "vLLM's primary tier checks this with `assert` (AssertionError, or nothing under "
+            "`python -O`); kvcache's raises InvalidStateError with the same words, nothing "
+            "changed",
+            ("InvalidStateError", "is not a pending write"),
+        ),
+        **{node: (PATCHES_INTERNALS, ("no attribute 'on_store_miss'",)) for node in FALL_BACK_ARC},
+    },
+    "0.33": {
+        **BOTH,
+        f"{MANAGER}::test_touch_forwards_req_context_to_policy": (
+            PATCHES_INTERNALS,
+            ("no attribute 'touch'",),
+        ),
+        **{node: (WRITES_INTERNALS, ("'t1'", "has no setter")) for node in FALL_BACK_ARC},
+    },
+}
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Path:
+def release() -> str:
     require_oracle()
-    if oracle_semantics() != "0.34":
-        pytest.skip("these are vLLM 0.34.0's tests")
-    return vllm_upstream.tests_root()
+    return oracle_semantics()
+
+
+@pytest.fixture(scope="module")
+def upstream(release: str) -> Path:
+    return vllm_upstream.tests_root(release)
 
 
 def passed(records: dict[str, dict]) -> set[str]:
     return {node for node, record in records.items() if record["outcome"] == "passed"}
 
 
-def test_vllms_offloading_tests_pass_on_kvcaches_manager(upstream: Path, tmp_path: Path) -> None:
+def test_vllms_offloading_tests_pass_on_kvcaches_manager(
+    release: str, upstream: Path, tmp_path: Path
+) -> None:
     theirs = vllm_upstream.run(upstream, "vllm", SELECTION, tmp_path / "vllm.jsonl")
     ours = vllm_upstream.run(upstream, "kvcache", SELECTION, tmp_path / "kvcache.jsonl")
     assert set(ours) == set(theirs), "the two runs ran different tests"
@@ -137,10 +161,11 @@ def test_vllms_offloading_tests_pass_on_kvcaches_manager(upstream: Path, tmp_pat
     both = passed(theirs) & passed(ours)
     built = {node for node in both if ours[node]["built"]}
     assert built == {node for node in both if theirs[node]["built"]}
-    assert len(built) >= 150, f"only {len(built)} of vLLM's tests built kvcache's classes"
-    assert len(passed(theirs)) >= 900, "vLLM's own suite did not run as expected"
+    assert len(built) >= 100, f"only {len(built)} of vLLM's tests built kvcache's classes"
+    assert len(passed(theirs)) >= 800, "vLLM's own suite did not run as expected"
 
-    suspects = sorted(passed(theirs) - passed(ours) - set(EXPECTED))
+    expected = EXPECTED[release]
+    suspects = sorted(passed(theirs) - passed(ours) - set(expected))
     if suspects:
         again_theirs = vllm_upstream.run(upstream, "vllm", suspects, tmp_path / "v-again.jsonl")
         again_ours = vllm_upstream.run(upstream, "kvcache", suspects, tmp_path / "k-again.jsonl")
@@ -149,7 +174,7 @@ def test_vllms_offloading_tests_pass_on_kvcaches_manager(upstream: Path, tmp_pat
             f"{node}:\n{again_ours[node]['longrepr']}" for node in differences
         )
 
-    for node, (why, words) in EXPECTED.items():
+    for node, (why, words) in expected.items():
         assert node in passed(theirs), f"{node} no longer passes on vLLM's side"
         assert node not in passed(ours), f"{node} now passes on kvcache's: drop it ({why})"
         text = ours[node]["longrepr"]
@@ -157,11 +182,12 @@ def test_vllms_offloading_tests_pass_on_kvcaches_manager(upstream: Path, tmp_pat
 
 
 def test_vllms_offloading_tests_catch_a_defective_manager_and_primary_tier(
-    upstream: Path, tmp_path: Path
+    release: str, upstream: Path, tmp_path: Path
 ) -> None:
     selection = [MANAGER, f"{OFFLOAD}/tiering/test_tiering_offloading.py"]
     sound = vllm_upstream.run(upstream, "kvcache", selection, tmp_path / "kvcache.jsonl")
     broken = vllm_upstream.run(upstream, "broken", selection, tmp_path / "broken.jsonl")
     caught = passed(sound) - passed(broken)
-    assert f"{TIERING}::test_deferred_release_misses_but_holds_chunks_until_released" in caught
     assert any(node.startswith(MANAGER) for node in caught), sorted(caught)
+    if release == "0.34":  # 0.33 has no deferred release to get wrong
+        assert f"{TIERING}::test_deferred_release_misses_but_holds_chunks_until_released" in caught

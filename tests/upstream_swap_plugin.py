@@ -9,12 +9,13 @@ test that builds a CPU manager or a primary tier, directly or through a spec, bu
 ``KVCACHE_UPSTREAM`` picks the side:
 
 - ``vllm``: vLLM's own classes (the baseline: which tests pass on vLLM itself);
-- ``kvcache``: kvcache's, with read-only stand-ins for the private attributes vLLM's tests read
-  (``_policy.get(key)``, ARC's ``t1``/``t2``/``b1``/``b2``/``target_t1_size``, the free list,
-  the allocation and evictable counts, ``store_threshold``'s ``counts`` and skipped stores),
-  computed from the Rust manager's state, so those tests check kvcache's behaviour rather
-  than fail on a name; a test that writes vLLM's internals (or patches its private methods)
-  fails on the read-only stand-in, and ``tests/test_vllm_upstream.py`` lists which and why;
+- ``kvcache``: kvcache's, with read-only stand-ins for the private attributes vLLM's tests
+  read (``_policy.get(key)``, LRU's ``_ranks``, ARC's ``t1``/``t2``/``b1``/``b2``/
+  ``target_t1_size``, the free list, the allocation and evictable counts,
+  ``store_threshold``'s ``counts`` and skipped stores), computed from the Rust manager's state,
+  so those tests check kvcache's behaviour rather than fail on a name; a test that writes
+  vLLM's internals (or patches its private methods) fails on the read-only stand-in, and
+  ``tests/test_vllm_upstream.py`` lists which and why;
 - ``broken``: kvcache's with deliberate defects (a failed promotion's chunks are freed at
   once instead of being held until the tier lets go of them; a chunk still being written
   looks up as a hit): the negative control, which vLLM's tests must catch.
@@ -82,7 +83,10 @@ def _inspectable(base: type) -> type:
             return None if entry is None else _Chunk(self._owner, entry[0])
 
     class _LruView(_PolicyView):
-        pass
+        @property
+        def _ranks(self) -> dict[bytes, Any]:
+            # Comparable recency ranks (higher is more recent), as vLLM's LRU orders them.
+            return dict(self._state["ranks"])
 
     class _ArcView(_PolicyView):
         @property

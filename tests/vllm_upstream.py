@@ -1,12 +1,12 @@
-"""vLLM 0.34.0's own KV-offloading tests, from its source release on PyPI.
+"""vLLM's own KV-offloading tests (0.33.0 and 0.34.0), from its source releases on PyPI.
 
-The wheel the suite tests against ships no tests; the source release of the same version does.
-``tests_root()`` downloads it once (pinned by SHA-256), keeps only ``tests/v1/kv_offload/``
-(and the two package markers above it) under ``.cache/`` in the repository, and returns the
-directory to run pytest in. ``KVCACHE_VLLM_SDIST`` names a local copy of the tarball instead
-(offline machines). ``run()`` runs a selection of those tests in a child pytest with
-``upstream_swap_plugin`` choosing whose manager and primary tier they build, and returns one
-record per test.
+The wheels the suite tests against ship no tests; the source release of the same version does.
+``tests_root(release)`` downloads it once (pinned by SHA-256), keeps only
+``tests/v1/kv_offload/`` (and the two package markers above it) under ``.cache/`` in the
+repository, and returns the directory to run pytest in. ``KVCACHE_VLLM_SDIST_0_34`` /
+``KVCACHE_VLLM_SDIST_0_33`` name a local copy of the tarball instead (offline machines).
+``run()`` runs a selection of those tests in a child pytest with ``upstream_swap_plugin``
+choosing whose manager and primary tier they build, and returns one record per test.
 """
 
 from __future__ import annotations
@@ -22,37 +22,48 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-VERSION = "0.34.0"
-SDIST_URL = (
-    "https://files.pythonhosted.org/packages/92/21/"
-    "6e0b077dc4a0b28f5a8ce8bb352a38d7196650d681fd4faa87f8dc622eff/vllm-0.34.0.tar.gz"
-)
-SDIST_SHA256 = "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113"
+# The source releases of the vLLM releases kvcache follows, by semantics name.
+RELEASES = {
+    "0.34": (
+        "0.34.0",
+        "https://files.pythonhosted.org/packages/92/21/"
+        "6e0b077dc4a0b28f5a8ce8bb352a38d7196650d681fd4faa87f8dc622eff/vllm-0.34.0.tar.gz",
+        "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113",
+    ),
+    "0.33": (
+        "0.33.0",
+        "https://files.pythonhosted.org/packages/f7/25/"
+        "aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz",
+        "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
+    ),
+}
 
 REPO = Path(__file__).resolve().parent.parent
-CACHE = REPO / ".cache" / f"vllm-{VERSION}-tests"
 KEEP = ("tests/__init__.py", "tests/v1/__init__.py", "tests/v1/kv_offload/")
 TIERING = "tests/v1/kv_offload/tiering"
 
 
-def tests_root() -> Path:
-    """The directory holding vLLM's ``tests/`` package, fetched on first use."""
-    done = CACHE / ".complete"
+def tests_root(release: str) -> Path:
+    """The directory holding vLLM ``release``'s ``tests/`` package, fetched on first use."""
+    version, url, sha256 = RELEASES[release]
+    cache = REPO / ".cache" / f"vllm-{version}-tests"
+    done = cache / ".complete"
     if done.exists():
-        return CACHE
+        return cache
+    local = os.environ.get(f"KVCACHE_VLLM_SDIST_{release.replace('.', '_')}")
     with tempfile.TemporaryDirectory() as scratch:
-        tarball = Path(os.environ.get("KVCACHE_VLLM_SDIST") or Path(scratch) / "vllm.tar.gz")
-        if "KVCACHE_VLLM_SDIST" not in os.environ:
+        tarball = Path(local or Path(scratch) / "vllm.tar.gz")
+        if local is None:
             with (
-                urllib.request.urlopen(SDIST_URL, timeout=120) as response,
+                urllib.request.urlopen(url, timeout=120) as response,
                 tarball.open("wb") as out,
             ):
                 shutil.copyfileobj(response, out)
         digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
-        if digest != SDIST_SHA256:
-            raise RuntimeError(f"{tarball}: SHA-256 {digest}, expected {SDIST_SHA256}")
+        if digest != sha256:
+            raise RuntimeError(f"{tarball}: SHA-256 {digest}, expected {sha256}")
         staging = Path(scratch) / "tree"
-        prefix = f"vllm-{VERSION}/"
+        prefix = f"vllm-{version}/"
         with tarfile.open(tarball) as archive:
             members = [
                 m
@@ -60,11 +71,11 @@ def tests_root() -> Path:
                 if m.name.startswith(prefix) and m.name[len(prefix) :].startswith(KEEP)
             ]
             archive.extractall(staging, members=members, filter="data")
-        shutil.rmtree(CACHE, ignore_errors=True)
-        CACHE.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(staging / prefix, CACHE)
+        shutil.rmtree(cache, ignore_errors=True)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(staging / prefix, cache)
     done.touch()
-    return CACHE
+    return cache
 
 
 def run(root: Path, mode: str, selection: list[str], report: Path) -> dict[str, dict]:
@@ -77,7 +88,10 @@ def run(root: Path, mode: str, selection: list[str], report: Path) -> dict[str, 
     report.unlink(missing_ok=True)
     ini.write_text("[pytest]\n")
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO / "tests")])
+    # vLLM's test tree first (its package is also named ``tests``), then the plugin, then
+    # whatever chose the vLLM release (the 0.33.0 pass puts that release first).
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO / "tests"), *inherited])
     env["KVCACHE_UPSTREAM"] = mode
     env["KVCACHE_UPSTREAM_REPORT"] = str(report)
     subprocess.run(
