@@ -1,4 +1,4 @@
-"""Where the scheduler's time goes in vLLM 0.34's tiered offloading, and what kvcache's primary
+"""Where the scheduler's time goes in vLLM's tiered offloading, and what kvcache's primary
 tier changes: vLLM's ``TieringOffloadingManager`` over vLLM's Python primary tier and over
 kvcache's Rust one, side by side in one process, on the same workload and secondary tiers.
 
@@ -12,7 +12,8 @@ objects, the Rust manager's own count for kvcache's; the chunk bytes themselves 
 shared region in both).
 
 Run: ``python bench/tiering_cost.py [--tier fs|example] [--conversations N] [--repeat R]``
-(needs vLLM 0.34.0; the fs tier writes to a temporary directory).
+(needs vLLM 0.34.0 or 0.33.0; the README's figures are 0.34.0's; the fs tier writes to a
+temporary directory).
 """
 
 from __future__ import annotations

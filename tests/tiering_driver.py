@@ -1,4 +1,4 @@
-"""A scheduler-shaped driver for vLLM 0.34's tiered offloading, recording every decision.
+"""A scheduler-shaped driver for vLLM's tiered offloading, recording every decision.
 
 Two ``TieringOffloadingManager``s are built through vLLM's own spec factory, one by vLLM's
 ``TieringOffloadingSpec`` (vLLM's Python primary tier), one by kvcache's
