@@ -1,6 +1,7 @@
-//! vLLM 0.34's CPU *primary tier*: what `TieringOffloadingManager`
+//! vLLM's CPU *primary tier*: what `TieringOffloadingManager`
 //! (`vllm/v1/kv_offload/tiering/manager.py`) asks of the CPU cache beyond the GPU-facing
-//! protocol, with the decisions of vLLM's `CPUPrimaryTierOffloadingManager`.
+//! protocol, with the decisions of vLLM's `CPUPrimaryTierOffloadingManager`. vLLM 0.33 asks
+//! for `prepare_read` only; the deferred release is 0.34's.
 //!
 //! - [`Manager::prepare_read`]: pin ready chunks for a secondary tier to read (a cascade of a
 //!   store to the secondary tiers). Unlike `prepare_load` it records no request access: a
