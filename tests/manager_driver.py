@@ -78,7 +78,31 @@ def _spec_ids(spec: Any) -> list[int]:
     return [int(x) for x in spec.block_ids]
 
 
-def _event(e: Any) -> tuple:
+def store_batches(
+    manager: Any, batches: list[list[bytes]], ctx: Any, step: int, log: list[tuple]
+) -> list[bytes]:
+    """``prepare_store`` of each batch in turn, every decision logged; the keys to store."""
+    stored: list[bytes] = []
+    for batch in batches:
+        out = manager.prepare_store(batch, ctx)
+        if out is None:
+            log.append(("store", step, None))
+            continue
+        log.append(
+            (
+                "store",
+                step,
+                tuple(out.keys_to_store),
+                _spec_ids(out.store_spec),
+                tuple(out.evicted_keys),
+            )
+        )
+        stored.extend(out.keys_to_store)
+    return stored
+
+
+def event_record(e: Any) -> tuple:
+    """Every field of an ``OffloadingEvent`` that either vLLM release has, as a tuple."""
     ctx = getattr(e, "req_context", None)  # vLLM 0.34's stored events carry the request's
     return (
         tuple(e.keys),
@@ -86,6 +110,7 @@ def _event(e: Any) -> tuple:
         e.removed,
         getattr(e, "metadata_only", False),
         getattr(e, "removal_expected", False),
+        getattr(e, "ownership", None),
         None if ctx is None else ctx.req_id,
     )
 
@@ -112,7 +137,7 @@ def drive(
             ok = not (options.fail_every and completed_stores % options.fail_every == 0)
             manager.complete_store(stored, ctx, success=ok)
         manager.on_request_finished(ctx)
-        log.append(("events", [_event(e) for e in manager.take_events()]))
+        log.append(("events", [event_record(e) for e in manager.take_events()]))
 
     for i, blocks in enumerate(requests):
         if options.reset_every and i and i % options.reset_every == 0:
@@ -149,22 +174,7 @@ def drive(
             batches = [rest[:cut], rest[cut:]]
         if options.reoffer_every and i % options.reoffer_every == 0 and rest:
             batches.append(rest)
-        stored: list[bytes] = []
-        for batch in batches:
-            out = manager.prepare_store(batch, ctx)
-            if out is None:
-                log.append(("store", i, None))
-                continue
-            log.append(
-                (
-                    "store",
-                    i,
-                    tuple(out.keys_to_store),
-                    _spec_ids(out.store_spec),
-                    tuple(out.evicted_keys),
-                )
-            )
-            stored.extend(out.keys_to_store)
+        stored = store_batches(manager, batches, ctx, i, log)
         pending.append((ctx, loaded, stored))
         while len(pending) > options.lag:
             complete_oldest()

@@ -43,10 +43,11 @@ def test_tiering_over_our_primary_tier_decides_as_over_vllms(
     name: str, tiers: list, policy: str
 ) -> None:
     needs_tiering()
-    from tests.tiering_driver import Options, assert_same, run_both
+    from tests.manager_driver import assert_same_decisions
+    from tests.tiering_driver import Options, run_both
 
     ref, ours = run_both(tiers, Options(), seed=hash(name) % 1000, eviction_policy=policy)
-    assert_same(ref, ours)
+    assert_same_decisions(ref, ours)
     # The run reached what the contract is about.
     kinds = {entry[0] for entry in ref}
     assert {"lookup", "load", "store", "events", "tiers", "stats"} <= kinds
@@ -63,10 +64,11 @@ def test_tiering_over_our_primary_tier_decides_as_over_vllms(
 
 def test_reset_with_transfers_in_flight_decides_as_vllms() -> None:
     needs_tiering()
-    from tests.tiering_driver import Options, assert_same, run_both
+    from tests.manager_driver import assert_same_decisions
+    from tests.tiering_driver import Options, run_both
 
     ref, ours = run_both([EXAMPLE, FAULTY], Options(reset_every=17), seed=7)
-    assert_same(ref, ours)
+    assert_same_decisions(ref, ours)
     assert any(e[0] == "reset" for e in ref)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import make_key
-from tests.manager_driver import multi_turn_workload
+from tests.manager_driver import event_record, multi_turn_workload, store_batches
 
 TOKENS_PER_BLOCK = 16
 
@@ -112,19 +112,6 @@ def settle(manager: Any) -> None:
 
 
 # --- the log ---------------------------------------------------------------------------------
-
-
-def _event(e: Any) -> tuple:
-    ctx = getattr(e, "req_context", None)
-    return (
-        tuple(e.keys),
-        getattr(e.medium, "value", e.medium),
-        e.removed,
-        e.metadata_only,
-        e.removal_expected,
-        getattr(e, "ownership", None),
-        None if ctx is None else ctx.req_id,
-    )
 
 
 def _timing(metric: str) -> bool:
@@ -238,7 +225,7 @@ def drive(manager: Any, requests: list[list[int]], options: Options) -> list[tup
             queue.append((i, tries + 1))
             manager.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
             settle(manager)
-            log.append(("events", i, [_event(e) for e in manager.take_events()]))
+            log.append(("events", i, [event_record(e) for e in manager.take_events()]))
             log.append(_primary_state(manager))
             continue
         loaded = keys[:hits] if not deferred else []
@@ -247,26 +234,9 @@ def drive(manager: Any, requests: list[list[int]], options: Options) -> list[tup
             log.append(("load", i, [int(x) for x in spec.block_ids]))
             log.append(("source", i, [manager.get_load_source(k, ctx).name for k in loaded[:2]]))
         rest = keys[hits:] if not deferred else []
-        stored: list[bytes] = []
-        if rest:
-            cut = max(1, len(rest) // 2)
-            for batch in (rest[:cut], rest[cut:]):
-                if not batch:
-                    continue
-                out = manager.prepare_store(batch, ctx)
-                if out is None:
-                    log.append(("store", i, None))
-                    continue
-                log.append(
-                    (
-                        "store",
-                        i,
-                        tuple(out.keys_to_store),
-                        [int(x) for x in out.store_spec.block_ids],
-                        tuple(out.evicted_keys),
-                    )
-                )
-                stored.extend(out.keys_to_store)
+        cut = max(1, len(rest) // 2)
+        batches = [batch for batch in (rest[:cut], rest[cut:]) if batch]
+        stored = store_batches(manager, batches, ctx, i, log)
         preempted = bool(options.preempt_every and i % options.preempt_every == 3)
         pending.append((ctx, loaded, stored, preempted))
         while len(pending) > options.lag:
@@ -277,7 +247,7 @@ def drive(manager: Any, requests: list[list[int]], options: Options) -> list[tup
             )
         )
         settle(manager)
-        log.append(("events", i, [_event(e) for e in manager.take_events()]))
+        log.append(("events", i, [event_record(e) for e in manager.take_events()]))
         log.append(_primary_state(manager))
         log.append(("tiers", tuple(_tier_state(t) for t in manager.secondary_tiers)))
         if step % 5 == 0:
@@ -287,7 +257,7 @@ def drive(manager: Any, requests: list[list[int]], options: Options) -> list[tup
     for _ in range(4):  # let every tier's last completions and deferred releases land
         manager.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
         settle(manager)
-    log.append(("events", "end", [_event(e) for e in manager.take_events()]))
+    log.append(("events", "end", [event_record(e) for e in manager.take_events()]))
     log.append(_primary_state(manager))
     log.append(("stats", "end", _stats(manager)))
     return log
@@ -314,8 +284,3 @@ def run_both(
             finally:
                 manager.shutdown()
     return logs[0], logs[1]
-
-
-def assert_same(ref: list[tuple], ours: list[tuple]) -> None:
-    for i, (a, b) in enumerate(zip(ref, ours, strict=True)):
-        assert a == b, f"decision {i} differs:\n vLLM:    {a}\n kvcache: {b}"
