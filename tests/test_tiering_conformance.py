@@ -110,6 +110,24 @@ def test_the_comparison_catches_a_cascade_that_never_unpins(
     assert ref != ours
 
 
+def test_our_spec_falls_back_to_vllms_primary_tier_for_python_policies() -> None:
+    needs_tiering()
+    from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
+
+    from tests.tiering_driver import build
+
+    _spec, manager = build(
+        "kvcache",
+        [EXAMPLE],
+        eviction_policy="LRUCachePolicy",
+        cache_policy_module_path="vllm.v1.kv_offload.cpu.policies.lru",
+    )
+    try:
+        assert type(manager.primary_tier) is CPUPrimaryTierOffloadingManager
+    finally:
+        manager.shutdown()
+
+
 def test_our_spec_builds_our_primary_tier_with_vllms_tiers() -> None:
     needs_tiering()
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager

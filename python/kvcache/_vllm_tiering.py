@@ -198,27 +198,15 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
         )
 
     def _primary_tier(self, region: SharedOffloadRegion) -> Any:
+        from kvcache.vllm import build_manager
+
         kwargs = dict(
             num_chunks=self.num_chunks,
             enable_events=self.kv_events_config.enable_kv_cache_events,
             mmap_region=region,
             info=self.cpu_info,
         )
-        if self.policy_kind is None:
-            logger.warning(
-                "kvcache's primary tier runs kvcache's policies only; policy %r from %r runs "
-                "in vLLM's primary tier",
-                self.eviction_policy,
-                self.cache_policy_module_path,
-            )
-            return _VllmPrimaryTier(
-                cache_policy=self.eviction_policy,
-                cache_policy_module_path=self.cache_policy_module_path,
-                **kwargs,
-            )
-        return primary_tier_class()(
-            cache_policy=self.policy_kind, cache_policy_module_path=None, **kwargs
-        )
+        return build_manager(self, primary_tier_class(), _VllmPrimaryTier, "primary tier", kwargs)
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is not None:

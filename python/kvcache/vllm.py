@@ -380,22 +380,7 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
             max_tracker_size=self._extra_int("max_tracker_size", 64_000),
             info=self.cpu_info,
         )
-        if self.policy_kind is None:
-            logger.warning(
-                "kvcache's manager runs kvcache's policies only; policy %r from %r runs in "
-                "vLLM's manager",
-                self.eviction_policy,
-                self.cache_policy_module_path,
-            )
-            self._manager = _VllmManager(
-                cache_policy=self.eviction_policy,
-                cache_policy_module_path=self.cache_policy_module_path,
-                **kwargs,
-            )
-        else:
-            self._manager = CPUOffloadingManager(
-                cache_policy=self.policy_kind, cache_policy_module_path=None, **kwargs
-            )
+        self._manager = build_manager(self, CPUOffloadingManager, _VllmManager, "manager", kwargs)
         self._announce("manager", None)
         return self._manager
 
@@ -496,6 +481,28 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
             pinned,
             cutoff,
         )
+
+
+def build_manager(
+    spec: Any, ours: type, theirs: type, what: str, kwargs: dict[str, Any]
+) -> OffloadingManager:
+    """``ours`` (kvcache's Rust ``what``) running the spec's policy, or, for a policy kvcache
+    does not have (``spec.policy_kind`` None: an out-of-tree Python class), ``theirs`` (vLLM's)
+    running it, with one warning."""
+    if spec.policy_kind is None:
+        logger.warning(
+            "kvcache's %s runs kvcache's policies only; policy %r from %r runs in vLLM's %s",
+            what,
+            spec.eviction_policy,
+            spec.cache_policy_module_path,
+            what,
+        )
+        return theirs(
+            cache_policy=spec.eviction_policy,
+            cache_policy_module_path=spec.cache_policy_module_path,
+            **kwargs,
+        )
+    return ours(cache_policy=spec.policy_kind, cache_policy_module_path=None, **kwargs)
 
 
 #: The name to give vLLM's ``OffloadingSpecFactory`` (``spec_name``): ``CPUOffloadingSpec``
