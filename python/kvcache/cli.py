@@ -49,6 +49,7 @@ from kvcache.replay.report import (
     to_json,
 )
 from kvcache.replay.runner import ProgressFactory, Row, grid_runs, run_grid
+from kvcache.replay.hints import apply_hints
 from kvcache.replay.trace import (
     DEFAULT_MAX_LINE_BYTES,
     DEFAULT_TRACE_BLOCK_TOKENS,
@@ -187,6 +188,15 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
         f"({', '.join(POLICY_CLASSES.values())}); {BOUND_POLICY}, the offline bound (it knows "
         "the whole workload; kvcache's manager only); all: every policy, then the bound "
         f"(default {DEFAULT_POLICIES})",
+    )
+    ex.add_argument(
+        "--hints",
+        default="trace",
+        metavar="MODE",
+        help="retention hints each request carries to the manager: trace (default: a trace "
+        "line's \"hint\" field, if any), off, future (synthesised from the workload's future: "
+        "does a later request extend this one), future:R (each flipped with probability R, "
+        "e.g. future:0.1) or random (a fair coin); synthetic hints are labelled as such",
     )
     ex.add_argument(
         "--capacity",
@@ -454,7 +464,7 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
         store_threshold=args.store_threshold,
         drain_events=args.events,
     )
-    workload = _load_workload(args)
+    workload = apply_hints(_load_workload(args), args.hints)
     block = _block_size(args, workload.block_tokens)
     capacities = resolve_capacities(specs, unique_blocks=workload.unique_blocks, block=block)
     capacities = _dedupe(capacities, workload, stderr)

@@ -68,7 +68,7 @@ class OffloadingManager(_RustManager):
         )
 
     def get_stats(self) -> ManagerStats:
-        usage, write, read, sizes, skipped = self._take_stats()
+        usage, write, read, sizes, skipped, _hints = self._take_stats()
         return ManagerStats(usage, write, read, list(sizes), skipped)
 
     def __repr__(self) -> str:

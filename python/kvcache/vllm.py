@@ -243,7 +243,7 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
         return [self._config_info]
 
     def get_stats(self) -> OffloadingConnectorStats:
-        usage, write_usage, read_usage, sizes, skipped = self._take_stats()
+        usage, write_usage, read_usage, sizes, skipped, _hints = self._take_stats()
         stats = OffloadingConnectorStats()
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
         for size in sizes:

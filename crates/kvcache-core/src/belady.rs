@@ -135,7 +135,7 @@ impl<C> Policy<C> for BeladyPolicy<C> {
     /// Uses do not reorder anything: only the hinted next use does.
     fn touch(&mut self, _ids: &[Option<EntryId>], _counts: &impl RefCounts<C>) {}
 
-    fn on_request_finished(&mut self, _entries: &[(Option<EntryId>, Access)]) {}
+    fn on_request_finished(&mut self, _request: &mut (), _entries: &[(Option<EntryId>, Access)]) {}
 
     fn hint_next_use(&mut self, id: EntryId, next_use: u64) {
         let rank = self.rank(id.0);

@@ -76,6 +76,7 @@ mod key;
 pub mod manager;
 mod policy;
 mod registry;
+mod retention;
 mod semantics;
 mod slab;
 #[cfg(any(test, feature = "testing"))]
@@ -93,6 +94,7 @@ pub use policy::{
     Access, EntryId, Evicted, Inspection, Observed, Policy, PolicyExt, Protected, RankedEntry, Stat,
 };
 pub use registry::{Registry, RequestToken};
+pub use retention::RetentionHint;
 pub use semantics::VllmSemantics;
 pub use slab::prefetch;
 pub use turn::TurnRequest;

@@ -17,6 +17,7 @@ use hashbrown::HashSet;
 use crate::chunk::RefCounts;
 use crate::error::{CoreError, CoreResult};
 use crate::key::{Key, KeyBuf, KeyHasher};
+use crate::retention::RetentionHint;
 use crate::semantics::VllmSemantics;
 use crate::slab::Idx;
 
@@ -164,8 +165,18 @@ pub trait Policy<C>: Sized {
     fn on_request_access(&mut self, request: &mut Self::Request, entries: &[Observed<'_>]) {
         let _ = (request, entries);
     }
+    /// The application's retention hint for a request, given once, before the request's
+    /// first key reaches the policy. Policies that ignore hints (vLLM's LRU and ARC: their
+    /// decisions stay vLLM's whatever arrives) keep the default, which does nothing.
+    fn on_request_hint(&mut self, request: &mut Self::Request, hint: RetentionHint) {
+        let _ = (request, hint);
+    }
     /// A finished request's keys in head-to-tail order, each with how the request used it.
-    fn on_request_finished(&mut self, entries: &[(Option<EntryId>, Access)]);
+    fn on_request_finished(
+        &mut self,
+        request: &mut Self::Request,
+        entries: &[(Option<EntryId>, Access)],
+    );
     /// Whether a resident entry is marked evictable; `None` for policies that keep no mark
     /// (they read `ref_cnt` when evicting).
     fn evictable(&self, id: EntryId) -> Option<bool> {
@@ -181,6 +192,11 @@ pub trait Policy<C>: Sized {
     /// ([`BeladyPolicy`](crate::BeladyPolicy)); online policies ignore it.
     fn hint_next_use(&mut self, id: EntryId, next_use: u64) {
         let _ = (id, next_use);
+    }
+    /// Reads, since the policy was built or cleared, of chunks it kept only because a
+    /// retention hint said their conversation continues (0 for policies that ignore hints).
+    fn hint_kept_hits(&self) -> u64 {
+        0
     }
     /// The request is gone: no key will be ranked on its behalf any more.
     fn release_request(&mut self, request: Self::Request) {

@@ -20,6 +20,7 @@ use crate::chunk::{SelfCounted, TestChunk};
 use crate::manager::{ChunkId, LookupResult, Manager, ManagerConfig, VllmSemantics};
 use crate::policy::{Access, Policy, PolicyExt};
 use crate::registry::RequestToken;
+use crate::retention::RetentionHint;
 use crate::Key;
 
 /// Policy keys are `[k]` for k in `0..KEYS`.
@@ -49,6 +50,11 @@ fn ops<'a, T: Arbitrary<'a>>(u: &mut Unstructured<'a>) -> arbitrary::Result<Vec<
         ops.push(u.arbitrary()?);
     }
     Ok(ops)
+}
+
+/// Either retention hint.
+fn hint(u: &mut Unstructured<'_>) -> arbitrary::Result<RetentionHint> {
+    Ok(*u.choose(&[RetentionHint::Continues, RetentionHint::Ends])?)
 }
 
 /// Up to five keys.
@@ -87,8 +93,14 @@ pub enum PolicyOp {
         keys: Vec<(K, i64)>,
     },
     Finish {
+        request: u8,
         keys: Vec<K>,
         access: Vec<K>,
+    },
+    /// The request's retention hint.
+    Hint {
+        request: u8,
+        hint: RetentionHint,
     },
     Evict {
         n: u8,
@@ -104,7 +116,7 @@ pub enum PolicyOp {
 impl<'a> Arbitrary<'a> for PolicyOp {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
         let request = |u: &mut Unstructured<'_>| u.int_in_range(0..=LAST_REQUEST);
-        Ok(match u.int_in_range(0..=20)? {
+        Ok(match u.int_in_range(0..=21)? {
             0..=3 => PolicyOp::Insert {
                 key: u.arbitrary()?,
                 request: if u.arbitrary()? {
@@ -134,6 +146,7 @@ impl<'a> Arbitrary<'a> for PolicyOp {
                     .collect::<arbitrary::Result<_>>()?,
             },
             14..=15 => PolicyOp::Finish {
+                request: request(u)?,
                 keys: keys(u)?,
                 access: keys(u)?,
             },
@@ -143,6 +156,10 @@ impl<'a> Arbitrary<'a> for PolicyOp {
             },
             19 => PolicyOp::EndRequest {
                 request: request(u)?,
+            },
+            20 => PolicyOp::Hint {
+                request: request(u)?,
+                hint: hint(u)?,
             },
             _ => PolicyOp::Clear,
         })
@@ -335,7 +352,14 @@ impl<P: Policy<TestChunk>> PolicyHarness<P> {
                     .collect();
                 p.on_request_access(&mut self.requests[usize::from(*request)], &entries);
             }
-            PolicyOp::Finish { keys, access } => {
+            PolicyOp::Hint { request, hint } => {
+                p.on_request_hint(&mut self.requests[usize::from(*request)], *hint);
+            }
+            PolicyOp::Finish {
+                request,
+                keys,
+                access,
+            } => {
                 let raw: Vec<[u8; 1]> = keys.iter().map(|k| [k.0]).collect();
                 let ks: Vec<Key<'_>> = raw.iter().map(|k| p.key(k)).collect();
                 let ids = p.find_many(&ks);
@@ -351,7 +375,7 @@ impl<P: Policy<TestChunk>> PolicyHarness<P> {
                         (id, kind)
                     })
                     .collect();
-                p.on_request_finished(&accesses);
+                p.on_request_finished(&mut self.requests[usize::from(*request)], &accesses);
             }
             PolicyOp::Evict { n, protected } => self.evict(usize::from(*n), protected)?,
             PolicyOp::EndRequest { request } => {

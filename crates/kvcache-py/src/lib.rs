@@ -14,6 +14,7 @@ mod conversion;
 mod errors;
 mod exceptions;
 mod guard;
+mod hints;
 mod kinds;
 mod manager;
 mod manager_ops;

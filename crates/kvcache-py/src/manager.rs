@@ -30,6 +30,7 @@ use crate::conversion::{
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::guard::Guarded;
+use crate::hints::{read_hint, HintRead};
 use crate::kinds::PolicyKind;
 use crate::manager_ops::ManagerOps;
 use crate::policy::inspection_dict;
@@ -174,6 +175,7 @@ impl State {
         self.bury_dead();
         let ops = &self.ops;
         if let Some(token) = self.owner.cached_live(ctx, |t| ops.is_live_request(t)) {
+            self.take_hint(ctx, token)?;
             return Ok((keys, positions, cursor, token));
         }
         let live = self
@@ -186,18 +188,34 @@ impl State {
         }
         let ops = &mut self.ops;
         let token = self.owner.token(ctx, |current| ops.request(current))?;
+        self.take_hint(ctx, token)?;
         Ok((keys, positions, cursor, token))
     }
 
     /// The manager's request state for `ctx` (created on first sight, as vLLM does).
     fn request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<RequestToken> {
         self.bury_dead();
-        self.owner.live_token(
+        let token = self.owner.live_token(
             ctx,
             &mut *self.ops,
             |ops, token| ops.is_live_request(token),
             |ops, current| ops.request(current),
-        )
+        )?;
+        self.take_hint(ctx, token)?;
+        Ok(token)
+    }
+
+    /// Gives a request seen for the first time its retention hint (read from `ctx` once).
+    fn take_hint(&mut self, ctx: &Bound<'_, PyAny>, token: RequestToken) -> PyResult<()> {
+        if !self.ops.wants_retention_hint(token) {
+            return Ok(());
+        }
+        let found = read_hint(ctx)?;
+        if found == HintRead::Ignored {
+            self.ops.note_ignored_hint();
+        }
+        self.ops.set_retention_hint(token, found.hint());
+        Ok(())
     }
 
     fn event<'py>(
@@ -678,8 +696,9 @@ impl PyManager {
         Ok(())
     }
 
-    /// `(usage, write_usage, read_usage, allocation_sizes, stores_skipped)` since the last
-    /// call; `stores_skipped` is None unless `store_threshold >= 2`.
+    /// `(usage, write_usage, read_usage, allocation_sizes, stores_skipped, (hinted_requests,
+    /// ignored_hints, hint_kept_hits))` since the last call; `stores_skipped` is None unless
+    /// `store_threshold >= 2`.
     fn _take_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let s = self.inner.lock(py)?.ops.take_stats();
         (
@@ -688,6 +707,7 @@ impl PyManager {
             s.read_usage,
             s.allocation_sizes,
             s.stores_skipped,
+            (s.hinted_requests, s.ignored_hints, s.hint_kept_hits),
         )
             .into_pyobject(py)
     }

@@ -5,7 +5,7 @@ use kvcache_core::manager::{
     ChunkId, ChunkTable, Event, LookupResult, Manager, ManagerConfig, MemoryUsage, Stats,
     StoreOutput,
 };
-use kvcache_core::{CoreResult, Inspection, Key, Policy, RequestToken};
+use kvcache_core::{CoreResult, Inspection, Key, Policy, RequestToken, RetentionHint};
 
 /// The Rust manager over any policy: its API with the policy type erased.
 pub trait ManagerOps: Send {
@@ -18,6 +18,9 @@ pub trait ManagerOps: Send {
     fn lookup(&self, key: Key<'_>) -> LookupResult;
     fn request(&mut self, current: Option<RequestToken>) -> RequestToken;
     fn is_live_request(&self, token: RequestToken) -> bool;
+    fn wants_retention_hint(&self, token: RequestToken) -> bool;
+    fn set_retention_hint(&mut self, token: RequestToken, hint: Option<RetentionHint>);
+    fn note_ignored_hint(&mut self);
     fn check_request_call(&self, keys: &[Key<'_>], load: bool) -> CoreResult<()>;
     fn release_request(&mut self, token: RequestToken);
     fn prepare_load(
@@ -94,6 +97,15 @@ where
     }
     fn is_live_request(&self, token: RequestToken) -> bool {
         Manager::is_live_request(self, token)
+    }
+    fn wants_retention_hint(&self, token: RequestToken) -> bool {
+        Manager::wants_retention_hint(self, token)
+    }
+    fn set_retention_hint(&mut self, token: RequestToken, hint: Option<RetentionHint>) {
+        Manager::set_retention_hint(self, token, hint);
+    }
+    fn note_ignored_hint(&mut self) {
+        Manager::note_ignored_hint(self);
     }
     fn check_request_call(&self, keys: &[Key<'_>], load: bool) -> CoreResult<()> {
         Manager::check_request_call(self, keys, load)

@@ -23,6 +23,7 @@ use crate::conversion::{
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::guard::Guarded;
+use crate::hints::read_hint;
 use crate::request_state::{Owner, Token};
 
 /// The `CachePolicy` protocol on one core policy, whatever its type.
@@ -76,7 +77,14 @@ pub struct Host<P: Policy<PyChunk>> {
     semantics: VllmSemantics,
     owner: Owner,
     contexts: ContextTypeCache,
-    requests: Registry<P::Request>,
+    requests: Registry<HostRequest<P::Request>>,
+}
+
+/// A request's policy state, and whether its retention hint was read yet.
+#[derive(Default)]
+struct HostRequest<S> {
+    state: S,
+    hint_given: bool,
 }
 
 impl<P: Policy<PyChunk>> Host<P> {
@@ -94,8 +102,8 @@ impl<P: Policy<PyChunk>> Host<P> {
     fn bury_dead(&mut self) {
         let (requests, policy) = (&mut self.requests, &mut self.policy);
         self.owner.bury_dead(|token| {
-            if let Some(state) = requests.remove(token) {
-                policy.release_request(state);
+            if let Some(request) = requests.remove(token) {
+                policy.release_request(request.state);
             }
         });
     }
@@ -105,12 +113,22 @@ impl<P: Policy<PyChunk>> Host<P> {
     /// before the policy changes.
     fn request_token(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<Token> {
         self.bury_dead();
-        self.owner.live_token(
+        let token = self.owner.live_token(
             ctx,
             &mut self.requests,
             |requests, token| requests.get(token).is_some(),
-            |requests, current| requests.get_or_insert_with(current, P::Request::default),
-        )
+            |requests, current| requests.get_or_insert_with(current, HostRequest::default),
+        )?;
+        if !self.requests.get(token).expect("a validated token").hint_given {
+            // Reading may run Python code, but that cannot reach this policy: it is locked.
+            let hint = read_hint(ctx)?.hint();
+            let request = self.requests.get_mut(token).expect("a validated token");
+            request.hint_given = true;
+            if let Some(hint) = hint {
+                self.policy.on_request_hint(&mut request.state, hint);
+            }
+        }
+        Ok(token)
     }
 
     /// Runs `call` on the policy with `keys` (an iterable of bytes) hashed.
@@ -163,7 +181,7 @@ where
         };
         let mut no_request = P::Request::default();
         let request = match token {
-            Some(token) => self.requests.get_mut(token).expect("a validated token"),
+            Some(token) => &mut self.requests.get_mut(token).expect("a validated token").state,
             None => &mut no_request,
         };
         self.policy
@@ -240,8 +258,8 @@ where
         }
         // Finding the request's state changes no entry, so the handles are still valid.
         let token = self.request_token(ctx)?;
-        let state = self.requests.get_mut(token).expect("a validated token");
-        self.policy.on_request_access(state, &observed);
+        let request = self.requests.get_mut(token).expect("a validated token");
+        self.policy.on_request_access(&mut request.state, &observed);
         Ok(())
     }
 
@@ -285,7 +303,10 @@ where
             };
             accesses.push((resident, access));
         }
-        self.policy.on_request_finished(&accesses);
+        let token = self.request_token(ctx)?;
+        let request = self.requests.get_mut(token).expect("a validated token");
+        self.policy
+            .on_request_finished(&mut request.state, &accesses);
         Ok(())
     }
 

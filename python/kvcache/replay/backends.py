@@ -107,7 +107,7 @@ class Backend:
     name: str
     make: Callable[..., Any]
     hit: Any
-    req_context: Callable[[str], Any]
+    req_context: Callable[..., Any]
     semantics: str = ""
 
 

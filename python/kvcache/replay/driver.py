@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcache._hints import retention_params
 from kvcache.replay.backends import BOUND_POLICY, Backend
 from kvcache.replay.errors import ConfigError
 from kvcache.replay.workload import Workload
@@ -334,9 +335,18 @@ def replay(
     hint = getattr(manager, "_hint_next_uses", None) if policy == BOUND_POLICY else None
     next_uses = workload.next_uses() if hint is not None else ()
 
+    # Each request's kv_transfer_params, built before the clock starts: a hinted request
+    # carries kvcache's hint as an application would send it.
+    hints = workload.hints
+    params: list[dict[str, Any] | None] = (
+        [None] * total
+        if hints is None
+        else [None if h is None else retention_params(h) for h in hints]  # type: ignore[arg-type]
+    )
+
     start = time.perf_counter_ns()
     for idx, keys in enumerate(requests):
-        ctx = make_ctx(f"r{idx}")
+        ctx = make_ctx(f"r{idx}", params[idx])
         on_new_request(ctx)
         set_position = ctx.set_offload_key_position
         for key, position in zip(keys, positions, strict=False):

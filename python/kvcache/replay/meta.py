@@ -73,6 +73,7 @@ def run_metadata(
             "key_visits": workload.key_visits,
             "unique_blocks": workload.unique_blocks,
             "block_tokens": workload.block_tokens,
+            "hints": workload.hint_source,
             "trace": None if trace is None else str(Path(trace).resolve()),
             "trace_sha256": None if trace is None else file_sha256(trace),
         },

@@ -62,7 +62,8 @@ def format_table(
         f"workload: {workload.name}: {_count(len(workload.requests), 'request')}, "
         f"{_count(workload.key_visits, 'key visit')}, "
         f"{_count(workload.unique_blocks, 'unique block')} "
-        f"({_count(workload.block_tokens, 'token')} each)",
+        f"({_count(workload.block_tokens, 'token')} each)"
+        + (f"; hints: {workload.hint_source}" if workload.hint_source else ""),
     ]
     if block_source is not None:
         header.append(f"block: {block_source}")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kvcache._core import MAX_ITEMS
+from kvcache._hints import RETENTION_VALUES
 from kvcache.replay.errors import TraceError
 from kvcache.replay.workload import KEY_HASH_BYTES, Workload, make_key
 
@@ -104,7 +105,7 @@ def _is_count(value: object) -> bool:
     )
 
 
-def _parse_line(line: str, where: str) -> list[int]:
+def _parse_line(line: str, where: str) -> tuple[list[int], str | None]:
     if _too_deep(line):
         raise TraceError(
             f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels (a trace line is an "
@@ -141,7 +142,13 @@ def _parse_line(line: str, where: str) -> list[int]:
             )
     if len(set(hash_ids)) != len(hash_ids):
         raise TraceError(f"{where}: 'hash_ids' repeats an id within one request")
-    return hash_ids
+    hint = record.get("hint")
+    if hint is not None and hint not in RETENTION_VALUES:
+        raise TraceError(
+            f"{where}: 'hint' must be one of {', '.join(map(repr, RETENTION_VALUES))} (or absent), "
+            f"got {hint!r}"
+        )
+    return hash_ids, hint
 
 
 def _open_regular(path: Path) -> BinaryIO:
@@ -181,6 +188,7 @@ def load_mooncake_trace(
         raise TraceError(f"max_line_bytes must be from 1 to {MAX_LINE_BYTES:,}")
     keys: dict[int, bytes] = {}  # interned: one bytes object per hash id
     requests: list[list[bytes]] = []
+    hints: list[str | None] = []
     lineno = 0
     try:
         with _open_regular(path) as fh:
@@ -201,7 +209,8 @@ def load_mooncake_trace(
                     raise TraceError(f"{where}: not UTF-8 text ({exc.reason})") from None
                 if not line.strip():
                     continue
-                hash_ids = _parse_line(line, where)
+                hash_ids, hint = _parse_line(line, where)
+                hints.append(hint)
                 request = []
                 for hid in hash_ids:
                     key = keys.get(hid)
@@ -222,4 +231,9 @@ def load_mooncake_trace(
         ) from None
     if not requests:
         raise TraceError(f"{path}: no requests in the trace")
-    return Workload.from_requests(f"mooncake:{path.name}", requests, block_tokens=block_tokens)
+    workload = Workload.from_requests(
+        f"mooncake:{path.name}", requests, block_tokens=block_tokens
+    )
+    if any(h is not None for h in hints):
+        workload = workload.with_hints(tuple(hints), "from the trace")
+    return workload

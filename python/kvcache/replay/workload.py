@@ -17,6 +17,7 @@ by every conversation using that prompt, any later block belongs to its conversa
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import itertools
 import random
@@ -60,6 +61,20 @@ class Workload:
     block_tokens: int
     unique_blocks: int
     key_visits: int
+    #: Each request's retention hint (``"continues"``, ``"ends"`` or None); None: no hints.
+    hints: tuple[str | None, ...] | None = None
+    #: Where the hints came from (the trace, or how they were synthesised), for reports.
+    hint_source: str | None = None
+
+    def with_hints(self, hints: Sequence[str | None] | None, source: str | None) -> Workload:
+        """The same requests with these hints (None: without hints)."""
+        if hints is not None and len(hints) != len(self.requests):
+            raise ValueError("one hint (or None) per request")
+        return dataclasses.replace(
+            self,
+            hints=None if hints is None else tuple(hints),
+            hint_source=None if hints is None else source,
+        )
 
     @classmethod
     def from_requests(

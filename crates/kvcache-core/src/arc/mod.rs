@@ -304,7 +304,7 @@ impl<C> Policy<C> for ArcPolicy<C> {
 
     /// A key only stored by the request keeps its list and moves to its MRU end; a reused key
     /// moves to T2's MRU end (one frequency hit); ghosts and other keys stay.
-    fn on_request_finished(&mut self, entries: &[(Option<EntryId>, Access)]) {
+    fn on_request_finished(&mut self, _request: &mut (), entries: &[(Option<EntryId>, Access)]) {
         let moving = |&(id, access): &(Option<EntryId>, Access)| {
             id.filter(|_| access != Access::Other)
                 .map(|id| (id.0, access))

@@ -266,7 +266,11 @@ impl<C> Policy<C> for LruPolicy<C> {
     }
 
     /// A finished request's keys get fresh ranks in prefix order (its head most recent).
-    fn on_request_finished(&mut self, entries: &[(Option<EntryId>, Access)]) {
+    fn on_request_finished(
+        &mut self,
+        _request: &mut Option<RequestGroup>,
+        entries: &[(Option<EntryId>, Access)],
+    ) {
         let ids: Vec<Option<EntryId>> = entries.iter().map(|&(id, _)| id).collect();
         self.touch_ids(&ids);
     }

@@ -29,6 +29,7 @@ use crate::key::{Key, KeyBuf, KeyHasher};
 use crate::policy::Protected;
 use crate::policy::{Access, EntryId, Observed, Policy, PolicyExt};
 use crate::registry::RequestToken;
+use crate::retention::RetentionHint;
 pub use crate::semantics::VllmSemantics;
 use request::{RequestRegistry, INSERTED, REUSED, STORE_MISS};
 #[cfg(any(test, feature = "validate"))]
@@ -96,6 +97,12 @@ pub struct Stats {
     pub allocation_sizes: Vec<usize>,
     /// Store candidates below `store_threshold` (None when the threshold is off).
     pub stores_skipped: Option<u64>,
+    /// Requests that arrived with a retention hint.
+    pub hinted_requests: u64,
+    /// Retention hints the caller could not read and ignored.
+    pub ignored_hints: u64,
+    /// Reads of chunks the policy kept because of a retention hint (policies that read hints).
+    pub hint_kept_hits: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -134,12 +141,22 @@ pub struct Manager<P: Policy<ChunkId>> {
     num_evictable: usize,
     num_write_pending: usize,
     stores_skipped: u64,
+    hints: HintCounts,
     allocation_sizes: Vec<usize>,
     requests: RequestRegistry<P::Request>,
     /// Chunks of failed writes whose release a tiering caller deferred: out of the policy,
     /// still write-pending, not yet free (see `primary`).
     deferred: hashbrown::HashSet<ChunkId, foldhash::fast::FixedState>,
     scratch: Scratch,
+}
+
+/// Retention hint figures since the last [`Manager::take_stats`].
+#[derive(Clone, Copy, Debug, Default)]
+struct HintCounts {
+    hinted_requests: u64,
+    ignored_hints: u64,
+    /// The policy's cumulative `hint_kept_hits` at the last `take_stats`.
+    kept_hits_taken: u64,
 }
 
 /// Buffers reused across calls, so the hot paths do not allocate.
@@ -163,6 +180,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
             num_evictable: 0,
             num_write_pending: 0,
             stores_skipped: 0,
+            hints: HintCounts::default(),
             allocation_sizes: Vec::new(),
             requests: RequestRegistry::new(),
             deferred: hashbrown::HashSet::default(),
@@ -241,6 +259,30 @@ impl<P: Policy<ChunkId>> Manager<P> {
     /// Whether `token` still names a request state (not released, not reset).
     pub fn is_live_request(&self, token: RequestToken) -> bool {
         self.requests.get(token).is_some()
+    }
+
+    /// Whether the live request still waits for its retention hint (a caller reads a request's
+    /// hint once, when it first sees the request).
+    pub fn wants_retention_hint(&self, token: RequestToken) -> bool {
+        self.requests.get(token).is_some_and(|r| !r.hint_given)
+    }
+
+    /// The request's retention hint (`None`: it has none), given once; later calls, and calls
+    /// for a stale token, change nothing.
+    pub fn set_retention_hint(&mut self, token: RequestToken, hint: Option<RetentionHint>) {
+        let Some(req) = self.requests.get_mut(token).filter(|r| !r.hint_given) else {
+            return;
+        };
+        req.hint_given = true;
+        if let Some(hint) = hint {
+            self.hints.hinted_requests += 1;
+            self.policy.on_request_hint(&mut req.policy_state, hint);
+        }
+    }
+
+    /// A caller found a retention hint it could not read and ignored it.
+    pub fn note_ignored_hint(&mut self) {
+        self.hints.ignored_hints += 1;
     }
 
     /// The request's context is gone: drop its state (and the policy's).
@@ -729,11 +771,10 @@ impl<P: Policy<ChunkId>> Manager<P> {
         }
         let accesses: Vec<(Option<EntryId>, Access)> =
             ordered.iter().map(|f| (f.handle, f.access)).collect();
-        self.policy.on_request_finished(&accesses);
-        self.requests
-            .get_mut(token)
-            .expect("checked above")
-            .finished = true;
+        let req = self.requests.get_mut(token).expect("checked above");
+        self.policy
+            .on_request_finished(&mut req.policy_state, &accesses);
+        req.finished = true;
     }
 
     /// Takes the events collected so far. A failed store's cleanup only names keys no retry
@@ -776,6 +817,8 @@ impl<P: Policy<ChunkId>> Manager<P> {
     pub fn reset(&mut self) {
         debug_assert!(self.deferred.is_empty(), "see try_reset");
         self.policy.clear();
+        // The policy's count of hits on hint-kept chunks restarts with it.
+        self.hints.kept_hits_taken = 0;
         self.requests.reset();
         self.num_evictable = 0;
         self.num_write_pending = 0;
@@ -793,12 +836,18 @@ impl<P: Policy<ChunkId>> Manager<P> {
             .tracker
             .is_some()
             .then(|| std::mem::take(&mut self.stores_skipped));
+        let kept_hits = self.policy.hint_kept_hits();
+        let hints = std::mem::take(&mut self.hints);
+        self.hints.kept_hits_taken = kept_hits;
         Stats {
             usage,
             write_usage,
             read_usage: f64::max(usage - write_usage, 0.0),
             allocation_sizes: std::mem::take(&mut self.allocation_sizes),
             stores_skipped,
+            hinted_requests: hints.hinted_requests,
+            ignored_hints: hints.ignored_hints,
+            hint_kept_hits: kept_hits.saturating_sub(hints.kept_hits_taken),
         }
     }
 

@@ -63,6 +63,8 @@ pub(crate) struct RequestAccess<S> {
     counted: Slab<CountedKey>,
     counted_index: KeyIndex,
     pub(crate) finished: bool,
+    /// The caller has given the request's retention hint (or said it has none).
+    pub(crate) hint_given: bool,
     pub(crate) policy_state: S,
 }
 
@@ -74,6 +76,7 @@ impl<S: Default> RequestAccess<S> {
             counted: Slab::default(),
             counted_index: KeyIndex::default(),
             finished: false,
+            hint_given: false,
             policy_state: S::default(),
         }
     }
@@ -168,6 +171,7 @@ impl<S> RequestAccess<S> {
         self.counted.clear_keep_memory();
         self.counted_index.clear_keep_memory();
         self.finished = false;
+        self.hint_given = false;
         self.policy_state = S::default();
     }
 }

@@ -39,7 +39,7 @@ fn access(p: &mut P, request: &mut TurnRequest, keys: &[&[u8]]) {
 }
 
 /// Finishes a request over `keys` (head to tail); `reused` were read while ready.
-fn finish(p: &mut P, keys: &[&[u8]], reused: &[&[u8]]) {
+fn finish(p: &mut P, r: &mut TurnRequest, keys: &[&[u8]], reused: &[&[u8]]) {
     let entries: Vec<_> = keys
         .iter()
         .map(|&k| {
@@ -51,7 +51,7 @@ fn finish(p: &mut P, keys: &[&[u8]], reused: &[&[u8]]) {
             (p.find_resident(p.key(k)), access)
         })
         .collect();
-    p.on_request_finished(&entries);
+    p.on_request_finished(r, &entries);
     p.validate().unwrap();
 }
 
@@ -67,7 +67,7 @@ fn turn(p: &mut P, reused: &[&[u8]], new: &[&[u8]]) {
     let all: Vec<&[u8]> = reused.iter().chain(new).copied().collect();
     access(p, &mut r, &all);
     store(p, &mut r, new);
-    finish(p, &all, reused);
+    finish(p, &mut r, &all, reused);
 }
 
 fn keys(v: &[&[u8]]) -> Vec<Vec<u8>> {

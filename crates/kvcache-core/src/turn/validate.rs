@@ -1,6 +1,8 @@
 //! The turn policy's invariant checker (tests, fuzzing and the Python test build only).
 
-use super::{Class, TurnPolicy, EVICTABLE, FRESH_ORIGIN, LISTS, MAX_CREDITED_REUSES, TAIL};
+use super::{
+    Class, TurnPolicy, EVICTABLE, FRESH_ORIGIN, KEPT_SHIFT, LISTS, MARK_MASK, MAX_CREDITED_REUSES, TAIL,
+};
 
 impl<C> TurnPolicy<C> {
     /// Checks every structural invariant; `Err` names the first one broken.
@@ -24,7 +26,7 @@ impl<C> TurnPolicy<C> {
                 if e.tick > self.tick {
                     return Err(format!("{:?} has a tick from the future", e.key));
                 }
-                if e.flags & !(EVICTABLE | FRESH_ORIGIN | TAIL) != 0 {
+                if e.flags & !(EVICTABLE | FRESH_ORIGIN | TAIL | MARK_MASK) != 0 {
                     return Err(format!("{:?} has unknown flags {:#x}", e.key, e.flags));
                 }
                 let fresh = e.flags & FRESH_ORIGIN != 0;
@@ -35,11 +37,22 @@ impl<C> TurnPolicy<C> {
                 if tail && e.reuses != 0 {
                     return Err(format!("{:?} is a marked tail but was reused", e.key));
                 }
-                let class_ok = match list {
+                // A kept list holds what its unkept twin would.
+                let twin = if list >= Class::KeptTail as usize {
+                    list - KEPT_SHIFT
+                } else {
+                    list
+                };
+                let class_ok = match twin {
                     l if l == Class::Dead as usize => tail,
+                    // Dropped chunks: any (a dropped hint may drop reused chunks too).
+                    l if l == Class::Dropped as usize => true,
                     l if l == Class::Fresh as usize => fresh,
                     l if l == Class::Tail as usize => e.reuses == 0,
-                    l => e.reuses.min(MAX_CREDITED_REUSES) == u8::try_from(l - Class::Reused0 as usize).unwrap_or(0),
+                    l => {
+                        e.reuses.min(MAX_CREDITED_REUSES)
+                            == u8::try_from(l - Class::Reused0 as usize).unwrap_or(0)
+                    }
                 };
                 if !class_ok {
                     return Err(format!(
@@ -55,6 +68,7 @@ impl<C> TurnPolicy<C> {
         if self.tails_marked >= super::TAIL_WINDOW {
             return Err(format!("{} tails marked: the window was not halved", self.tails_marked));
         }
+        self.hints.check()?;
         self.ghosts.check()
     }
 }
