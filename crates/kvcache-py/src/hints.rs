@@ -38,7 +38,10 @@ impl HintRead {
 static READ_RETENTION: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// `ctx.<name>`, None when the context has no such attribute.
-fn attribute<'py>(ctx: &Bound<'py, PyAny>, name: &Bound<'py, PyString>) -> PyResult<Option<Bound<'py, PyAny>>> {
+fn attribute<'py>(
+    ctx: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
     match ctx.getattr_opt(name)? {
         Some(value) if !value.is_none() => Ok(Some(value)),
         _ => Ok(None),

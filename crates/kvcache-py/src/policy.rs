@@ -119,7 +119,12 @@ impl<P: Policy<PyChunk>> Host<P> {
             |requests, token| requests.get(token).is_some(),
             |requests, current| requests.get_or_insert_with(current, HostRequest::default),
         )?;
-        if !self.requests.get(token).expect("a validated token").hint_given {
+        if !self
+            .requests
+            .get(token)
+            .expect("a validated token")
+            .hint_given
+        {
             // Reading may run Python code, but that cannot reach this policy: it is locked.
             let hint = read_hint(ctx)?.hint();
             let request = self.requests.get_mut(token).expect("a validated token");
@@ -181,7 +186,13 @@ where
         };
         let mut no_request = P::Request::default();
         let request = match token {
-            Some(token) => &mut self.requests.get_mut(token).expect("a validated token").state,
+            Some(token) => {
+                &mut self
+                    .requests
+                    .get_mut(token)
+                    .expect("a validated token")
+                    .state
+            }
             None => &mut no_request,
         };
         self.policy

@@ -1,6 +1,6 @@
-//! The turn policy's memory of evicted keys: for each, a 58-bit fingerprint of its hash, how
-//! often it had been reused (or that it was a request's unread tail) and its retention mark,
-//! in two generations of open-addressing tables.
+//! The turn policy's memory of evicted keys: for each, a 60-bit fingerprint of its hash and how
+//! often it had been reused (or that it was a request's unread tail), in two generations of
+//! open-addressing tables.
 //!
 //! A key evicted since the older generation began is remembered; when the newer generation
 //! fills, the older one is dropped and the newer one becomes the older. So the table covers
@@ -15,17 +15,12 @@
 //! then no ghost is kept), never aborting.
 //!
 //! Fingerprints are the key's hash (computed once by the caller), so no key is hashed again.
-//! Two keys share a fingerprint with probability 2⁻⁵⁸ per pair: a replay of millions of keys
+//! Two keys share a fingerprint with probability 2⁻⁶⁰ per pair: a replay of millions of keys
 //! meets none, and a collision would only misjudge one key's history, never corrupt state.
 
-use super::hints::Mark;
-
-/// The low bits of a slot hold the ghost's record (the reuse code, then the mark); the rest
-/// are the fingerprint.
+/// The low bits of a slot hold the ghost's record; the rest are the fingerprint.
 const REUSE_BITS: u32 = 4;
 const REUSE_MASK: u64 = (1 << REUSE_BITS) - 1;
-const RECORD_BITS: u32 = REUSE_BITS + Mark::BITS;
-const RECORD_MASK: u64 = (1 << RECORD_BITS) - 1;
 /// The largest reuse count a ghost remembers; the one code above it marks an unread tail
 /// (a tail is never reused, so the two need not be stored apart).
 pub(super) const MAX_GHOST_REUSES: u8 = 14;
@@ -39,32 +34,26 @@ pub(super) struct Ghost {
     pub(super) reuses: u8,
     /// The chunk was the last of a finished request and no request had read it since.
     pub(super) tail: bool,
-    /// The retention hint it was last ranked under, unless read since.
-    pub(super) mark: Mark,
 }
 
 impl Ghost {
     fn code(self) -> u64 {
-        let reuse = if self.tail && self.reuses == 0 {
+        if self.tail && self.reuses == 0 {
             TAIL_CODE
         } else {
             u64::from(self.reuses.min(MAX_GHOST_REUSES))
-        };
-        reuse | (self.mark as u64) << REUSE_BITS
+        }
     }
 
     fn of_slot(slot: u64) -> Ghost {
-        let mark = Mark::from_bits(u8::try_from((slot & RECORD_MASK) >> REUSE_BITS).expect("two bits"));
         match slot & REUSE_MASK {
             TAIL_CODE => Ghost {
                 reuses: 0,
                 tail: true,
-                mark,
             },
             r => Ghost {
                 reuses: u8::try_from(r).expect("four bits fit in a u8"),
                 tail: false,
-                mark,
             },
         }
     }
@@ -78,10 +67,10 @@ const MIN_SLOTS: usize = 64;
 
 #[inline]
 fn fingerprint(hash: u64) -> u64 {
-    let fp = hash & !RECORD_MASK;
+    let fp = hash & !REUSE_MASK;
     // Zero marks an empty slot.
     if fp == 0 {
-        1 << RECORD_BITS
+        1 << REUSE_BITS
     } else {
         fp
     }
@@ -153,7 +142,7 @@ impl Generation {
             if s == 0 {
                 return None;
             }
-            if s & !RECORD_MASK == fp {
+            if s & !REUSE_MASK == fp {
                 return Some(i);
             }
             i = self.next(i);
@@ -172,7 +161,7 @@ impl Generation {
                 self.len += 1;
                 return;
             }
-            if s & !RECORD_MASK == fp {
+            if s & !REUSE_MASK == fp {
                 self.slots[i] = value;
                 return;
             }
@@ -187,7 +176,7 @@ impl Generation {
         self.len -= 1;
         let mut j = self.next(i);
         while self.slots[j] != 0 {
-            let home = self.home(self.slots[j] & !RECORD_MASK);
+            let home = self.home(self.slots[j] & !REUSE_MASK);
             // `j` may move to the hole at `i` unless its home lies cyclically in (i, j].
             let stays = if i <= j {
                 i < home && home <= j
@@ -219,7 +208,7 @@ impl Generation {
             return Err(format!("ghost generation counts {} of {occupied}", self.len));
         }
         for (i, &s) in self.slots.iter().enumerate() {
-            if s != 0 && self.position(s & !RECORD_MASK) != Some(i) {
+            if s != 0 && self.position(s & !REUSE_MASK) != Some(i) {
                 return Err(format!("ghost at slot {i} is not found from its home"));
             }
         }
@@ -322,7 +311,6 @@ mod tests {
         Ghost {
             reuses,
             tail: false,
-            mark: Mark::None,
         }
     }
 
@@ -396,14 +384,14 @@ mod tests {
     #[test]
     fn the_newest_record_wins_and_counts_saturate() {
         let mut g = Ghosts::new(2);
-        g.remember(0x1000, reused(1), 2);
-        g.remember(0x2000, reused(1), 2);
+        g.remember(0x10, reused(1), 2);
+        g.remember(0x20, reused(1), 2);
         // A new generation: the key's older copy stays until it is taken.
-        g.remember(0x1000, reused(200), 2);
+        g.remember(0x10, reused(200), 2);
         g.check().unwrap();
         assert_eq!(g.len(), 3);
-        assert_eq!(taken(&mut g, 0x1000), Some(MAX_GHOST_REUSES));
-        assert_eq!(taken(&mut g, 0x1000), None, "both copies went");
+        assert_eq!(taken(&mut g, 0x10), Some(MAX_GHOST_REUSES));
+        assert_eq!(taken(&mut g, 0x10), None, "both copies went");
         // Hash 0 still gets a non-empty fingerprint.
         g.remember(0, reused(3), 2);
         assert_eq!(taken(&mut g, 0), Some(3));
@@ -411,12 +399,11 @@ mod tests {
         let tail = Ghost {
             reuses: 0,
             tail: true,
-            mark: Mark::Ends,
         };
-        g.remember(0x3000, tail, 2);
-        g.remember(0x4000, reused(MAX_GHOST_REUSES), 2);
-        assert_eq!(g.take(0x3000), Some(tail), "with its mark");
-        assert_eq!(g.take(0x4000), Some(reused(MAX_GHOST_REUSES)));
+        g.remember(0x30, tail, 2);
+        g.remember(0x40, reused(MAX_GHOST_REUSES), 2);
+        assert_eq!(g.take(0x30), Some(tail));
+        assert_eq!(g.take(0x40), Some(reused(MAX_GHOST_REUSES)));
         let mut off = Ghosts::new(0);
         off.remember(0x10, reused(1), 9);
         assert_eq!(off.len(), 0);

@@ -1,7 +1,8 @@
 //! The turn policy's invariant checker (tests, fuzzing and the Python test build only).
 
 use super::{
-    Class, TurnPolicy, EVICTABLE, FRESH_ORIGIN, KEPT_SHIFT, LISTS, MARK_MASK, MAX_CREDITED_REUSES, TAIL,
+    Class, TurnPolicy, EVICTABLE, FRESH_ORIGIN, GROUP_LISTS, LISTS, SAMPLED, MAX_CREDITED_REUSES,
+    TAIL,
 };
 
 impl<C> TurnPolicy<C> {
@@ -26,7 +27,7 @@ impl<C> TurnPolicy<C> {
                 if e.tick > self.tick {
                     return Err(format!("{:?} has a tick from the future", e.key));
                 }
-                if e.flags & !(EVICTABLE | FRESH_ORIGIN | TAIL | MARK_MASK) != 0 {
+                if e.flags & !(EVICTABLE | FRESH_ORIGIN | TAIL | SAMPLED) != 0 {
                     return Err(format!("{:?} has unknown flags {:#x}", e.key, e.flags));
                 }
                 let fresh = e.flags & FRESH_ORIGIN != 0;
@@ -37,16 +38,14 @@ impl<C> TurnPolicy<C> {
                 if tail && e.reuses != 0 {
                     return Err(format!("{:?} is a marked tail but was reused", e.key));
                 }
-                // A kept list holds what its unkept twin would.
-                let twin = if list >= Class::KeptTail as usize {
-                    list - KEPT_SHIFT
+                // A hint group's list holds what its unhinted twin would.
+                let twin = if list >= Class::Tail as usize {
+                    Class::Tail as usize + (list - Class::Tail as usize) % GROUP_LISTS
                 } else {
                     list
                 };
                 let class_ok = match twin {
                     l if l == Class::Dead as usize => tail,
-                    // Dropped chunks: any (a dropped hint may drop reused chunks too).
-                    l if l == Class::Dropped as usize => true,
                     l if l == Class::Fresh as usize => fresh,
                     l if l == Class::Tail as usize => e.reuses == 0,
                     l => {
