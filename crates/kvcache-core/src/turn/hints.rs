@@ -177,6 +177,21 @@ impl HintStats {
         self.returned[group as usize]
     }
 
+    /// Sets the counts as if `(marked, returned)` of each group had been sampled (tests).
+    #[cfg(test)]
+    pub(super) fn force_rates(&mut self, counts: [(u32, u32); 3]) {
+        for (g, (marked, returned)) in counts.into_iter().enumerate() {
+            self.marked[g] = marked;
+            self.returned[g] = returned;
+        }
+    }
+
+    /// Sampled keys awaiting their return.
+    #[cfg(test)]
+    pub(super) fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
     pub(super) fn heap_bytes(&self) -> usize {
         self.pending.allocation_size() + self.order.capacity() * std::mem::size_of::<(u64, u64)>()
     }

@@ -22,13 +22,24 @@
 //!   again (while resident, or stored again while remembered as ghosts). While fewer than one
 //!   in four are, tails are *dead*: evicted before anything else. Otherwise an unreused tail
 //!   ranks `capacity` key visits older than the rest of its request.
+//! - **The application may know which conversations come back** and say so per request (a
+//!   [`RetentionHint`]: the conversation continues, or it ended). The policy learns from a
+//!   shadow sample of keys how much more or less often chunks of each hint come back than
+//!   the average ([`hints`]), and ranks them that much later or earlier: up to two capacities
+//!   of key visits either way, nothing while the evidence is within its statistical error.
+//!   A hint that says nothing changes nothing, an inverted one is read the other way round,
+//!   and a hinted chunk is still evicted when nothing else can go. A request whose hint is
+//!   trusted to mean "comes back" is never judged fresh. Without hints the policy keeps no
+//!   sample and decides exactly as it would without this rule.
 //!
 //! Eviction order: dead tails, then fresh chunks, each oldest first; then every other chunk
-//! by its score, the smallest first: `tick + offset(class)`, where `tick` is a counter advanced once per chunk
-//! re-ranked at a request's finish (vLLM's LRU counts the same way) and the offset is the
-//! reuse credit (or the tail's demotion). Chunks of one class share an offset, so each class
-//! is a list in tick order and the smallest score is at the head of one of the lists.
-//! Only chunks marked evictable whose `ref_cnt` is 0 and that are not protected are victims.
+//! by its score, the smallest first: `tick + offset(class) + shift(hint)`, where `tick` is a
+//! counter advanced once per chunk re-ranked at a request's finish (vLLM's LRU counts the same
+//! way), the offset is the reuse credit (or the tail's demotion), and the shift is that of the
+//! hint of the request that last ranked the chunk. Chunks of one class and hint share an
+//! offset, so each is a list in tick order and the smallest score is at the head of one of
+//! the lists. Only chunks marked evictable whose `ref_cnt` is 0 and that are not protected
+//! are victims.
 //!
 //! The constants were chosen on kvcache's built-in multi-turn workload and on Mooncake's
 //! public synthetic trace (5–50 % capacity; `docs/policies.md` has the figures): credits up to
@@ -37,12 +48,19 @@
 //! Larger credits win more on the smallest caches and start to lose to LRU at 50 %; fewer
 //! ghosts miss more returning conversations.
 //!
+//! The hint rule's constants were chosen on the same two workloads with hints synthesised
+//! from their future (exact, 10 % and 20 % wrong, random, inverted), see [`hints`].
+//!
 //! Complexity: `find`, `insert`, `remove` and each key of `on_request_access`,
-//! `on_request_finished` and `touch` are O(1) (one ghost probe for a key not resident);
-//! planning an eviction of `n` is O(n × classes + entries skipped). Memory per resident chunk:
-//! one 64-byte slab entry (40-byte inline key, links, tick, chunk handle, class, reuse count,
+//! `on_request_finished` and `touch` are O(1) (one ghost probe for a key not resident; with
+//! hints, one key in 16 is hashed again at the finish for the sample); planning an eviction of
+//! `n` is O(n × lists + entries skipped), over 30 scored lists. Memory per resident chunk: one
+//! 64-byte slab entry (40-byte inline key, links, tick, chunk handle, class, reuse count,
 //! flags) plus ~5 bytes of hash table, and up to 2 × 2.5 ghosts of 10 bytes (8-byte slots at
-//! most 80 % full), allocated as evictions happen.
+//! most 80 % full), allocated as evictions happen; with hints, the shadow sample's keys
+//! awaiting their return (one in 16 of the keys ranked within four capacities of ticks: at
+//! most a quarter of a key per chunk, about 12 bytes per chunk). A live request's state holds
+//! one insertion point per list (32 × 24 bytes).
 
 mod ghosts;
 mod hints;
@@ -188,8 +206,10 @@ pub struct TurnPolicy<C> {
     tails_read: u32,
     /// What each kind of retention hint turned out to be worth.
     hints: HintStats,
-    /// Each group's shift, in key visits (see [`hints`]); the unhinted group's is 0.
+    /// Each group's shift, in key visits and in thousandths of the capacity (see [`hints`]);
+    /// the unhinted group's is 0.
     shifts: [i64; 3],
+    shift_milli: [i64; 3],
     /// Score offset of each class of the unhinted group, before the shift (`Tail`'s is 0: the
     /// others start at the capacity, so the tail's demotion needs no negative numbers).
     class_offsets: [u64; GROUP_LISTS],
@@ -272,6 +292,7 @@ impl<C> TurnPolicy<C> {
     fn refresh_offsets(&mut self) {
         let capacity = i64::try_from(self.capacity).unwrap_or(i64::MAX);
         let shifts = self.hints.shifts_milli();
+        self.shift_milli = shifts;
         let max = i128::from(hints::MAX_SHIFT_MILLI);
         let floor = u64::try_from(i128::from(capacity) * max / 1000).unwrap_or(u64::MAX);
         for group in Group::ALL {
@@ -328,6 +349,18 @@ impl<C> TurnPolicy<C> {
         all.into_iter().map(|(_, s, _, _, idx)| (idx, s)).collect()
     }
 
+    /// A group's shift in capacities, for [`Policy::stats`].
+    fn shift_stat(&self, group: Group) -> Stat {
+        let milli = i32::try_from(self.shift_milli[group as usize]).unwrap_or(0);
+        Stat::Value(f64::from(milli) / 1000.0)
+    }
+
+    /// Entries on list `list` (tests).
+    #[cfg(test)]
+    fn list_len_at(&self, list: usize) -> usize {
+        self.lists[list].len()
+    }
+
     /// Entries on each list, for [`Policy::stats`].
     fn list_len(&self, class: Class) -> usize {
         self.lists[class as usize].len()
@@ -365,6 +398,7 @@ impl<C> Policy<C> for TurnPolicy<C> {
             tails_read: 0,
             hints: HintStats::new(capacity),
             shifts: [0; 3],
+            shift_milli: [0; 3],
             class_offsets,
             hint_kept_hits: 0,
             trust,
@@ -684,8 +718,8 @@ impl<C> Policy<C> for TurnPolicy<C> {
             ("tails_read", Stat::Count(self.tails_read as usize)),
             ("continues", Stat::Count(continues)),
             ("ends", Stat::Count(ends)),
-            ("continues_shift_milli", Stat::Value(self.shifts[Group::Continues as usize] as f64 * 1000.0 / self.capacity.max(1) as f64)),
-            ("ends_shift_milli", Stat::Value(self.shifts[Group::Ends as usize] as f64 * 1000.0 / self.capacity.max(1) as f64)),
+            ("continues_shift", self.shift_stat(Group::Continues)),
+            ("ends_shift", self.shift_stat(Group::Ends)),
             ("hint_kept_hits", Stat::Count(usize::try_from(self.hint_kept_hits).unwrap_or(usize::MAX))),
             ("continues_sampled", Stat::Count(self.hints.marked(Group::Continues) as usize)),
             ("continues_returned", Stat::Count(self.hints.returned(Group::Continues) as usize)),
@@ -736,5 +770,7 @@ impl<C> Policy<C> for TurnPolicy<C> {
     }
 }
 
+#[cfg(test)]
+mod hint_tests;
 #[cfg(test)]
 mod tests;
