@@ -358,6 +358,7 @@ def test_json_carries_run_metadata(tmp_path: Path, capsys: pytest.CaptureFixture
         "key_visits": 10,
         "unique_blocks": 5,
         "block_tokens": 512,
+        "hints": None,
         "trace": str(path.resolve()),
         "trace_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
     }

@@ -346,7 +346,8 @@ def replay(
 
     start = time.perf_counter_ns()
     for idx, keys in enumerate(requests):
-        ctx = make_ctx(f"r{idx}", params[idx])
+        hint_params = params[idx]
+        ctx = make_ctx(f"r{idx}") if hint_params is None else make_ctx(f"r{idx}", hint_params)
         on_new_request(ctx)
         set_position = ctx.set_offload_key_position
         for key, position in zip(keys, positions, strict=False):
