@@ -124,18 +124,24 @@ def __getattr__(name: str) -> Any:
     # the one case kvcache builds no spec or manager of its own (vLLM's manager, configured
     # with ``cache_policy_module_path="kvcache.vllm"``) still gets kvcache's start-up line.
     # vLLM's factory looks the class up with ``getattr`` right before it constructs it.
-    cls = _POLICY_CLASSES.get(name)
-    if cls is None:
+    if name not in _POLICY_CLASSES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if sys._getframe(1).f_globals.get("__name__") == _VLLM_POLICY_FACTORY:
-        logger.info(
-            "kvcache policy ready: manager=vLLM's policy=%s (kvcache, Rust, vLLM %s protocol) "
-            "worker=vLLM's (loaded by vLLM's CachePolicyFactory from %s)",
-            name,
-            VLLM_SEMANTICS,
-            __name__,
-        )
-    return cls
+        return policy_for_vllm_factory(name, __name__)
+    return _POLICY_CLASSES[name]
+
+
+def policy_for_vllm_factory(name: str, module: str) -> type:
+    """Policy class ``name``, as vLLM's ``CachePolicyFactory`` loads it from ``module``
+    (``cache_policy_module_path``), with kvcache's start-up line."""
+    logger.info(
+        "kvcache policy ready: manager=vLLM's policy=%s (kvcache, Rust, vLLM %s protocol) "
+        "worker=vLLM's (loaded by vLLM's CachePolicyFactory from %s)",
+        name,
+        VLLM_SEMANTICS,
+        module,
+    )
+    return _POLICY_CLASSES[name]
 
 
 def __dir__() -> list[str]:
