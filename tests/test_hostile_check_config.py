@@ -6,6 +6,7 @@ not a regular file) is refused before vLLM is imported."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,8 @@ def test_files_are_read_bounded_and_only_when_regular(tmp_path: Path) -> None:
     huge.write_text(HEAD + '"x": "' + "a" * (4 * MAX_CONFIG_BYTES) + '"}')
     latin = tmp_path / "latin.json"
     latin.write_bytes(b'{"kv_connector": "Offloading\xe9"}')
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # no writer: reading it would wait forever
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
     cases = [
@@ -83,6 +86,7 @@ def test_files_are_read_bounded_and_only_when_regular(tmp_path: Path) -> None:
         (f"@{latin}", ["latin.json", "not UTF-8"]),
         (f"@{deep}", [f"deeper than {MAX_CONFIG_DEPTH} levels"]),
         (f"@{tmp_path}", ["not a regular file"]),
+        (f"@{fifo}", ["fifo.json", "not a regular file"]),
         ("@/dev/zero", ["/dev/zero", "not a regular file"]),
         (f"@{tmp_path / 'missing.json'}", ["missing.json", "No such file"]),
     ]
