@@ -1,10 +1,11 @@
-"""``kvcache.vllm.CPUOffloadingSpec.get_manager``: bad configuration is an error, not a silent
-fall-back to vLLM's manager.
+"""``kvcache.vllm.CPUOffloadingSpec``: bad configuration is an error, not a silent fall-back to
+vLLM's manager.
 
 The fall-back exists for one case: a policy kvcache's manager cannot run (an out-of-tree
 Python policy, ``tests/test_vllm_adapter.py``). A bad ``max_tracker_size``, ``store_threshold``
-or chunk count must reach the user as a typed ``KvCacheError`` from ``get_manager()``, rather
-than read as "cannot run this policy" and quietly swap the manager.
+or chunk count must reach the user as a typed ``KvCacheError``, from the spec's constructor
+(the settings) or from ``get_manager()`` (the chunk count), rather than read as "cannot run
+this policy" and quietly swap the manager.
 """
 
 from __future__ import annotations
@@ -69,9 +70,16 @@ def spec_with(**extra: Any) -> Any:
 def test_bad_configuration_is_a_typed_error_not_a_fallback(
     policy: str, extra: dict[str, Any], expected: str
 ) -> None:
-    spec = spec_with(eviction_policy=policy, **extra)
-    raises_exactly(spec.get_manager, getattr(kvcache, expected))
-    assert spec._manager is None, "a failed get_manager must not leave a manager behind"
+    built = []
+
+    def build() -> Any:
+        spec = spec_with(eviction_policy=policy, **extra)
+        built.append(spec)
+        return spec.get_manager()
+
+    raises_exactly(build, getattr(kvcache, expected))
+    for spec in built:
+        assert spec._manager is None, "a failed get_manager must not leave a manager behind"
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc", "turn"])

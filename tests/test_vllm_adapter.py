@@ -195,16 +195,27 @@ def test_the_arc_name_trap_is_warned_about(caplog: pytest.LogCaptureFixture) -> 
         ({"store_threshold": float("inf")}, ValueError),
         ({"store_threshold": float("nan")}, ValueError),
         ({"store_threshold": "many"}, ValueError),
-        ({"cpu_bytes_to_use": (2**32 + 1) * 4096}, ValueError),  # more chunks than ids
     ],
 )
-def test_manager_errors_propagate_instead_of_falling_back(extra: dict[str, Any], exc: type) -> None:
-    """Only an out-of-tree policy falls back to vLLM's manager; a bad setting raises."""
+def test_bad_manager_settings_are_refused_when_the_spec_is_built(
+    extra: dict[str, Any], exc: type
+) -> None:
     require_oracle()
     import kvcache
 
-    spec = our_spec(eviction_policy="lru", **extra)
     with pytest.raises(exc) as info:
+        our_spec(eviction_policy="lru", **extra)
+    assert isinstance(info.value, kvcache.KvCacheError)
+
+
+def test_manager_errors_propagate_instead_of_falling_back() -> None:
+    """Only an out-of-tree policy falls back to vLLM's manager; a manager that cannot be built
+    (more chunks than ids) raises."""
+    require_oracle()
+    import kvcache
+
+    spec = our_spec(eviction_policy="lru", cpu_bytes_to_use=(2**32 + 1) * 4096)
+    with pytest.raises(ValueError, match="num_chunks") as info:
         spec.get_manager()
     assert isinstance(info.value, kvcache.KvCacheError)
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import (
@@ -45,7 +46,7 @@ from vllm.v1.kv_offload.tiering.manager import (
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvcache._core import InvalidArgumentError, InvalidTypeError
+from kvcache import _vllm_config as settings
 from kvcache._vllm_logging import route_to_vllm
 from kvcache._vllm_version import VLLM_SEMANTICS
 
@@ -131,18 +132,21 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
     region, the rows the secondary tiers read and write."""
 
     def __init__(self, config: OffloadingConfig) -> None:
-        from kvcache.vllm import CPUOffloadingSpec, rust_policy
+        from kvcache.vllm import CPUOffloadingSpec
 
         route_to_vllm()
+        # As kvcache's CPU spec: checked before vLLM's spec reads them.
+        settings.check_kvcache_keys(config.extra_config)
+        settings.cpu_bytes(config.extra_config)
+        # Refused here, not when the manager is built: vLLM's tiering spec would refuse it
+        # from get_manager, after the spec was handed to the scheduler.
+        self.store_threshold = settings.store_threshold(config.extra_config, tiering=True)
         super().__init__(config)
-        # The worker settings are read exactly as kvcache's CPU spec reads them.
+        # The worker settings and the policy are read exactly as kvcache's CPU spec reads them.
         CPUOffloadingSpec._read_worker_settings(self, self.extra_config)
-        if not isinstance(self.eviction_policy, str):
-            raise InvalidTypeError(
-                "eviction_policy in kv_connector_extra_config must be a string, got "
-                f"{self.eviction_policy!r}"
-            )
-        self.policy_kind = rust_policy(self.eviction_policy, self.cache_policy_module_path)
+        self.policy_kind = settings.policy_kind(
+            self.eviction_policy, self.cache_policy_module_path, CachePolicyFactory._registry
+        )
 
     def create_worker(self, kv_caches: Any) -> Any:
         """vLLM's worker, or kvcache's over vLLM's shared host region (see the class docs);
@@ -211,10 +215,6 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is not None:
             return self._manager
-        if int(self.extra_config.get("store_threshold", 0)) >= 2:
-            raise InvalidArgumentError(
-                "store_threshold is not supported with tiering (as with vLLM's own spec)"
-            )
         region: SharedOffloadRegion | None = None
         primary: Any = None
         tiers: list[Any] = []

@@ -1,4 +1,5 @@
-"""Command line: ``kvcache replay``, ``kvcache transfer bench`` (also ``python -m kvcache ...``).
+"""Command line: ``kvcache replay``, ``kvcache check-config``, ``kvcache transfer bench`` (also
+``python -m kvcache ...``).
 
 Errors the user can fix (bad options, a missing or malformed trace, a backend or a dependency
 that is not installed) end in one line on stderr and exit status 2; a replay whose decisions
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn, TextIO
 
 import kvcache
+from kvcache._check_config import ModelShape
 from kvcache._core import MAX_ITEMS
 from kvcache._semantics import VLLM_SEMANTICS
 from kvcache.replay.backends import (
@@ -76,6 +78,8 @@ MAX_COUNT = (1 << 63) - 1
 MAX_REPEAT = 1_000
 #: Layers, KV heads, head size: far above any model's.
 MAX_MODEL_DIM = 1 << 20
+#: The model shape check-config assumes when none is given.
+_CHECK_SHAPE = ModelShape()
 #: The largest host size a capacity or block may name (1 EiB).
 MAX_BYTES = 1 << 60
 
@@ -334,6 +338,72 @@ def _add_transfer_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
     )
 
 
+def _add_check_config_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
+    cp = commands.add_parser(
+        "check-config",
+        help="what vLLM will build from a --kv-transfer-config (no GPU needed)",
+        description="Builds what vLLM's OffloadingConnector builds from CONFIG (the spec through "
+        "vLLM's own factory, a CPU spec's manager) on this machine's CPU, and prints what will "
+        "run: the spec, manager, policy, worker, host memory, tiers and every key nobody reads. "
+        "A mistake is one line on stderr, exit status 2. Run it in the Python environment vLLM "
+        "serves from.",
+    )
+    cp.add_argument(
+        "config",
+        metavar="CONFIG",
+        help="the JSON given to vllm serve --kv-transfer-config, or @FILE.json",
+    )
+    cp.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        metavar="GIB",
+        help="as vllm serve --kv-offloading-size (sets the connector and cpu_bytes_to_use)",
+    )
+    shape = cp.add_argument_group(
+        "model shape",
+        "The KV cache the chunk size and count are computed for (standard attention). Default: "
+        f"{_CHECK_SHAPE.layers} layers, {_CHECK_SHAPE.kv_heads} KV heads, head size "
+        f"{_CHECK_SHAPE.head_size}, {_CHECK_SHAPE.dtype}, vLLM's default block size.",
+    )
+    model_dim = _int_option(1, 1 << 16)
+    shape.add_argument("--num-layers", type=model_dim, metavar="N", help="attention layers")
+    shape.add_argument(
+        "--num-kv-heads", type=model_dim, metavar="N", help="KV heads (all ranks together)"
+    )
+    shape.add_argument("--head-size", type=model_dim, metavar="N", help="head dimension")
+    shape.add_argument(
+        "--kv-dtype", choices=sorted(DTYPE_BYTES), metavar="DTYPE", help="KV cache dtype"
+    )
+    shape.add_argument(
+        "--block-size", type=model_dim, metavar="TOKENS", help="tokens per GPU KV block"
+    )
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    from kvcache._check_config import run
+
+    given = {
+        name: getattr(args, name)
+        for name in ("num_layers", "num_kv_heads", "head_size", "kv_dtype", "block_size")
+        if getattr(args, name) is not None
+    }
+    shape = ModelShape(
+        layers=given.get("num_layers", _CHECK_SHAPE.layers),
+        kv_heads=given.get("num_kv_heads", _CHECK_SHAPE.kv_heads),
+        head_size=given.get("head_size", _CHECK_SHAPE.head_size),
+        dtype=given.get("kv_dtype", _CHECK_SHAPE.dtype),
+        block_size=given.get("block_size"),
+        given={"num_layers", "num_kv_heads", "head_size"} <= given.keys(),
+    )
+    return run(
+        args.config,
+        shape,
+        offloading_size=args.kv_offloading_size,
+        stdout=sys.stdout,
+        stderr=sys.stderr,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvcache",
@@ -342,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvcache {kvcache.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_replay_parser(commands)
+    _add_check_config_parser(commands)
     _add_transfer_parser(commands)
     return parser
 
@@ -551,6 +622,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _transfer_bench(extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "check-config":
+        return _check_config(args)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     try:
         return _replay(args, argv, sys.stdout, sys.stderr)

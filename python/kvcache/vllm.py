@@ -21,8 +21,11 @@ own Python classes *before* looking at the module path::
 
     kv_connector_extra_config = {
         "eviction_policy": "ARCCachePolicy",  # NOT "arc": that silently runs vLLM's ARC
-        "cache_policy_module_path": "kvcache.vllm",
+        "cache_policy_module_path": "kvcache.vllm",  # or "kvcache" (see kvcache.__getattr__)
     }
+
+Every key kvcache's specs read is checked when vLLM builds the spec (``kvcache._vllm_config``);
+``kvcache check-config`` shows what a configuration builds without a GPU.
 
 Switches (``kv_connector_extra_config``), all optional:
 
@@ -79,11 +82,8 @@ from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as _VllmCPUOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcache._core import (
-    POLICY_KINDS,
-    InvalidArgumentError,
-    InvalidTypeError,
-)
+from kvcache import _vllm_config as settings
+from kvcache._core import POLICY_KINDS, InvalidArgumentError, InvalidTypeError
 from kvcache._core import OffloadingManager as _RustManager
 from kvcache._vllm_logging import route_to_vllm
 from kvcache._vllm_worker import CPUOffloadingWorker, build_worker
@@ -124,18 +124,24 @@ def __getattr__(name: str) -> Any:
     # the one case kvcache builds no spec or manager of its own (vLLM's manager, configured
     # with ``cache_policy_module_path="kvcache.vllm"``) still gets kvcache's start-up line.
     # vLLM's factory looks the class up with ``getattr`` right before it constructs it.
-    cls = _POLICY_CLASSES.get(name)
-    if cls is None:
+    if name not in _POLICY_CLASSES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if sys._getframe(1).f_globals.get("__name__") == _VLLM_POLICY_FACTORY:
-        logger.info(
-            "kvcache policy ready: manager=vLLM's policy=%s (kvcache, Rust, vLLM %s protocol) "
-            "worker=vLLM's (loaded by vLLM's CachePolicyFactory from %s)",
-            name,
-            VLLM_SEMANTICS,
-            __name__,
-        )
-    return cls
+        return policy_for_vllm_factory(name, __name__)
+    return _POLICY_CLASSES[name]
+
+
+def policy_for_vllm_factory(name: str, module: str) -> type:
+    """Policy class ``name``, as vLLM's ``CachePolicyFactory`` loads it from ``module``
+    (``cache_policy_module_path``), with kvcache's start-up line."""
+    logger.info(
+        "kvcache policy ready: manager=vLLM's policy=%s (kvcache, Rust, vLLM %s protocol) "
+        "worker=vLLM's (loaded by vLLM's CachePolicyFactory from %s)",
+        name,
+        VLLM_SEMANTICS,
+        module,
+    )
+    return _POLICY_CLASSES[name]
 
 
 def __dir__() -> list[str]:
@@ -143,15 +149,9 @@ def __dir__() -> list[str]:
 
 
 #: Policy names kvcache's Rust manager runs, by the name given in ``eviction_policy``.
-RUST_POLICIES = {
-    **{name: name for name in POLICY_KINDS},
-    **{cls.__name__: name for name, cls in POLICY_KINDS.items()},
-}
+RUST_POLICIES = settings.RUST_POLICIES
 #: ``cache_policy_module_path`` values that mean "kvcache's policies" (or none given).
-OUR_MODULES = (None, "kvcache.vllm", "kvcache")
-
-_PIN_SETTINGS = ("background", "blocking", "off")
-_COPY_SETTINGS = ("auto", "dma", "kernel")
+OUR_MODULES = settings.OUR_MODULES
 
 
 def rust_policy(name: str, module_path: str | None) -> str | None:
@@ -210,6 +210,9 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
         max_tracker_size: int = 64_000,
         info: Any = None,
     ) -> CPUOffloadingManager:
+        if cache_policy == settings.OFFLINE_POLICY:
+            # The Rust manager runs it for the replay, which tells it the future.
+            raise InvalidArgumentError(settings.offline_policy_refusal("cache_policy"))
         # `info` is for __init__ (vLLM's config facts); the Rust base takes the rest.
         return super().__new__(
             cls,
@@ -268,22 +271,6 @@ WORKER_DEFAULT_REASON = (
 )
 
 
-def _flag(extra: Any, key: str, default: bool) -> bool:
-    value = extra.get(key, default)
-    if not isinstance(value, bool):
-        raise InvalidTypeError(f"{key} in kv_connector_extra_config must be true or false")
-    return value
-
-
-def _choice(extra: Any, key: str, choices: tuple[str, ...]) -> str:
-    value = extra.get(key, choices[0])
-    if value not in choices:
-        raise InvalidArgumentError(
-            f"{key} in kv_connector_extra_config must be one of {list(choices)}, got {value!r}"
-        )
-    return str(value)
-
-
 class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
     """vLLM's CPU offloading spec with kvcache's manager and worker.
 
@@ -299,24 +286,24 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         route_to_vllm()  # vLLM may have configured its logging after this module was imported
+        # Checked before vLLM's spec reads them: it would take `cpu_bytes_to_use` "64GiB" to
+        # a bare ValueError and ignore a misspelled kvcache key.
+        settings.check_kvcache_keys(config.extra_config)
+        settings.cpu_bytes(config.extra_config)
         super().__init__(config)
         extra = self.extra_config
         self._read_worker_settings(extra)
-        # vLLM takes both as given; anything but a string would only surface later, as an
-        # "out-of-tree policy" silently run by vLLM's manager.
-        if not isinstance(self.eviction_policy, str):
-            raise InvalidTypeError(
-                "eviction_policy in kv_connector_extra_config must be a string, got "
-                f"{self.eviction_policy!r}"
-            )
-        if self.cache_policy_module_path is not None and not isinstance(
-            self.cache_policy_module_path, str
-        ):
-            raise InvalidTypeError(
-                "cache_policy_module_path in kv_connector_extra_config must be a module path "
-                f"(a string) or null, got {self.cache_policy_module_path!r}"
-            )
-        self.policy_kind = rust_policy(self.eviction_policy, self.cache_policy_module_path)
+        self._read_policy()
+        self.store_threshold = settings.store_threshold(extra, tiering=False)
+        self.max_tracker_size = settings.max_tracker_size(extra)
+
+    def _read_policy(self) -> None:
+        """``eviction_policy`` and ``cache_policy_module_path``: which policy runs, and whose
+        manager runs it (``policy_kind`` None: vLLM's); a policy no manager could run is
+        refused here rather than by vLLM's factory when the manager is built."""
+        self.policy_kind = settings.policy_kind(
+            self.eviction_policy, self.cache_policy_module_path, CachePolicyFactory._registry
+        )
         if (
             self.cache_policy_module_path in OUR_MODULES[1:]
             and self.eviction_policy in CachePolicyFactory._registry
@@ -336,14 +323,12 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
     def _read_worker_settings(self, extra: Any) -> None:
         """The worker keys of ``kv_connector_extra_config`` (typed errors for bad values)."""
         #: None when the configuration does not name a worker (the default applies).
-        self.worker_setting: bool | None = (
-            None if "kvcache_worker" not in extra else _flag(extra, "kvcache_worker", False)
-        )
+        self.worker_setting: bool | None = settings.flag(extra, "kvcache_worker")
         self.use_kvcache_worker = (
             WORKER_GPU_EVIDENCE is not None if self.worker_setting is None else self.worker_setting
         )
-        self.pin_setting = _choice(extra, "kvcache_pin", _PIN_SETTINGS)
-        self.copy_setting = _choice(extra, "kvcache_copy", _COPY_SETTINGS)
+        self.pin_setting = settings.choice(extra, "kvcache_pin", settings.PIN_SETTINGS)
+        self.copy_setting = settings.choice(extra, "kvcache_copy", settings.COPY_SETTINGS)
         cutoff = extra.get("kvcache_kernel_max_run_bytes")
         if cutoff is not None and (isinstance(cutoff, bool) or not isinstance(cutoff, int)):
             raise InvalidTypeError("kvcache_kernel_max_run_bytes must be an int (bytes) or null")
@@ -359,25 +344,14 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
             )
         return "kvcache (Rust)"
 
-    def _extra_int(self, name: str, default: int) -> int:
-        """An integer setting of ``kv_connector_extra_config``, converted as vLLM does
-        (``int(value)``), with a typed error naming the setting when it is not one."""
-        value = self.extra_config.get(name, default)
-        try:
-            return int(value)
-        except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: inf
-            raise InvalidArgumentError(
-                f"kv_connector_extra_config[{name!r}] must be an integer, got {value!r}"
-            ) from exc
-
     def get_manager(self) -> OffloadingManager:
         if self._manager is not None:
             return self._manager
         kwargs: dict[str, Any] = dict(
             num_chunks=self.num_chunks,
             enable_events=self.kv_events_config.enable_kv_cache_events,
-            store_threshold=self._extra_int("store_threshold", 0),
-            max_tracker_size=self._extra_int("max_tracker_size", 64_000),
+            store_threshold=self.store_threshold,
+            max_tracker_size=self.max_tracker_size,
             info=self.cpu_info,
         )
         self._manager = build_manager(self, CPUOffloadingManager, _VllmManager, "manager", kwargs)

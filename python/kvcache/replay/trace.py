@@ -39,6 +39,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_LINE_BYTES",
     "load_mooncake_trace",
+    "nests_deeper",
 ]
 
 #: Block size of the published Mooncake traces.
@@ -79,17 +80,17 @@ def _constant(name: str) -> float:
     raise _BadValue(f"{name} is not a number a trace may hold")
 
 
-def _too_deep(line: str) -> bool:
-    """Whether the line's JSON nests deeper than :data:`MAX_JSON_DEPTH` (brackets inside
-    strings do not count). A line with few brackets cannot, and is not scanned."""
-    if line.count("[") + line.count("{") <= MAX_JSON_DEPTH:
+def nests_deeper(text: str, limit: int) -> bool:
+    """Whether JSON ``text`` nests deeper than ``limit`` levels (brackets inside strings do not
+    count), found without parsing it. Text with few brackets cannot, and is not scanned."""
+    if text.count("[") + text.count("{") <= limit:
         return False
     depth = 0
-    for match in _STRUCTURE.finditer(line):
+    for match in _STRUCTURE.finditer(text):
         token = match.group()
         if token in "[{":
             depth += 1
-            if depth > MAX_JSON_DEPTH:
+            if depth > limit:
                 return True
         elif token in "]}":
             depth -= 1
@@ -106,7 +107,7 @@ def _is_count(value: object) -> bool:
 
 
 def _parse_line(line: str, where: str) -> tuple[list[int], str | None]:
-    if _too_deep(line):
+    if nests_deeper(line, MAX_JSON_DEPTH):
         raise TraceError(
             f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels (a trace line is an "
             "object of numbers and one list of hash ids)"
