@@ -473,7 +473,14 @@ fn chunk(id: u64, ref_cnt: i32) -> TestChunk {
 
 #[derive(Clone, Debug)]
 pub enum ManagerOp {
-    NewRequest,
+    /// A request arrives, with its retention hint (given right after its state is made).
+    NewRequest {
+        hint: Option<RetentionHint>,
+    },
+    /// A request arrives with a retention hint its caller could not read (and ignored).
+    IgnoredHint,
+    /// Take the stats: the hint counts must be those of the hints given since the last take.
+    TakeStats,
     /// Look up the request's keys, load the hit prefix and offer the rest for storing.
     Step {
         req: usize,
@@ -533,8 +540,11 @@ impl<'a> Arbitrary<'a> for ManagerOp {
                 .map(|_| u.int_in_range(0..=MANAGER_KEYS - 1))
                 .collect()
         };
-        Ok(match u.int_in_range(0..=20)? {
-            0 => ManagerOp::NewRequest,
+        Ok(match u.int_in_range(0..=22)? {
+            0 => ManagerOp::NewRequest {
+                // Half the requests carry a hint, as on traffic from a hinting application.
+                hint: if u.arbitrary()? { Some(hint(u)?) } else { None },
+            },
             1..=4 => ManagerOp::Step {
                 req: req(u)?,
                 keys: keys(u)?,
@@ -559,9 +569,11 @@ impl<'a> Arbitrary<'a> for ManagerOp {
             17 => ManagerOp::ReadForTier { keys: keys(u)? },
             18 => ManagerOp::CompleteReads,
             19 => ManagerOp::DeferWrites { req: req(u)? },
-            _ => ManagerOp::ReleaseDeferred {
+            20 => ManagerOp::ReleaseDeferred {
                 count: u.int_in_range(0..=4)?,
             },
+            21 => ManagerOp::IgnoredHint,
+            _ => ManagerOp::TakeStats,
         })
     }
 }
@@ -634,8 +646,18 @@ pub fn manager_key(k: u8) -> Vec<u8> {
 
 struct Req {
     token: RequestToken,
+    /// The hint its caller gives whenever the manager asks (a new state after a reset asks
+    /// again, as the bindings read the request's context again).
+    hint: Option<RetentionHint>,
     loads: Vec<Vec<u8>>,
     stores: Vec<Vec<u8>>,
+}
+
+/// Hints given and ignored since the last `take_stats`, as the manager must count them.
+#[derive(Default)]
+struct HintTally {
+    hinted: u64,
+    ignored: u64,
 }
 
 /// Drives a [`Manager`] with [`ManagerOp`]s and validates it after each.
@@ -645,6 +667,7 @@ pub struct ManagerHarness<P: Policy<ChunkId>> {
     /// Keys pinned by secondary-tier reads, and chunks whose release is deferred.
     reads: Vec<Vec<u8>>,
     deferred: Vec<i64>,
+    tally: HintTally,
 }
 
 impl<P: Policy<ChunkId>> ManagerHarness<P> {
@@ -662,7 +685,45 @@ impl<P: Policy<ChunkId>> ManagerHarness<P> {
             reqs: Vec::new(),
             reads: Vec::new(),
             deferred: Vec::new(),
+            tally: HintTally::default(),
         }
+    }
+
+    /// Gives a request whose state was just made its hint, as the bindings do, and checks the
+    /// manager takes it once.
+    fn give_hint(
+        &mut self,
+        token: RequestToken,
+        hint: Option<RetentionHint>,
+    ) -> Result<(), String> {
+        if !self.m.wants_retention_hint(token) {
+            return Ok(());
+        }
+        self.m.set_retention_hint(token, hint);
+        self.tally.hinted += u64::from(hint.is_some());
+        if self.m.wants_retention_hint(token) {
+            return Err("a request still waits for the hint it was given".into());
+        }
+        // A second hint changes nothing (the count included).
+        let before = self.snapshot();
+        self.m
+            .set_retention_hint(token, Some(RetentionHint::Continues));
+        if self.snapshot() != before {
+            return Err("a request took a second hint".into());
+        }
+        Ok(())
+    }
+
+    fn new_request(&mut self, hint: Option<RetentionHint>) -> Result<(), String> {
+        let token = self.m.request(None);
+        self.give_hint(token, hint)?;
+        self.reqs.push(Req {
+            token,
+            hint,
+            loads: Vec::new(),
+            stores: Vec::new(),
+        });
+        Ok(())
     }
 
     /// Everything a refused call must leave as it was.
@@ -687,19 +748,33 @@ impl<P: Policy<ChunkId>> ManagerHarness<P> {
     pub fn apply(&mut self, op: &ManagerOp) -> Result<(), String> {
         let m = &mut self.m;
         match op {
-            ManagerOp::NewRequest => {
-                let token = m.request(None);
-                self.reqs.push(Req {
-                    token,
-                    loads: Vec::new(),
-                    stores: Vec::new(),
-                });
+            ManagerOp::NewRequest { hint } => self.new_request(*hint)?,
+            ManagerOp::IgnoredHint => {
+                m.note_ignored_hint();
+                self.tally.ignored += 1;
+                self.new_request(None)?;
+            }
+            ManagerOp::TakeStats => {
+                let stats = m.take_stats();
+                let tally = std::mem::take(&mut self.tally);
+                if (stats.hinted_requests, stats.ignored_hints) != (tally.hinted, tally.ignored) {
+                    return Err(format!(
+                        "stats count {} hinted requests and {} ignored hints, {} and {} were given",
+                        stats.hinted_requests, stats.ignored_hints, tally.hinted, tally.ignored
+                    ));
+                }
+                if P::NAME != "turn" && stats.hint_kept_hits != 0 {
+                    return Err(format!("{} counted hint-kept hits", P::NAME));
+                }
             }
             ManagerOp::Step { req, keys } => {
                 let Some(r) = self.reqs.get_mut(*req) else {
                     return self.validate();
                 };
                 r.token = m.request(Some(r.token));
+                let (token, hint) = (r.token, r.hint);
+                self.give_hint(token, hint)?;
+                let m = &mut self.m;
                 let mut bytes: Vec<Vec<u8>> = Vec::new();
                 for &k in keys {
                     let b = manager_key(k);
