@@ -162,7 +162,8 @@ impl State {
     /// What `prepare_load` (`load`) and `prepare_store` start with: the keys (checked), their
     /// token positions, and the request's state (in that order: the checks come before any
     /// change). A request seen for the first time gets its state only once the call is known
-    /// not to be refused (vLLM checks before it records anything).
+    /// not to be refused (vLLM checks before it records anything), and its retention hint,
+    /// read before anything changes.
     fn request_call<'py>(
         &mut self,
         req_context: &Bound<'py, PyAny>,
@@ -175,47 +176,69 @@ impl State {
         self.bury_dead();
         let ops = &self.ops;
         if let Some(token) = self.owner.cached_live(ctx, |t| ops.is_live_request(t)) {
-            self.take_hint(ctx, token)?;
+            let hint = self.pending_hint(ctx, Some(token))?;
+            self.give_hint(token, hint);
             return Ok((keys, positions, cursor, token));
         }
         let live = self
             .owner
             .existing_token(ctx)?
-            .is_some_and(|t| self.ops.is_live_request(t));
-        if !live {
+            .filter(|&t| self.ops.is_live_request(t));
+        if live.is_none() {
             let ks = self.keys(&keys);
             self.ops.check_request_call(&ks, load).py_err()?;
         }
+        let hint = self.pending_hint(ctx, live)?;
         let ops = &mut self.ops;
         let token = self.owner.token(ctx, |current| ops.request(current))?;
-        self.take_hint(ctx, token)?;
+        self.give_hint(token, hint);
         Ok((keys, positions, cursor, token))
     }
 
-    /// The manager's request state for `ctx` (created on first sight, as vLLM does).
+    /// The manager's request state for `ctx` (created on first sight, as vLLM does), with its
+    /// retention hint.
     fn request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<RequestToken> {
         self.bury_dead();
+        // A context not seen recently is read (vLLM calls this once, for a new request):
+        // looking its state up first would cost a `get_state` call on every request.
+        let ops = &self.ops;
+        let live = self.owner.cached_live(ctx, |t| ops.is_live_request(t));
+        let hint = self.pending_hint(ctx, live)?;
         let token = self.owner.live_token(
             ctx,
             &mut *self.ops,
             |ops, token| ops.is_live_request(token),
             |ops, current| ops.request(current),
         )?;
-        self.take_hint(ctx, token)?;
+        self.give_hint(token, hint);
         Ok(token)
     }
 
-    /// Gives a request seen for the first time its retention hint (read from `ctx` once).
-    fn take_hint(&mut self, ctx: &Bound<'_, PyAny>, token: RequestToken) -> PyResult<()> {
-        if !self.ops.wants_retention_hint(token) {
-            return Ok(());
+    /// The retention hint of `ctx`'s request, read unless its live state (`live`) already has
+    /// one: read before anything changes, since reading runs the context's Python code (a
+    /// `BaseException` it raises then propagates with the manager untouched).
+    fn pending_hint(
+        &self,
+        ctx: &Bound<'_, PyAny>,
+        live: Option<RequestToken>,
+    ) -> PyResult<Option<HintRead>> {
+        if live.is_some_and(|token| !self.ops.wants_retention_hint(token)) {
+            return Ok(None);
         }
-        let found = read_hint(ctx)?;
+        read_hint(ctx).map(Some)
+    }
+
+    /// Gives the request its hint if it still waits for one (a state made just now, or one
+    /// made after a reset), and counts a hint that could not be read.
+    fn give_hint(&mut self, token: RequestToken, found: Option<HintRead>) {
+        let Some(found) = found else { return };
+        if !self.ops.wants_retention_hint(token) {
+            return;
+        }
         if found == HintRead::Ignored {
             self.ops.note_ignored_hint();
         }
         self.ops.set_retention_hint(token, found.hint());
-        Ok(())
     }
 
     fn event<'py>(
