@@ -14,10 +14,13 @@ passes on to the offloading layer unchanged:
                    payload={"retention": "ends"})
 
 ``"retention"`` is ``"continues"`` (another request will extend this one's prefix) or
-``"ends"`` (the conversation is over). A hint that cannot be read (not a mapping, an unknown
-version, field or value, too large, two sources that disagree, or an object that raises when
-read) is ignored: the request runs as if it had none, the manager counts it, and the first
-mistake of each kind is logged. Reading never raises an ``Exception``.
+``"ends"`` (the conversation is over). A hint that cannot be read (not a mapping, a
+``kv_hints`` that is not an envelope of actions, an unknown version, field or value, too
+large, two sources that disagree, or an object that raises when read) is ignored: the request
+runs as if it had none, the manager counts it, and the first mistake of each kind is logged.
+Reading never raises an ``Exception``, reads at most ``MAX_FIELDS`` names of a hint and
+``MAX_ACTIONS`` actions of an envelope whatever their size, never recurses into a value, and
+logs no part of the hint (its ``repr`` might be huge, or raise).
 
 This module imports neither vLLM nor torch: the Rust bindings call :func:`read_retention`
 once per request that carries ``kv_transfer_params`` or ``kv_hints``.
@@ -60,6 +63,7 @@ MAX_ACTIONS: Final = 64
 
 Problem = Literal[
     "not_a_mapping",
+    "not_an_envelope",
     "unknown_version",
     "unknown_field",
     "bad_value",
@@ -70,6 +74,7 @@ Problem = Literal[
 
 _PROBLEM_TEXT: Final[dict[str, str]] = {
     "not_a_mapping": "the hint is not a JSON object",
+    "not_an_envelope": "kv_hints is not a KvHintsEnvelope (an object with a list of actions)",
     "unknown_version": f"the hint's version is not {HINT_VERSION} (kvcache reads version "
     f'{HINT_VERSION}: {{"version": {HINT_VERSION}, "retention": "continues"}})',
     "unknown_field": 'the hint has a field other than "version" and "retention"',
@@ -138,10 +143,8 @@ def _from_hints(envelope: Any) -> str | None:
     if envelope is None:
         return None
     actions = getattr(envelope, "actions", None)
-    if actions is None:
-        return None
     if not isinstance(actions, (list, tuple)):
-        raise _Refused("not_a_mapping")
+        raise _Refused("not_an_envelope")
     bounded = list(itertools.islice(actions, MAX_ACTIONS + 1))
     if len(bounded) > MAX_ACTIONS:
         raise _Refused("oversized")
@@ -173,7 +176,7 @@ def read_retention(kv_transfer_params: Any, kv_hints: Any) -> tuple[str | None, 
         return from_params or from_hints, None
     except _Refused as refused:
         problem = refused.problem
-    except Exception:  # noqa: BLE001 -- a hint object's own methods may raise anything
+    except Exception:  # a hint object's own methods may raise anything
         problem = "unreadable"
     if problem not in _logged:
         _logged.add(problem)
