@@ -2,8 +2,9 @@
 
 kvcache's policies and manager accept vLLM's own ``ReqContext`` or any object with these
 methods. This one mirrors vLLM's: per-request scratch state keyed by type, the end-token
-position of each key the scheduler recorded, and (vLLM 0.34) the request's token counts, None
-unless given. The policies read ``_offload_key_positions``
+position of each key the scheduler recorded, the request's ``kv_transfer_params`` and
+``kv_hints`` (where kvcache reads a retention hint, see ``kvcache._hints``), and (vLLM 0.34)
+the request's token counts, None unless given. The policies read ``_offload_key_positions``
 directly when the object is an unmodified instance of this class or of vLLM's, which saves a
 Python call per key.
 """
@@ -25,6 +26,7 @@ class ReqContext:
         "__weakref__",
         "_offload_key_positions",
         "_state",
+        "kv_hints",
         "kv_transfer_params",
         "num_computed_tokens",
         "num_in_flight_tokens",
@@ -37,6 +39,7 @@ class ReqContext:
         self,
         req_id: str = "",
         kv_transfer_params: dict[str, Any] | None = None,
+        kv_hints: Any = None,
         *,
         num_computed_tokens: int | None = None,
         num_in_flight_tokens: int | None = None,
@@ -45,6 +48,8 @@ class ReqContext:
     ) -> None:
         self.req_id = req_id
         self.kv_transfer_params = kv_transfer_params
+        # vLLM's KvHintsEnvelope, or any object with its ``actions``.
+        self.kv_hints = kv_hints
         self._state: dict[type, Any] = {}
         self._offload_key_positions: dict[bytes, int] = {}
         # vLLM 0.34's token counts (its scheduler's context reads them live from the request).
@@ -81,6 +86,7 @@ class ReqContext:
 _FIELDS = (
     "req_id",
     "kv_transfer_params",
+    "kv_hints",
     "_state",
     "_offload_key_positions",
     "num_computed_tokens",
