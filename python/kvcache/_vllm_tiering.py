@@ -26,6 +26,12 @@ uses it:
 - ``get_kv_memoryview()``: the shared host region (rows of chunks) the secondary tiers copy
   to and from; ``_num_chunks``; ``shutdown()`` releases the view and the region.
 
+vLLM's tiering manager does not pass ``on_new_request`` on to its primary tier: kvcache's
+primary tier reads a request's retention hint (``kvcache._hints``) from the context of the
+first call that records the request (``prepare_store``, ``prepare_load``, a promotion's
+``prepare_write``), before its keys reach the policy, and its hint counters travel in the
+tiering manager's stats (the spec declares them).
+
 Under vLLM 0.33 the manager follows 0.33's decisions (``touch``, ``on_store_miss``, stored
 events), as everywhere in ``kvcache.vllm``.
 """
@@ -48,6 +54,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvcache import _vllm_config as settings
 from kvcache._vllm_logging import route_to_vllm
+from kvcache._vllm_metrics import hint_metric_definitions
 from kvcache._vllm_version import VLLM_SEMANTICS
 
 logger = logging.getLogger("kvcache.vllm")
@@ -130,6 +137,12 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
     vLLM's, unless ``"kvcache_worker": true`` (the default once kvcache's worker has passed a
     GPU run), in which case kvcache's worker moves the bytes directly in vLLM's shared host
     region, the rows the secondary tiers read and write."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's tiering metrics (its tiers' included) and the retention-hint counters of
+        kvcache's primary tier, which vLLM's tiering manager passes on from its stats."""
+        return {**super().build_metric_definitions(extra_config), **hint_metric_definitions()}
 
     def __init__(self, config: OffloadingConfig) -> None:
         from kvcache.vllm import CPUOffloadingSpec

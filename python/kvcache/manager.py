@@ -26,6 +26,9 @@ class ManagerStats:
     read_usage: float  # chunks pinned by loads / all chunks
     allocation_sizes: list[int]  # chunks allocated by each prepare_store
     stores_skipped: int | None  # stores below store_threshold (None when it is off)
+    hinted_requests: int = 0  # requests that arrived with a retention hint
+    ignored_hints: int = 0  # retention hints that could not be read (see kvcache._hints)
+    hint_kept_hits: int = 0  # reads of chunks kept because of a hint (turn; 0 for lru, arc)
 
 
 class OffloadingManager(_RustManager):
@@ -68,8 +71,8 @@ class OffloadingManager(_RustManager):
         )
 
     def get_stats(self) -> ManagerStats:
-        usage, write, read, sizes, skipped, _hints = self._take_stats()
-        return ManagerStats(usage, write, read, list(sizes), skipped)
+        usage, write, read, sizes, skipped, (hinted, ignored, kept) = self._take_stats()
+        return ManagerStats(usage, write, read, list(sizes), skipped, hinted, ignored, kept)
 
     def __repr__(self) -> str:
         return (

@@ -86,6 +86,7 @@ from kvcache import _vllm_config as settings
 from kvcache._core import POLICY_KINDS, InvalidArgumentError, InvalidTypeError
 from kvcache._core import OffloadingManager as _RustManager
 from kvcache._vllm_logging import route_to_vllm
+from kvcache._vllm_metrics import add_hint_counts, hint_metric_definitions
 from kvcache._vllm_worker import CPUOffloadingWorker, build_worker
 
 if TYPE_CHECKING:  # at run time served by ``__getattr__`` below
@@ -246,7 +247,7 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
         return [self._config_info]
 
     def get_stats(self) -> OffloadingConnectorStats:
-        usage, write_usage, read_usage, sizes, skipped, _hints = self._take_stats()
+        usage, write_usage, read_usage, sizes, skipped, hints = self._take_stats()
         stats = OffloadingConnectorStats()
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
         for size in sizes:
@@ -255,6 +256,7 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, read_usage)
         if skipped is not None:
             stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, skipped)
+        add_hint_counts(stats, hints)
         return stats
 
 
@@ -283,6 +285,12 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
     one start-up line. Bad settings raise (a ``KvCacheError`` subclass); nothing falls
     back silently.
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's CPU metrics and kvcache's retention-hint counters (``kvcache._vllm_metrics``),
+        which vLLM's Prometheus layer refuses unless the spec declares them."""
+        return {**super().build_metric_definitions(extra_config), **hint_metric_definitions()}
 
     def __init__(self, config: OffloadingConfig) -> None:
         route_to_vllm()  # vLLM may have configured its logging after this module was imported
