@@ -9,10 +9,15 @@ that fails cascades and promotions (partial promotions, whose failed chunks' rel
 defers until the tier lets go). The decision logs (see tests/tiering_driver.py) must be
 identical step by step. Negative controls show that the comparison catches a primary tier
 whose cascade reads never unpin (both releases) and one that frees a failed promotion's
-chunks at once instead of deferring them (0.34).
+chunks at once instead of deferring them (0.34). With retention hints on the requests, the
+logs stay identical (turn reads them on both sides), and kvcache's primary tier counts every
+hinted request it saw in the tiering manager's stats.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -216,3 +221,84 @@ def test_the_tiering_cost_bench_runs(tmp_path: object) -> None:
     assert any(line.startswith("vllm ") for line in lines)
     assert any(line.startswith("kvcache ") for line in lines)
     assert "bookkeeping per resident chunk" in done.stdout
+
+
+#: How each side is told to run a policy: vLLM's tiering spec loads kvcache's turn policy by
+#: name (vLLM has none), kvcache's spec runs it in kvcache's primary tier.
+def policy_settings(policy: str) -> dict[str, str]:
+    if policy == "turn":
+        return {"eviction_policy": "TurnCachePolicy", "cache_policy_module_path": "kvcache.vllm"}
+    return {"eviction_policy": policy}
+
+
+def watch_primary_requests(manager: Any, seen: set[str]) -> None:
+    """Records the requests whose context reaches the primary tier in a call that records
+    the request (where kvcache reads its hint: vLLM's tiering manager passes on no
+    ``on_new_request``)."""
+    primary = manager.primary_tier
+    for name in ("prepare_store", "prepare_load", "prepare_write"):
+        method = getattr(primary, name)
+
+        def watched(keys: Any, req_context: Any, *args: Any, _method: Any = method) -> Any:
+            seen.add(req_context.req_id)
+            return _method(keys, req_context, *args)
+
+        setattr(primary, name, watched)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "turn"])
+def test_tiering_with_hints_decides_as_over_vllms(policy: str) -> None:
+    """Requests carry retention hints of every kind (tests/hint_cases.py). Over LRU and ARC
+    both primary tiers decide as if there were none; turn reads them over vLLM's primary tier
+    (kvcache's policy loaded by name) and over kvcache's alike. Only kvcache's primary tier
+    counts them, and its counters reach the tiering manager's stats."""
+    needs_tiering()
+    from kvcache._vllm_metrics import HINTED_REQUESTS, IGNORED_HINTS
+    from tests.manager_driver import assert_same_decisions
+    from tests.tiering_driver import Options, run_both
+
+    counts: dict[str, Counter[str]] = {}
+    ref, ours = run_both(
+        [EXAMPLE, FAULTY],
+        Options(hints=True),
+        seed=29,
+        hint_counts=counts,
+        **policy_settings(policy),
+    )
+    assert_same_decisions(ref, ours)
+    assert not counts["vllm"]
+    assert counts["kvcache"][HINTED_REQUESTS] > 0
+    assert counts["kvcache"][IGNORED_HINTS] > 0
+
+
+@pytest.mark.parametrize("hints", [False, True])
+def test_the_primary_tier_counts_and_learns_from_every_hinted_request(hints: bool) -> None:
+    """kvcache's primary tier reads each request's hint once, from the first call that
+    records the request; the counts in the tiering manager's stats are exactly those of the
+    requests it saw."""
+    needs_tiering()
+    from kvcache._vllm_metrics import HINTED_REQUESTS, IGNORED_HINTS
+    from tests.hint_cases import tally
+    from tests.manager_driver import multi_turn_workload
+    from tests.tiering_driver import Options, build, drive, request_hint
+
+    _spec, manager = build("kvcache", [EXAMPLE], eviction_policy="turn")
+    try:
+        seen: set[str] = set()
+        watch_primary_requests(manager, seen)
+        counts: Counter[str] = Counter()
+        options = Options(hints=hints)
+        requests = multi_turn_workload(31, conversations=options.conversations)
+        drive(manager, requests, options, counts)
+        kinds = [request_hint(int(req_id.split("-")[1]), options) for req_id in seen]
+        hinted, ignored = tally(kinds)
+        assert counts[HINTED_REQUESTS] == hinted
+        assert counts[IGNORED_HINTS] == ignored
+        if hints:
+            assert hinted > 0
+            assert ignored > 0
+        else:
+            assert not counts
+        manager.primary_tier.validate()
+    finally:
+        manager.shutdown()

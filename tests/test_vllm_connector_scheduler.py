@@ -19,7 +19,10 @@ from its answers (scheduled, preempted and finished requests, their block tables
 computed tokens), the engine's outputs and the KV events published (the GPU cache's and the
 connector's). Both engines must drain, and each test's two workloads must have reached
 loads (synchronous ones too where configured), stores, offload hits, host evictions,
-preemptions, aborts and a cache reset.
+preemptions, aborts and a cache reset. A second comparison sends every request with a
+retention hint of a random kind (``SamplingParams.extra_args["kv_transfer_params"]`` or
+``Request.kv_hints``, well-formed or not): LRU and ARC decide as without them, turn reads them
+in both managers, and only kvcache's reports its hint counters.
 
 Real (vLLM's code as installed):
 
@@ -78,6 +81,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import oracle_semantics, require_oracle
+from tests.hint_cases import HINT_KINDS, hint_fields
 from tests.test_vllm_connector_worker import (
     CASES,
     OURS,
@@ -168,6 +172,9 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.events: list[Any] = []
+        #: kvcache's retention-hint counters in the connector's stats, summed (vLLM's manager
+        #: has none, so they are compared apart from the rest of the stats).
+        self.hint_counts: Counter[str] = Counter()
 
     def publish(self, batch: Any) -> None:
         self.events.extend(batch.events)
@@ -215,7 +222,7 @@ def spy(connector: Any, recorder: Recorder) -> None:
     wrap("build_connector_meta", lambda out: None, describe_metadata)
     wrap("update_connector_output", lambda out: describe_kv_output(out))
     wrap("take_events", lambda: None)
-    wrap("get_kv_connector_stats", lambda: None, describe_stats)
+    wrap("get_kv_connector_stats", lambda: None, lambda s: describe_stats(s, recorder))
     wrap("reset_cache", lambda: None)
 
 
@@ -259,11 +266,17 @@ def describe_kv_output(out: Any) -> tuple[Any, ...]:
 TIMED = ("vllm:kv_offload_lookup_sync_delay_seconds", "vllm:kv_offload_lookup_async_delay_seconds")
 
 
-def describe_stats(stats: Any) -> Any:
+def describe_stats(stats: Any, recorder: Recorder) -> Any:
+    from kvcache._vllm_metrics import HINT_METRICS
+
     if stats is None:
         return None
     data = {}
     for name, series in stats.data["data"].items():
+        if name in HINT_METRICS:
+            assert stats.data["types"][name] == "counter"
+            recorder.hint_counts[name] += sum(series.values())
+            continue
         if name in TIMED:
             series = {labels: len(samples) for labels, samples in series.items()}
         data[name] = series
@@ -314,11 +327,15 @@ class Arrival:
     req_id: str
     prompt: tuple[int, ...]
     max_tokens: int
+    #: How the request carries a retention hint (a kind of ``tests.hint_cases.HINT_KINDS``).
+    hint: str = "none"
 
 
-def workload(seed: int) -> list[Arrival]:
+def workload(seed: int, *, hints: bool = False) -> list[Arrival]:
     """Requests over a few shared prefixes (some of several chunks, some shorter than one),
-    in waves, some repeating an earlier prompt outright."""
+    in waves, some repeating an earlier prompt outright; with ``hints``, each carries a
+    retention hint of a random kind (the same requests otherwise)."""
+    hint_rng = random.Random(f"hints-{seed}")
     rng = random.Random(seed)
     prefixes = [
         tuple(rng.randrange(1, 30_000) for _ in range(rng.randrange(24, 160))) for _ in range(4)
@@ -332,7 +349,8 @@ def workload(seed: int) -> list[Arrival]:
         else:
             suffix = tuple(rng.randrange(1, 30_000) for _ in range(rng.randrange(1, 90)))
             prompt = rng.choice(prefixes) + suffix
-        arrivals.append(Arrival(step, f"req-{i}", prompt, rng.randrange(1, 24)))
+        hint = hint_rng.choice(list(HINT_KINDS)) if hints else "none"
+        arrivals.append(Arrival(step, f"req-{i}", prompt, rng.randrange(1, 24), hint))
     return arrivals
 
 
@@ -344,14 +362,19 @@ def make_request(arrival: Arrival, config: Any) -> Any:
 
     hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
+    # A hint travels as the engine gets it: kv_transfer_params in SamplingParams.extra_args
+    # (where vLLM's HTTP server puts the request field), the envelope as Request.kv_hints.
+    params, kv_hints = hint_fields(arrival.hint)
+    extra_args = None if params is None else {"kv_transfer_params": params}
     return Request(
         arrival.req_id,
         list(arrival.prompt),
-        SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True),
+        SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True, extra_args=extra_args),
         None,
         block_hasher=get_request_block_hasher(
             TOKENS_PER_BLOCK, hash_fn, config.num_hash_lookahead_tokens
         ),
+        kv_hints=kv_hints,
     )
 
 
@@ -518,8 +541,11 @@ SETTINGS = {
 }
 
 
-def run_pair(case: Case, extra: dict[str, Any], seed: int, counts: Counter[str]) -> None:
-    """vLLM's engine and kvcache's through ``workload(seed)``, compared after every step."""
+def run_pair(
+    case: Case, extra: dict[str, Any], seed: int, counts: Counter[str], *, hints: bool = False
+) -> tuple[Engine, Engine]:
+    """vLLM's engine and kvcache's through ``workload(seed, hints=hints)``, compared after
+    every step; returns both engines, shut down."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
@@ -542,7 +568,7 @@ def run_pair(case: Case, extra: dict[str, Any], seed: int, counts: Counter[str])
     assert ours.manager.cache_policy == policy
     assert ours.manager.store_threshold == theirs.manager.store_threshold
 
-    arrivals = workload(seed)
+    arrivals = workload(seed, hints=hints)
     last_arrival = arrivals[-1].step
     # Aborted once they have produced a token (some will be running, some waiting).
     to_abort = {a.req_id for a in arrivals[3::11]}
@@ -587,7 +613,11 @@ def run_pair(case: Case, extra: dict[str, Any], seed: int, counts: Counter[str])
     for engine in (theirs, ours):
         engine.scheduler.shutdown()
     assert theirs.recorder.calls == ours.recorder.calls
+    assert not theirs.recorder.hint_counts, "vLLM's manager reported kvcache's hint counters"
+    if not hints:
+        assert not ours.recorder.hint_counts, "hint counters without hints"
     counts["failed store jobs"] += theirs.failed_stores
+    return theirs, ours
 
 
 #: Left out: the Mamba layout with synchronous loads, where vLLM's own scheduler (with
@@ -629,4 +659,34 @@ def test_scheduler_decisions_match_vllm(case_name: str, setting: str) -> None:
     if FAIL_STORES in extra:
         required.append("failed store jobs")
     for what in required:
+        assert counts[what] > 0, (what, dict(counts))
+
+
+#: Settings run with hinted requests: vLLM's LRU and ARC (with the store tracker) must decide
+#: exactly as when no hint arrives; kvcache's turn runs in vLLM's manager (loaded by name) and
+#: in kvcache's, and both read the hints.
+HINT_SETTINGS = ("lru", "arc-threshold2", "turn")
+
+
+@pytest.mark.parametrize("setting", HINT_SETTINGS)
+def test_scheduler_decisions_match_vllm_with_hints(setting: str) -> None:
+    """The same comparison, each request carrying a retention hint of a random kind
+    (tests/hint_cases.py) in ``SamplingParams.extra_args["kv_transfer_params"]`` or as
+    ``Request.kv_hints``, well-formed or not. Only kvcache's manager reports the hint
+    counters, at least once for every request that carried one (a request running at the
+    cache reset is recorded again afterwards, and its hint read again)."""
+    require_oracle()
+    from kvcache._vllm_metrics import HINTED_REQUESTS, IGNORED_HINTS
+    from tests.hint_cases import tally
+
+    counts: Counter[str] = Counter()
+    for seed in SEEDS:
+        _, ours = run_pair(SCHEDULER_CASES["full"], SETTINGS[setting], seed, counts, hints=True)
+        hinted, ignored = tally([arrival.hint for arrival in workload(seed, hints=True)])
+        assert hinted > 0
+        assert ignored > 0
+        reported = ours.recorder.hint_counts
+        assert hinted <= reported[HINTED_REQUESTS] < 2 * hinted
+        assert ignored <= reported[IGNORED_HINTS] < 2 * ignored
+    for what in ("load jobs", "store jobs", "offload hits", "aborts", "jobs in flight at reset"):
         assert counts[what] > 0, (what, dict(counts))

@@ -23,12 +23,13 @@ import os
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tests.conftest import make_key
+from tests.hint_cases import HINT_KINDS, hint_fields
 from tests.manager_driver import event_record, multi_turn_workload, store_batches
 
 TOKENS_PER_BLOCK = 16
@@ -118,14 +119,21 @@ def _timing(metric: str) -> bool:
     return any(w in metric for w in ("seconds", "_time", "delay"))
 
 
-def _stats(manager: Any) -> tuple:
-    """Every metric, with durations (which differ run to run) reduced to how many there were."""
+def _stats(manager: Any, hint_counts: Counter[str]) -> tuple:
+    """Every metric, with durations (which differ run to run) reduced to how many there were;
+    kvcache's retention-hint counters (which vLLM's primary tier has not) are added up in
+    ``hint_counts`` instead."""
+    from kvcache._vllm_metrics import HINT_METRICS
+
     stats = manager.get_stats()
     if stats is None:
         return ()
     data = stats.data.get("data", {})
     out = []
     for metric, series in sorted(data.items()):
+        if metric in HINT_METRICS:
+            hint_counts[metric] += sum(series.values())
+            continue
         for labels, value in sorted(series.items(), key=repr):
             if _timing(metric):
                 value = ("observations", len(value) if isinstance(value, list) else 1)
@@ -161,13 +169,27 @@ class Options:
     preempt_every: int = 6  # every k-th request is preempted before its stores complete
     reset_every: int = 0  # reset_cache() every k requests, transfers still in flight
     conversations: int = 30
+    hints: bool = False  # request i carries a retention hint of kind HINT_KINDS[i % n]
 
 
-def drive(manager: Any, requests: list[list[int]], options: Options) -> list[tuple]:
-    """Replays ``requests`` through a tiering manager; returns the decision log."""
+def request_hint(i: int, options: Options) -> str:
+    """The kind of retention hint (``tests.hint_cases``) request ``i`` carries."""
+    return list(HINT_KINDS)[i % len(HINT_KINDS)] if options.hints else "none"
+
+
+def drive(
+    manager: Any,
+    requests: list[list[int]],
+    options: Options,
+    hint_counts: Counter[str] | None = None,
+) -> list[tuple]:
+    """Replays ``requests`` through a tiering manager; returns the decision log (and adds up
+    the retention-hint counters of its stats in ``hint_counts``)."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
     instrument(manager)
+    if hint_counts is None:
+        hint_counts = Counter()
     log: list[tuple] = []
     pending: deque[tuple[Any, list[bytes], list[bytes], bool]] = deque()
     completed = 0
@@ -202,7 +224,10 @@ def drive(manager: Any, requests: list[list[int]], options: Options) -> list[tup
         ctx = contexts.get(i)
         keys = [make_key(b, 0) for b in blocks]
         if ctx is None:
-            ctx = contexts[i] = ReqContext(req_id=f"req-{i}")
+            params, kv_hints = hint_fields(request_hint(i, options))
+            ctx = contexts[i] = ReqContext(
+                req_id=f"req-{i}", kv_transfer_params=params, kv_hints=kv_hints
+            )
             for j, key in enumerate(keys):
                 ctx.set_offload_key_position(key, TOKENS_PER_BLOCK * (j + 1))
             manager.on_new_request(ctx)
@@ -251,7 +276,7 @@ def drive(manager: Any, requests: list[list[int]], options: Options) -> list[tup
         log.append(_primary_state(manager))
         log.append(("tiers", tuple(_tier_state(t) for t in manager.secondary_tiers)))
         if step % 5 == 0:
-            log.append(("stats", i, _stats(manager)))
+            log.append(("stats", i, _stats(manager, hint_counts)))
     while pending:
         finish_oldest()
     for _ in range(4):  # let every tier's last completions and deferred releases land
@@ -259,15 +284,21 @@ def drive(manager: Any, requests: list[list[int]], options: Options) -> list[tup
         settle(manager)
     log.append(("events", "end", [event_record(e) for e in manager.take_events()]))
     log.append(_primary_state(manager))
-    log.append(("stats", "end", _stats(manager)))
+    log.append(("stats", "end", _stats(manager, hint_counts)))
     return log
 
 
 def run_both(
-    tiers: list[dict[str, Any]], options: Options, seed: int, **extra: Any
+    tiers: list[dict[str, Any]],
+    options: Options,
+    seed: int,
+    *,
+    hint_counts: dict[str, Counter[str]] | None = None,
+    **extra: Any,
 ) -> tuple[list[tuple], list[tuple]]:
     """The logs of vLLM's primary tier and kvcache's on the same workload and tiers. ``tiers``
-    may hold ``{root}`` in an fs tier's ``root_dir``: each side gets a directory of its own."""
+    may hold ``{root}`` in an fs tier's ``root_dir``: each side gets a directory of its own.
+    ``hint_counts`` gets each side's retention-hint counters (by side: "vllm", "kvcache")."""
     import tempfile
 
     requests = multi_turn_workload(seed, conversations=options.conversations)
@@ -279,8 +310,11 @@ def run_both(
                 for t in tiers
             ]
             _spec, manager = build(side, side_tiers, **extra)
+            counts: Counter[str] = Counter()
+            if hint_counts is not None:
+                hint_counts[side] = counts
             try:
-                logs.append(drive(manager, requests, options))
+                logs.append(drive(manager, requests, options, counts))
             finally:
                 manager.shutdown()
     return logs[0], logs[1]
