@@ -268,16 +268,18 @@ impl<P: Policy<ChunkId>> Manager<P> {
     }
 
     /// The request's retention hint (`None`: it has none), given once; later calls, and calls
-    /// for a stale token, change nothing.
+    /// for a stale token, change nothing. It is counted now, and handed to the policy right
+    /// before the policy first sees the request (its first observed or inserted key, or its
+    /// finish), so a policy decides alike under this manager and under vLLM's.
     pub fn set_retention_hint(&mut self, token: RequestToken, hint: Option<RetentionHint>) {
         let Some(req) = self.requests.get_mut(token).filter(|r| !r.hint_given) else {
             return;
         };
         req.hint_given = true;
-        if let Some(hint) = hint {
+        if hint.is_some() {
             self.hints.hinted_requests += 1;
-            self.policy.on_request_hint(&mut req.policy_state, hint);
         }
+        req.pending_hint = hint;
     }
 
     /// A caller found a retention hint it could not read and ignored it.
@@ -371,6 +373,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
             entries.push(entry);
         }
         if !new_keys.is_empty() {
+            req.hand_hint(&mut self.policy);
             self.policy
                 .on_request_access(&mut req.policy_state, &new_keys);
         }
@@ -629,6 +632,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
             .iter()
             .zip(&entries)
             .filter(|(r, _)| r.resident.is_none());
+        req.hand_hint(&mut self.policy);
         for ((r, &e), &chunk) in stores.zip(&chunk_ids) {
             // A new chunk is pending (ref_cnt −1), so not evictable yet.
             let handle = self.policy.insert(
@@ -772,6 +776,7 @@ impl<P: Policy<ChunkId>> Manager<P> {
         let accesses: Vec<(Option<EntryId>, Access)> =
             ordered.iter().map(|f| (f.handle, f.access)).collect();
         let req = self.requests.get_mut(token).expect("checked above");
+        req.hand_hint(&mut self.policy);
         self.policy
             .on_request_finished(&mut req.policy_state, &accesses);
         req.finished = true;

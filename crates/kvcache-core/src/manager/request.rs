@@ -12,6 +12,7 @@ use crate::index::{KeyIndex, Keyed};
 use crate::key::{Key, KeyBuf, KeyHash, KeyHasher};
 use crate::policy::EntryId;
 use crate::registry::{Registry, RequestToken};
+use crate::retention::RetentionHint;
 use crate::slab::{Idx, Slab};
 
 pub(crate) const INSERTED: u8 = 1;
@@ -65,7 +66,21 @@ pub(crate) struct RequestAccess<S> {
     pub(crate) finished: bool,
     /// The caller has given the request's retention hint (or said it has none).
     pub(crate) hint_given: bool,
+    /// The hint, until the policy first sees the request (see `Manager::set_retention_hint`).
+    pub(crate) pending_hint: Option<RetentionHint>,
     pub(crate) policy_state: S,
+}
+
+impl<S> RequestAccess<S> {
+    /// Hands the request's retention hint to `policy` if it still holds it: called right
+    /// before each policy call that takes the request's state, so the policy hears of the
+    /// hint when the request first reaches it, as under vLLM's manager (whose policy reads
+    /// the hint from the request's context then: it never sees `on_new_request`).
+    pub(crate) fn hand_hint<C, P: crate::Policy<C, Request = S>>(&mut self, policy: &mut P) {
+        if let Some(hint) = self.pending_hint.take() {
+            policy.on_request_hint(&mut self.policy_state, hint);
+        }
+    }
 }
 
 impl<S: Default> RequestAccess<S> {
@@ -77,6 +92,7 @@ impl<S: Default> RequestAccess<S> {
             counted_index: KeyIndex::default(),
             finished: false,
             hint_given: false,
+            pending_hint: None,
             policy_state: S::default(),
         }
     }
@@ -172,6 +188,7 @@ impl<S> RequestAccess<S> {
         self.counted_index.clear_keep_memory();
         self.finished = false;
         self.hint_given = false;
+        self.pending_hint = None;
         self.policy_state = S::default();
     }
 }
