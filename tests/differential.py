@@ -20,6 +20,7 @@ from typing import Any
 
 import kvcache
 from tests.conftest import make_key
+from tests.hint_cases import HINT_KINDS, hint_fields
 
 CHUNK_MODES = ("shared", "native")
 CONTEXT_KINDS = ("vllm", "kvcache", "duck")
@@ -43,11 +44,14 @@ OPS = {
 
 
 class DuckContext:
-    """An object with ReqContext's methods only: exercises the policies' generic path."""
+    """An object with ReqContext's methods only (and the two places a retention hint may
+    sit): exercises the policies' generic path."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_transfer_params: Any = None, kv_hints: Any = None) -> None:
         self._s: dict[type, Any] = {}
         self._p: dict[bytes, int] = {}
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_hints = kv_hints
 
     def set_state(self, val: Any) -> None:
         self._s[type(val)] = val
@@ -82,6 +86,9 @@ class Differential:
     context_kind: str = "vllm"
     num_blocks: int = 12
     num_groups: int = 2
+    #: Requests carry retention hints of random kinds (``tests.hint_cases``): LRU and ARC
+    #: must decide as vLLM's, which read none.
+    hints: bool = False
     ref: Any = None
     ours: Any = None
     chunks: dict[bytes, Chunk] = field(default_factory=dict)
@@ -109,19 +116,21 @@ class Differential:
 
     # --- contexts -------------------------------------------------------------------------
 
-    def new_context(self) -> Any:
+    def new_context(self, hint: str = "none") -> Any:
+        params, kv_hints = hint_fields(hint)
         if self.context_kind == "vllm":
             from vllm.v1.kv_offload.base import ReqContext
 
-            return ReqContext(req_id=f"r{self.ops}")
+            return ReqContext(req_id=f"r{self.ops}", kv_transfer_params=params, kv_hints=kv_hints)
         if self.context_kind == "kvcache":
-            return kvcache.ReqContext(f"r{self.ops}")
-        return DuckContext()
+            return kvcache.ReqContext(f"r{self.ops}", params, kv_hints)
+        return DuckContext(params, kv_hints)
 
-    def new_request(self, blocks: list[int], groups: list[int]) -> Request:
+    def new_request(self, blocks: list[int], groups: list[int], hint: str = "none") -> Request:
         """A request over ``blocks`` (prefix order); block i ends at token 16 * (i + 1), the
-        same position in every KV-cache group (so equal positions tie on key bytes)."""
-        ctx = self.new_context()
+        same position in every KV-cache group (so equal positions tie on key bytes). It carries
+        a retention hint of kind ``hint``."""
+        ctx = self.new_context(hint)
         keys = []
         for i, b in enumerate(blocks):
             for g in groups:
@@ -282,7 +291,9 @@ class Differential:
         if op == "new_request" or (ctx is None and op in ("access", "finish")):
             blocks = rng.sample(range(self.num_blocks), rng.randint(1, min(6, self.num_blocks)))
             groups = sorted(rng.sample(range(self.num_groups), rng.randint(1, self.num_groups)))
-            self.new_request(blocks, groups)
+            # No draw without hints: the seeded runs without them stay as they were.
+            hint = rng.choice(list(HINT_KINDS)) if self.hints else "none"
+            self.new_request(blocks, groups, hint)
             return "new_request"
         if op == "end_request" and self.requests:
             self.end_request(rng.randrange(len(self.requests)))

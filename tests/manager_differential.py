@@ -18,10 +18,12 @@ it without kvcache's manager: vLLM's manager loading the class from ``kvcache.vl
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from tests.conftest import make_key
+from tests.hint_cases import HINT_KINDS, hint_fields
 
 OPS = (
     "new_request", "lookup", "load", "complete_load", "touch", "store", "complete_store",
@@ -88,6 +90,7 @@ class Request:
     ctx: Any
     keys: list[bytes]
     finished: bool = False
+    hint: str = "none"
 
 
 @dataclass
@@ -99,11 +102,22 @@ class ManagerPair:
     num_blocks: int = 16
     num_groups: int = 1
     our_semantics: str | None = None
+    #: Requests carry retention hints of random kinds (``tests.hint_cases``); ``hint_kinds``
+    #: (when given) is the sequence they take them from, in turn.
+    hints: bool = False
+    hint_kinds: list[str] | None = None
     ref: Any = None
     ours: Any = None
     requests: list[Request] = field(default_factory=list)
     loads: list[tuple[Any, list[bytes]]] = field(default_factory=list)
     stores: list[tuple[Any, list[bytes]]] = field(default_factory=list)
+    #: Requests whose state kvcache's manager holds (it reads a request's hint when it makes
+    #: that state: at ``on_new_request``, and again at the next call after a reset).
+    recorded: set[int] = field(default_factory=set)
+    #: The hint counts kvcache's manager must report at the next ``stats``.
+    hint_tally: Counter[str] = field(default_factory=Counter)
+    #: Requests made so far (each draws the next hint of ``hint_kinds``).
+    made: int = 0
 
     def __post_init__(self) -> None:
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as Ref
@@ -128,10 +142,13 @@ class ManagerPair:
 
     # --- operations -----------------------------------------------------------------------
 
-    def new_request(self, blocks: list[int], groups: list[int]) -> Request:
+    def new_request(self, blocks: list[int], groups: list[int], hint: str = "none") -> Request:
         from vllm.v1.kv_offload.base import ReqContext
 
-        ctx = ReqContext(req_id=f"r{len(self.requests)}")
+        params, kv_hints = hint_fields(hint)
+        ctx = ReqContext(
+            req_id=f"r{len(self.requests)}", kv_transfer_params=params, kv_hints=kv_hints
+        )
         keys = []
         for i, b in enumerate(blocks):
             for g in groups:
@@ -140,9 +157,22 @@ class ManagerPair:
                 keys.append(key)
         ref, ours = self.both("on_new_request", ctx)
         assert ref == ours
-        request = Request(ctx, keys)
+        request = Request(ctx, keys, hint=hint)
         self.requests.append(request)
+        self.made += 1
+        self.record(request)
         return request
+
+    def record(self, request: Request) -> None:
+        """kvcache's manager has made the request's state (and read its hint) if it had none."""
+        if id(request.ctx) in self.recorded:
+            return
+        self.recorded.add(id(request.ctx))
+        read = HINT_KINDS[request.hint]
+        if read == "ignored":
+            self.hint_tally["ignored"] += 1
+        elif read is not None:
+            self.hint_tally["hinted"] += 1
 
     def lookup(self, key: bytes, ctx: Any) -> Any:
         ref, ours = self.both("lookup", key, ctx)
@@ -158,6 +188,7 @@ class ManagerPair:
         ):
             return  # vLLM asserts on new keys after finish; ours raises (tested elsewhere)
         ref, ours = self.both("prepare_load", keys, request.ctx)
+        self.record(request)
         assert ours.block_ids.tolist() == ref.block_ids.tolist()
         self.loads.append((request.ctx, keys))
 
@@ -187,6 +218,7 @@ class ManagerPair:
         if request.finished:
             return  # the scheduler never stores for a finished request
         ref, ours = self.both("prepare_store", keys, request.ctx)
+        self.record(request)
         assert normalize_store(ours) == normalize_store(ref), (
             f"prepare_store({len(keys)} keys): vLLM {normalize_store(ref)}, "
             f"ours {normalize_store(ours)}"
@@ -208,17 +240,38 @@ class ManagerPair:
         assert [normalize_event(e) for e in ours] == [normalize_event(e) for e in ref]
 
     def stats(self) -> None:
+        from kvcache._vllm_metrics import HINT_METRICS, HINTED_REQUESTS, IGNORED_HINTS
+
         ref, ours = self.both("get_stats")
+        # kvcache's hint counters: exactly the hints its manager read since the last stats.
+        data = ours.data["data"]
+        reported = {name: data.pop(name)[()] for name in HINT_METRICS if name in data}
+        for name in HINT_METRICS:
+            ours.data["types"].pop(name, None)
+        expected = {
+            name: count
+            for name, count in (
+                (HINTED_REQUESTS, self.hint_tally["hinted"]),
+                (IGNORED_HINTS, self.hint_tally["ignored"]),
+            )
+            if count
+        }
+        if self.policy not in ("lru", "arc"):
+            reported.pop(HINT_METRICS[2], None)  # turn's hits on chunks a hint kept
+        assert reported == expected, f"hint counters: expected {expected}, got {reported}"
+        self.hint_tally.clear()
         assert ours.data == ref.data, f"stats: vLLM {ref.data}, ours {ours.data}"
 
     def reset(self) -> None:
         self.both("reset_cache")
+        self.recorded.clear()
         # The scheduler drops jobs in flight at a reset: they never complete.
         self.loads.clear()
         self.stores.clear()
 
     def end_request(self, index: int) -> None:
         request = self.requests.pop(index)
+        self.recorded.discard(id(request.ctx))  # the id may name another context later
         self.loads = [(c, k) for c, k in self.loads if c is not request.ctx]
         self.stores = [(c, k) for c, k in self.stores if c is not request.ctx]
 
@@ -269,7 +322,7 @@ class ManagerPair:
             if rng.random() < 0.5:
                 blocks.sort()
             groups = sorted(rng.sample(range(self.num_groups), rng.randint(1, self.num_groups)))
-            self.new_request(blocks, groups)
+            self.new_request(blocks, groups, self.next_hint(rng))
             return "new_request"
         request = rng.choice(self.requests)
         if op == "lookup":
@@ -301,6 +354,15 @@ class ManagerPair:
         elif op == "end_request":
             self.end_request(self.requests.index(request))
         return op
+
+    def next_hint(self, rng: random.Random) -> str:
+        """The hint kind of the next request (no draw from ``rng`` without hints, so that the
+        seeded runs without hints stay as they were)."""
+        if not self.hints:
+            return "none"
+        if self.hint_kinds:
+            return self.hint_kinds[self.made % len(self.hint_kinds)]
+        return rng.choice(list(HINT_KINDS))
 
 
 def _ref_state_type() -> type:

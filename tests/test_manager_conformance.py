@@ -196,3 +196,102 @@ def test_a_threshold_of_one_cannot_tell_the_releases_apart() -> None:
     ]
     assert strip == strip_ours
     assert ref != ours
+
+
+# --- retention hints ----------------------------------------------------------------------
+
+HINT_OPS = RANDOM_OPS // 4
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_seeded_random_operations_with_hints_match_vllm(policy: str) -> None:
+    """Every request carries a retention hint of a random kind (tests/hint_cases.py): LRU and
+    ARC decide exactly as vLLM's, which read none; turn decides in kvcache's manager exactly
+    as in vLLM's (loaded by name), both reading them; kvcache's manager counts exactly the
+    hints it read (``ManagerPair.stats``)."""
+    require_oracle()
+    rng = random.Random(f"manager-hints-{policy}")
+    counts: dict[str, int] = {}
+    done = 0
+    while done < HINT_OPS:
+        pair = ManagerPair(
+            policy,
+            num_chunks=rng.choice([1, 3, 6, 12, 24]),
+            store_threshold=rng.choice([1, 2]),
+            max_tracker_size=rng.choice([4, 64]),
+            num_blocks=rng.choice([6, 16]),
+            num_groups=rng.choice([1, 2]),
+            hints=True,
+        )
+        for _ in range(1500):
+            op = pair.random_step(rng)
+            counts[op] = counts.get(op, 0) + 1
+            pair.check()
+            done += 1
+        pair.events()
+        pair.stats()
+    for op in ("new_request", "load", "store", "finish", "stats", "reset"):
+        assert counts.get(op, 0) > 0, f"no {op} operations were generated"
+
+
+def test_turn_hears_of_a_hint_when_the_request_first_reaches_it() -> None:
+    """Under vLLM's manager, turn reads a request's hint from its context at the first policy
+    call for the request (vLLM's manager does not pass on ``on_new_request``); kvcache's
+    manager reads it at ``on_new_request`` but hands it to turn at that same point. Another
+    request finishing in between (its sampled keys marked only once some request was hinted)
+    must leave both policies alike."""
+    require_oracle()
+    pair = ManagerPair("turn", num_chunks=256, num_blocks=200, hints=True)
+    first = pair.new_request(list(range(200)), [0], "none")
+    pair.store(first, first.keys)
+    pair.complete_store(0, True, [])
+    pair.check()
+    hinted = pair.new_request([0, 1], [0], "params-continues")
+    pair.check()
+    pair.finish(first)  # 200 keys: some are in turn's sample (1 in 16)
+    pair.check()
+    pair.load(hinted, hinted.keys)
+    pair.finish(hinted)
+    pair.check()
+    pair.stats()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_any_hint_sequence_decides_as_vllm(policy: str) -> None:
+    """Hypothesis draws the hint sequence requests take in turn (any kinds, well-formed or
+    not) and the operations: every decision and the whole state equal vLLM's manager's (for
+    turn, vLLM's manager running kvcache's policy), ``validate()`` holds after every
+    operation, and kvcache's manager counts exactly the hints it read."""
+    require_oracle()
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests.hint_cases import HINT_KINDS
+
+    @settings(
+        max_examples=int(os.environ.get("KVCACHE_HYPOTHESIS_EXAMPLES", "150")) // 2,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(
+        kinds=st.lists(st.sampled_from(list(HINT_KINDS)), min_size=1, max_size=12),
+        rng=st.randoms(use_true_random=False),
+        num_chunks=st.sampled_from([1, 3, 6, 12]),
+        threshold=st.sampled_from([1, 2]),
+    )
+    def check(kinds: list[str], rng: random.Random, num_chunks: int, threshold: int) -> None:
+        pair = ManagerPair(
+            policy,
+            num_chunks=num_chunks,
+            store_threshold=threshold,
+            num_blocks=8,
+            hints=True,
+            hint_kinds=kinds,
+        )
+        for _ in range(100):
+            pair.random_step(rng)
+            pair.check()
+        pair.events()
+        pair.stats()
+
+    check()

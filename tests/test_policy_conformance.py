@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tests.conftest import require_oracle
 from tests.differential import CHUNK_MODES, CONTEXT_KINDS, OPS, Differential
+from tests.hint_cases import HINT_KINDS
 
 pytestmark = pytest.mark.oracle
 
@@ -26,15 +27,19 @@ pytestmark = pytest.mark.oracle
 RANDOM_OPS = int(os.environ.get("KVCACHE_CONFORMANCE_OPS", "100000"))
 
 
+@pytest.mark.parametrize("hints", [False, True], ids=["plain", "hints"])
 @pytest.mark.parametrize("chunk_mode", CHUNK_MODES)
 @pytest.mark.parametrize("kind", ["lru", "arc"])
-def test_seeded_random_operations_match_vllm(kind: str, chunk_mode: str) -> None:
+def test_seeded_random_operations_match_vllm(kind: str, chunk_mode: str, hints: bool) -> None:
+    """With ``hints``, every request's context carries a retention hint of a random kind
+    (tests/hint_cases.py), in every context kind: ours read them, vLLM's do not, and the
+    decisions and states stay identical."""
     require_oracle()
-    rng = random.Random(f"{kind}-{chunk_mode}")
+    rng = random.Random(f"{kind}-{chunk_mode}" + ("-hints" if hints else ""))
     done = 0
     counts: dict[str, int] = {}
     evictions = {"ok": 0, "none": 0}
-    while done < RANDOM_OPS:
+    while done < (RANDOM_OPS // 4 if hints else RANDOM_OPS):
         # Fresh pairs now and then: small and large capacities, all context kinds.
         pair = Differential(
             kind,
@@ -43,6 +48,7 @@ def test_seeded_random_operations_match_vllm(kind: str, chunk_mode: str) -> None
             context_kind=CONTEXT_KINDS[done // 997 % len(CONTEXT_KINDS)],
             num_blocks=rng.choice([4, 8, 12]),
             num_groups=rng.choice([1, 2, 3]),
+            hints=hints,
         )
         for _ in range(2000):
             op = pair.random_step(rng)
@@ -82,13 +88,14 @@ class PolicyMachine(RuleBasedStateMachine):
     def _free(self) -> list[bytes]:
         return [k for k in self.pair.universe if k not in self.pair.chunks]
 
-    @rule(data=st.data())
-    def new_request(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), hint=st.sampled_from(list(HINT_KINDS)))
+    def new_request(self, data: st.DataObject, hint: str) -> None:
+        """A request carrying any kind of retention hint (or none): LRU and ARC ignore it."""
         blocks = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=5, unique=True))
         groups = data.draw(
             st.lists(st.integers(0, self.pair.num_groups - 1), min_size=1, unique=True)
         )
-        self.pair.new_request(blocks, sorted(groups))
+        self.pair.new_request(blocks, sorted(groups), hint)
 
     @precondition(lambda self: self.pair.requests)
     @rule(data=st.data())
