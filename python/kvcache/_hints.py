@@ -40,6 +40,7 @@ __all__ = [
     "PARAMS_KEY",
     "RETENTION_VALUES",
     "Problem",
+    "note_problem",
     "read_retention",
     "retention_params",
 ]
@@ -178,12 +179,19 @@ def read_retention(kv_transfer_params: Any, kv_hints: Any) -> tuple[str | None, 
         problem = refused.problem
     except Exception:  # a hint object's own methods may raise anything
         problem = "unreadable"
-    if problem not in _logged:
-        _logged.add(problem)
-        logger.warning(
-            "kvcache ignored a request's retention hint: %s. The request runs as if it had "
-            "none; later hints ignored for this reason are counted, not logged "
-            "(docs/hints.md has the schema).",
-            _PROBLEM_TEXT[problem],
-        )
+    note_problem(problem)
     return None, problem
+
+
+def note_problem(problem: Problem) -> None:
+    """Logs the first hint ignored for ``problem`` (the bindings call it for a context whose
+    ``kv_transfer_params`` or ``kv_hints`` attribute raised before a hint could be read)."""
+    if problem in _logged:
+        return
+    _logged.add(problem)
+    logger.warning(
+        "kvcache ignored a request's retention hint: %s. The request runs as if it had "
+        "none; later hints ignored for this reason are counted, not logged "
+        "(docs/hints.md has the schema).",
+        _PROBLEM_TEXT[problem],
+    )

@@ -5,8 +5,8 @@
 //! kvcache's key, and whose `kv_hints` is None or absent, is answered here without calling
 //! into Python. A hint that cannot be read never fails the request: any `Exception` raised
 //! while reading it (by the context, the hint objects, or a call back into the same manager)
-//! makes it an ignored hint. Only the interpreter's own `BaseException`s (`KeyboardInterrupt`,
-//! `SystemExit`) propagate.
+//! makes it an ignored hint, logged once per kind of mistake. Only a `BaseException` that is
+//! not an `Exception` (`KeyboardInterrupt`, `SystemExit`) propagates.
 
 use kvcache_core::RetentionHint;
 use pyo3::exceptions::PyException;
@@ -34,8 +34,18 @@ impl HintRead {
     }
 }
 
-/// `kvcache._hints.read_retention`, imported on first use.
-static READ_RETENTION: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+/// `kvcache._hints.read_retention` and `note_problem`, imported on first use.
+static HINTS: PyOnceLock<(Py<PyAny>, Py<PyAny>)> = PyOnceLock::new();
+
+fn functions(py: Python<'_>) -> PyResult<&(Py<PyAny>, Py<PyAny>)> {
+    HINTS.get_or_try_init(py, || {
+        let module = py.import(intern!(py, "kvcache._hints"))?;
+        Ok((
+            module.getattr(intern!(py, "read_retention"))?.unbind(),
+            module.getattr(intern!(py, "note_problem"))?.unbind(),
+        ))
+    })
+}
 
 /// `ctx.<name>`, None when the context has no such attribute.
 fn attribute<'py>(
@@ -62,11 +72,7 @@ fn read(ctx: &Bound<'_, PyAny>) -> PyResult<HintRead> {
     if no_params && envelope.is_none() {
         return Ok(HintRead::Absent);
     }
-    let read_retention = READ_RETENTION.get_or_try_init(py, || {
-        py.import(intern!(py, "kvcache._hints"))?
-            .getattr(intern!(py, "read_retention"))
-            .map(Bound::unbind)
-    })?;
+    let (read_retention, _) = functions(py)?;
     let answer = read_retention.bind(py).call1((params, envelope))?;
     let answer = answer.cast_into::<PyTuple>()?;
     if !answer.get_item(1)?.is_none() {
@@ -84,9 +90,19 @@ fn read(ctx: &Bound<'_, PyAny>) -> PyResult<HintRead> {
 /// `Exception` (the interpreter being interrupted or asked to exit).
 pub fn read_hint(ctx: &Bound<'_, PyAny>) -> PyResult<HintRead> {
     let py = ctx.py();
+    let is_exception = |err: &PyErr| err.is_instance_of::<PyException>(py);
     match read(ctx) {
         Ok(found) => Ok(found),
-        Err(err) if err.is_instance_of::<PyException>(py) => Ok(HintRead::Ignored),
+        Err(err) if is_exception(&err) => {
+            // The context itself raised (`read_retention` never does): log it as unreadable,
+            // as `read_retention` logs what it cannot read. Logging is best effort.
+            let logged = functions(py)
+                .and_then(|(_, note_problem)| note_problem.bind(py).call1(("unreadable",)));
+            match logged {
+                Err(err) if !is_exception(&err) => Err(err),
+                _ => Ok(HintRead::Ignored),
+            }
+        }
         Err(err) => Err(err),
     }
 }
