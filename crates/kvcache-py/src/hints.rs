@@ -64,7 +64,8 @@ fn read(ctx: &Bound<'_, PyAny>) -> PyResult<HintRead> {
     let envelope = attribute(ctx, intern!(py, "kv_hints"))?;
     let no_params = match &params {
         None => true,
-        // An exact dict cannot run code on lookup: a miss settles it here.
+        // An exact dict without kvcache's key settles it here; a lookup that raises (a key
+        // of the dict's own whose `__eq__` does) leaves it to `read_retention`.
         Some(p) => p
             .cast_exact::<PyDict>()
             .is_ok_and(|d| !d.contains(intern!(py, "kvcache")).unwrap_or(true)),
