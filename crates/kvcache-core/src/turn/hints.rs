@@ -4,12 +4,14 @@
 //!
 //! The estimate must not depend on what the policy does with it: a chunk ranked later is read
 //! more often just because it is still there, and a policy that trusted a random hint a little
-//! would then find it right and trust it more. So it is measured on a *shadow sample*: one key
-//! in [`SAMPLE_DENOMINATOR`] (by hash), remembered when a request finishes with it (its hint
-//! and the tick), and counted as *come back* when any later request reads or stores that key
-//! within [`HORIZON_CAPACITIES`] capacities of ticks, resident or not. A kind whose sampled
-//! keys come back `v` times as often as the average ranks `log2(v)` capacities of key visits
-//! later (earlier when `v < 1`), within `±MAX_SHIFT`, and only once `v` differs from 1 by more
+//! would then find it right and trust it more. So it is measured on a *shadow sample*: every
+//! [`SAMPLE_EVERY`]th chunk stored, remembered (by its key's hash) when a request finishes
+//! with it, with the request's hint and the tick, and counted as *come back* when any later
+//! request reads or stores that key within [`HORIZON_CAPACITIES`] capacities of ticks,
+//! resident or not. The sample is chosen by counting, not by hash, so a replay decides alike in
+//! every process (key hashes are seeded per process). A kind whose sampled keys come back `v`
+//! times as often as the average ranks `SCALE × log2(v)` capacities of key visits later
+//! (earlier when `v < 1`), within `±MAX_SHIFT`, and only once `v` differs from 1 by more
 //! than its own statistical error (three standard errors): a hint that says nothing earns
 //! nothing, a consistently inverted hint earns the opposite sign, and a hint with few samples
 //! earns nothing yet.
@@ -39,9 +41,8 @@ impl Group {
     }
 }
 
-/// One key in this many is sampled (its hash's top bits are zero).
-pub(super) const SAMPLE_DENOMINATOR: u64 = 16;
-const SAMPLE_SHIFT: u32 = 64 - SAMPLE_DENOMINATOR.trailing_zeros();
+/// One stored chunk in this many is sampled.
+pub(super) const SAMPLE_EVERY: u32 = 16;
 /// A sampled key counts as come back when it is used again within this many capacities of
 /// ticks after it was marked (about the time a chunk stays; on the tuning workloads 4 gained
 /// a little over 2 with wrong hints, 1 lost a third of the gain).
@@ -57,12 +58,6 @@ const SCALE: f64 = 3.0;
 /// capacity: 2 capacities, past which a chunk ranked earlier is evicted before nearly
 /// anything else (4 gained nothing more).
 pub(super) const MAX_SHIFT_MILLI: i64 = 2000;
-
-/// Whether the key with this hash is in the shadow sample.
-#[inline]
-pub(super) fn sampled(hash: u64) -> bool {
-    hash >> SAMPLE_SHIFT == 0
-}
 
 #[derive(Clone, Debug)]
 pub(super) struct HintStats {
@@ -116,8 +111,13 @@ impl HintStats {
         self.order.push_back((hash, now));
     }
 
-    /// A later request read or stored the sampled key `hash` at `now`.
+    /// A later request read or stored the key `hash` at `now` (it counts if it is a sampled
+    /// key awaiting its return).
+    #[inline]
     pub(super) fn came_back(&mut self, hash: u64, now: u64) {
+        if self.pending.is_empty() {
+            return;
+        }
         self.expire(now);
         if let Some((group, _)) = self.pending.remove(&hash) {
             let g = group as usize;

@@ -53,14 +53,15 @@
 //!
 //! Complexity: `find`, `insert`, `remove` and each key of `on_request_access`,
 //! `on_request_finished` and `touch` are O(1) (one ghost probe for a key not resident; with
-//! hints, one key in 16 is hashed again at the finish for the sample); planning an eviction of
-//! `n` is O(n × lists + entries skipped), over 30 scored lists. Memory per resident chunk: one
-//! 64-byte slab entry (40-byte inline key, links, tick, chunk handle, class, reuse count,
-//! flags) plus ~5 bytes of hash table, and up to 2 × 2.5 ghosts of 10 bytes (8-byte slots at
-//! most 80 % full), allocated as evictions happen; with hints, the shadow sample's keys
-//! awaiting their return (one in 16 of the keys ranked within four capacities of ticks: at
-//! most a quarter of a key per chunk, about 12 bytes per chunk). A live request's state holds
-//! one insertion point per list (32 × 24 bytes).
+//! hints, one probe of the sample per key stored, and one key in 16 hashed again at the finish
+//! for the sample); planning an eviction of `n` is O(n × lists + entries skipped), over 30
+//! scored lists. Memory per resident chunk: one 64-byte slab entry (40-byte inline key, links,
+//! tick, chunk handle, class, reuse count, flags) plus ~5 bytes of hash table, and up to
+//! 2 × 2.5 ghosts of 10 bytes (8-byte slots at most 80 % full), allocated as evictions happen;
+//! with hints, the sampled keys awaiting their return (one in 16 of the chunks ranked within
+//! four capacities of ticks: at most a quarter of a key per chunk, 13–22 bytes per chunk as
+//! measured by `bench/memory_per_chunk.py`). A live request's state holds one insertion point
+//! per list (32 × 24 bytes).
 
 mod ghosts;
 mod hints;
@@ -75,7 +76,7 @@ use crate::policy::{Access, EntryId, Evicted, Inspection, Observed, Policy, Rank
 use crate::retention::RetentionHint;
 use crate::slab::{Idx, Links, List};
 use ghosts::{Ghost, Ghosts};
-use hints::{sampled, Group, HintStats};
+use hints::{Group, HintStats, SAMPLE_EVERY};
 
 /// Reuse credit per doubling of the reuse count, in thousandths of the capacity (in key
 /// visits). From 0.35 to 0.50 the gain over LRU at 5 % capacity rose from 9 to 10 % on the
@@ -220,6 +221,8 @@ pub struct TurnPolicy<C> {
     /// A request has carried a hint since the policy was built or cleared (until then the
     /// policy keeps no hint statistics).
     hinted: bool,
+    /// Counts insertions since the last one sampled for the hint statistics.
+    sample_clock: u32,
 }
 
 impl<C> TurnPolicy<C> {
@@ -403,6 +406,7 @@ impl<C> Policy<C> for TurnPolicy<C> {
             hint_kept_hits: 0,
             trust,
             hinted: false,
+            sample_clock: 0,
         };
         policy.refresh_offsets();
         policy
@@ -468,9 +472,12 @@ impl<C> Policy<C> for TurnPolicy<C> {
             }
             None => 0,
         };
-        if self.hinted && sampled(key.hash.0) {
+        // A sampled key stored again, after its eviction, has come back.
+        let sampled = self.hinted && {
             self.hints.came_back(key.hash.0, self.tick);
-        }
+            self.sample_clock = (self.sample_clock + 1) % SAMPLE_EVERY;
+            self.sample_clock == 0
+        };
         let group = Group::of_hint(request.hint);
         let list = if fresh_request && !self.trusted(group) {
             Class::Fresh as usize
@@ -499,7 +506,7 @@ impl<C> Policy<C> for TurnPolicy<C> {
                 reuses,
                 flags: u8::from(evictable) * EVICTABLE
                     + u8::from(fresh_request) * FRESH_ORIGIN
-                    + u8::from(sampled(key.hash.0)) * SAMPLED,
+                    + u8::from(sampled) * SAMPLED,
             },
         );
         match before {
@@ -623,6 +630,7 @@ impl<C> Policy<C> for TurnPolicy<C> {
         self.tails_read = 0;
         self.hints.clear();
         self.hinted = false;
+        self.sample_clock = 0;
         self.hint_kept_hits = 0;
         self.refresh_offsets();
     }
