@@ -42,6 +42,7 @@ from kvcache.replay.capacity import (
 )
 from kvcache.replay.driver import MAX_STORE_THRESHOLD, ReplayOptions
 from kvcache.replay.errors import ConfigError, ReplayError, quoted
+from kvcache.replay.hints import apply_hints
 from kvcache.replay.progress import GridProgress, RunLines
 from kvcache.replay.report import (
     check_plot_path,
@@ -51,7 +52,6 @@ from kvcache.replay.report import (
     to_json,
 )
 from kvcache.replay.runner import ProgressFactory, Row, grid_runs, run_grid
-from kvcache.replay.hints import apply_hints
 from kvcache.replay.trace import (
     DEFAULT_MAX_LINE_BYTES,
     DEFAULT_TRACE_BLOCK_TOKENS,
