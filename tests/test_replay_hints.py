@@ -3,7 +3,9 @@ and what reaches the manager (kvcache's, and vLLM's with kvcache's turn policy).
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -218,11 +220,20 @@ def test_synthetic_hints_are_labelled_in_the_table_and_the_json(
     assert out.splitlines()[0].endswith("; hints: synthetic: 10% wrong, seed 0")
     document, _ = replay_json([*argv[2:], "--hints", "random", "--seed", "7"], capsys)
     assert document["meta"]["workload"]["hints"] == "synthetic: random, seed 7"
+    assert [row["hints"] for row in document["rows"]] == ["synthetic: random, seed 7"]
     document, _ = replay_json([*argv[2:], "--hints", "future"], capsys)
     assert document["meta"]["workload"]["hints"] == "synthetic: exact"
+    rc, out, err = run([*argv, "--csv", "--hints", "future:0.2"], capsys)
+    assert rc == 0, err
+    assert [r["hints"] for r in csv.DictReader(io.StringIO(out))] == [
+        "synthetic: 20% wrong, seed 0"
+    ]
     rc, out, err = run(argv, capsys)
     assert rc == 0, err
     assert "hints:" not in out
+    document, _ = replay_json(argv[2:], capsys)
+    assert document["meta"]["workload"]["hints"] is None
+    assert document["rows"][0]["hints"] is None
 
 
 def test_trace_hints_are_labelled_as_such(

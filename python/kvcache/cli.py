@@ -599,7 +599,8 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
             file=stdout,
         )
     if args.plot:
-        plot_hit_ratio(rows, args.plot, title=f"{workload.name} ({backend.name})")
+        hinted = f", hints: {workload.hint_source}" if workload.hint_source else ""
+        plot_hit_ratio(rows, args.plot, title=f"{workload.name} ({backend.name}{hinted})")
         if not args.quiet:
             print(f"plot written to {args.plot}", file=stderr)
     diverged = any(row.comparison is not None and not row.comparison.matched for row in rows)
