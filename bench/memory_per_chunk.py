@@ -4,7 +4,9 @@ For each manager and policy: fill ``N`` chunks with 36-byte keys (vLLM's Offload
 ``prepare_store`` + ``complete_store``, then keep storing new keys (evicting) until the policy's
 ghosts reach their bound: ``2 N`` more for ARC (and LRU, which keeps none), ``5 N`` for the
 turn policy (two full generations of 2.5 N); then report bytes per resident chunk, minus the 36
-key bytes:
+key bytes. The ``kvcache turn, hinted`` row gives every request a retention hint (``continues``
+and ``ends`` in turn), so the policy also keeps its shadow sample of hinted keys (at its bound
+after four capacities of stores):
 
 - ``rss``: growth of the process's resident set (``/proc/self/statm``) from before the manager
   was built (after imports and a small warm-up fill, in a fresh process per row) to after the
@@ -66,17 +68,34 @@ def measure(name: str, make: Any, ctx_cls: Any, n: int, churn: int) -> dict[str,
         assert u["resident_chunks"] == n
         row["heap_per_chunk"] = u["total"] / n - KEY_BYTES
         row["heap"] = {k: u[k] / n for k in ("policy", "table", "tracker", "requests")}
+        row["hinted_requests"] = manager._take_stats()[5][0]
     del manager
     gc.collect()
     return row
 
 
-def one(impl: str, policy: str, n: int) -> dict[str, Any]:
+def hinted_context(ctx_cls: Any) -> Any:
+    """A context factory whose requests carry ``continues`` and ``ends`` hints in turn."""
+    from kvcache._hints import retention_params
+
+    params = [retention_params("continues"), retention_params("ends")]
+    count = 0
+
+    def make(req_id: str) -> Any:
+        nonlocal count
+        count += 1
+        return ctx_cls(req_id, params[count % 2])
+
+    return make
+
+
+def one(impl: str, policy: str, n: int, hinted: bool = False) -> dict[str, Any]:
     """One row, measured in this (fresh) process."""
     if impl == "kvcache":
         import kvcache
 
-        make, ctx = (lambda: kvcache.OffloadingManager(n, policy)), kvcache.ReqContext
+        make = lambda: kvcache.OffloadingManager(n, policy)  # noqa: E731
+        ctx = hinted_context(kvcache.ReqContext) if hinted else kvcache.ReqContext
         warm = kvcache.OffloadingManager(1024, policy)
     else:
         from vllm.v1.kv_offload.base import ReqContext
@@ -87,24 +106,29 @@ def one(impl: str, policy: str, n: int) -> dict[str, Any]:
         warm = CPUOffloadingManager(1024, cache_policy=policy)
     fill(warm, ctx, 1024, 1024)  # imports and first-use allocations happen here
     del warm
-    return measure(f"{impl} {policy}", make, ctx, n, CHURN[policy])
+    name = f"{impl} {policy}" + (", hinted" if hinted else "")
+    return measure(name, make, ctx, n, CHURN[policy])
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--one"]:
-        print(json.dumps(one(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+        hinted = sys.argv[5:6] == ["hinted"]
+        print(json.dumps(one(sys.argv[2], sys.argv[3], int(sys.argv[4]), hinted)))
         return
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
     rows = []
-    runs = [("kvcache", p) for p in CHURN] + [("vllm", "lru"), ("vllm", "arc")]
-    for impl, policy in runs:
+    runs = [("kvcache", p, "") for p in CHURN] + [("kvcache", "turn", "hinted")]
+    runs += [("vllm", "lru", ""), ("vllm", "arc", "")]
+    for impl, policy, hinted in runs:
         out = subprocess.run(
-            [sys.executable, __file__, "--one", impl, policy, str(n)],
+            [sys.executable, __file__, "--one", impl, policy, str(n), hinted],
             capture_output=True,
             text=True,
             check=True,
         )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        if hinted:
+            assert rows[-1]["hinted_requests"] > 0, "the hints did not reach the manager"
     print(
         f"bytes per resident chunk beyond its {KEY_BYTES} key bytes, {n:,} chunks, after "
         "more stores until each policy's ghosts reach their bound\n"

@@ -42,6 +42,7 @@ from kvcache.replay.capacity import (
 )
 from kvcache.replay.driver import MAX_STORE_THRESHOLD, ReplayOptions
 from kvcache.replay.errors import ConfigError, ReplayError, quoted
+from kvcache.replay.hints import HintMode, apply_hints, parse_hint_mode
 from kvcache.replay.progress import GridProgress, RunLines
 from kvcache.replay.report import (
     check_plot_path,
@@ -51,7 +52,6 @@ from kvcache.replay.report import (
     to_json,
 )
 from kvcache.replay.runner import ProgressFactory, Row, grid_runs, run_grid
-from kvcache.replay.hints import apply_hints
 from kvcache.replay.trace import (
     DEFAULT_MAX_LINE_BYTES,
     DEFAULT_TRACE_BLOCK_TOKENS,
@@ -167,7 +167,8 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
         "--seed",
         type=_int_option(-(1 << 63), (1 << 63) - 1),
         metavar="N",
-        help="synthetic workload seed, a 64-bit integer (default 0; not for traces)",
+        help="seed of the built-in workload and of drawn hints (--hints future:R or random), a "
+        "64-bit integer (default 0); with a trace, only for drawn hints",
     )
     wl.add_argument(
         "--block-tokens",
@@ -197,10 +198,11 @@ def _add_replay_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
         "--hints",
         default="trace",
         metavar="MODE",
-        help="retention hints each request carries to the manager: trace (default: a trace "
-        "line's \"hint\" field, if any), off, future (synthesised from the workload's future: "
-        "does a later request extend this one), future:R (each flipped with probability R, "
-        "e.g. future:0.1) or random (a fair coin); synthetic hints are labelled as such",
+        help="retention hints the requests carry (only turn reads them): trace (default: a "
+        'trace line\'s "hint" field, if any), off, future (the truth, read from the '
+        "workload's future: does a later request extend this one), future:R (each answer "
+        "wrong with probability R, e.g. future:0.1) or random (a fair coin); synthetic hints "
+        "are labelled as such in the table and the JSON",
     )
     ex.add_argument(
         "--capacity",
@@ -417,10 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_workload_flags(args: argparse.Namespace) -> None:
+def _check_workload_flags(args: argparse.Namespace, hints: HintMode) -> None:
     if args.trace is not None:
-        if args.seed is not None:
-            raise ConfigError("--seed sets the built-in workload; a trace replays as recorded")
+        if args.seed is not None and not hints.draws:
+            raise ConfigError(
+                "--seed sets the built-in workload and drawn hints (--hints future:R or random); "
+                "a trace replays as recorded"
+            )
     elif args.max_line_bytes is not None:
         raise ConfigError("--max-line-bytes limits trace lines; give it with --trace")
     elif args.requests is not None and args.requests > MAX_SYNTHETIC_REQUESTS:
@@ -525,7 +530,8 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
     policies = parse_policies(args.policy)
     specs = parse_capacities(args.capacity)
     _check_block_flags(args, specs)
-    _check_workload_flags(args)
+    hints = parse_hint_mode(args.hints)
+    _check_workload_flags(args, hints)
     if args.plot:
         check_plot_path(args.plot)
     options = ReplayOptions(
@@ -535,7 +541,8 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
         store_threshold=args.store_threshold,
         drain_events=args.events,
     )
-    workload = apply_hints(_load_workload(args), args.hints)
+    seed = 0 if args.seed is None else args.seed
+    workload = apply_hints(_load_workload(args), hints, seed=seed)
     block = _block_size(args, workload.block_tokens)
     capacities = resolve_capacities(specs, unique_blocks=workload.unique_blocks, block=block)
     capacities = _dedupe(capacities, workload, stderr)
@@ -592,7 +599,8 @@ def _replay(args: argparse.Namespace, argv: Sequence[str], stdout: TextIO, stder
             file=stdout,
         )
     if args.plot:
-        plot_hit_ratio(rows, args.plot, title=f"{workload.name} ({backend.name})")
+        hinted = f", hints: {workload.hint_source}" if workload.hint_source else ""
+        plot_hit_ratio(rows, args.plot, title=f"{workload.name} ({backend.name}{hinted})")
         if not args.quiet:
             print(f"plot written to {args.plot}", file=stderr)
     diverged = any(row.comparison is not None and not row.comparison.matched for row in rows)

@@ -4,6 +4,8 @@ The library behind ``kvcache replay`` (see ``docs/replay.md``):
 
 * :mod:`~kvcache.replay.workload` -- the built-in multi-turn chat generator;
 * :mod:`~kvcache.replay.trace` -- Mooncake JSONL traces;
+* :mod:`~kvcache.replay.hints` -- retention hints: a trace's own, or synthesised from the
+  workload's future (exact, partly wrong, random);
 * :mod:`~kvcache.replay.driver` -- the replay semantics (one fixed call sequence for all
   managers) and its options;
 * :mod:`~kvcache.replay.backends` -- vLLM's manager and ours, and the policy names;
@@ -42,6 +44,7 @@ from kvcache.replay.capacity import (
 from kvcache.replay.compare import Comparison, compare_decisions
 from kvcache.replay.driver import Decision, ReplayOptions, ReplayRun, replay
 from kvcache.replay.errors import BackendUnavailable, ConfigError, ReplayError, TraceError
+from kvcache.replay.hints import HintMode, apply_hints, future_hints, parse_hint_mode
 from kvcache.replay.runner import (
     Row,
     Timing,
@@ -68,6 +71,7 @@ __all__ = [
     "Comparison",
     "ConfigError",
     "Decision",
+    "HintMode",
     "NullManager",
     "ReplayError",
     "ReplayOptions",
@@ -77,8 +81,10 @@ __all__ = [
     "Timing",
     "TraceError",
     "Workload",
+    "apply_hints",
     "compare_backends",
     "compare_decisions",
+    "future_hints",
     "get_backend",
     "grid_runs",
     "kv_bytes_per_block",
@@ -87,6 +93,7 @@ __all__ = [
     "make_key",
     "null_backend",
     "parse_capacities",
+    "parse_hint_mode",
     "parse_policies",
     "parse_size",
     "replay",

@@ -196,6 +196,8 @@ class Row:
     comparison: Comparison | None = None
     #: The offline bound's hit ratio at the same capacity, when the grid ran it.
     bound_hit_ratio: float | None = None
+    #: Where the requests' retention hints came from (``Workload.hint_source``; None: none).
+    hints: str | None = None
 
     @property
     def of_bound(self) -> float | None:
@@ -223,6 +225,7 @@ class Row:
             "capacity_requested": self.capacity.requested,
             "capacity_bytes": self.capacity.bytes,
             "workload": self.workload,
+            "hints": self.hints,
             "requests": run.requests,
             "lookups": run.lookups,
             "hits": run.hits,
@@ -317,6 +320,7 @@ def run_grid(
                 run=run,
                 timing=timing,
                 options=options,
+                hints=workload.hint_source,
             )
             if reference is not None and policy != BOUND_POLICY:
                 row.reference = timed[1][1]

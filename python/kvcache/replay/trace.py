@@ -232,9 +232,7 @@ def load_mooncake_trace(
         ) from None
     if not requests:
         raise TraceError(f"{path}: no requests in the trace")
-    workload = Workload.from_requests(
-        f"mooncake:{path.name}", requests, block_tokens=block_tokens
-    )
+    workload = Workload.from_requests(f"mooncake:{path.name}", requests, block_tokens=block_tokens)
     if any(h is not None for h in hints):
         workload = workload.with_hints(tuple(hints), "from the trace")
     return workload
