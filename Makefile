@@ -97,14 +97,22 @@ test-rust:
 # The whole suite against each vLLM release: first the one in .venv (with
 # tests/test_wheel.py, which installs the wheel `make wheel` just built into a clean venv),
 # then each other one first on PYTHONPATH (everything but the wheel test, which does not
-# depend on the installed vLLM).
+# depend on the installed vLLM). Every release's pass runs whatever an earlier one did; the
+# target then fails if any failed, after a line per release.
 test-py: install build wheel
-	KVCACHE_WHEEL="$(abspath $(wildcard dist/kvcache_offload-*.whl))" $(PY) -m pytest -q
+	@status=""; \
+	echo "--- pytest against vLLM $(VLLM_MAIN)"; \
+	if KVCACHE_WHEEL="$(abspath $(wildcard dist/kvcache_offload-*.whl))" $(PY) -m pytest -q; \
+	then status="$$status $(VLLM_MAIN):passed"; else status="$$status $(VLLM_MAIN):FAILED"; fi; \
 	for v in $(VLLM_OTHERS); do \
 	  echo "--- pytest against vLLM $$v"; \
-	  PYTHONPATH="$(abspath $(ORACLE_DIR))/vllm-$$v" $(PY) -m pytest -q \
-	    --ignore=tests/test_wheel.py || exit 1; \
-	done
+	  if PYTHONPATH="$(abspath $(ORACLE_DIR))/vllm-$$v" $(PY) -m pytest -q \
+	    --ignore=tests/test_wheel.py; \
+	  then status="$$status $$v:passed"; else status="$$status $$v:FAILED"; fi; \
+	done; \
+	echo "--- pytest results"; \
+	for r in $$status; do echo "vLLM $${r%%:*}: $${r#*:}"; done; \
+	case "$$status" in *FAILED*) exit 1;; esac
 
 lint: install build
 	cargo fmt --all -- --check
