@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyInt};
 
-use crate::conversion::{items, Drain};
+use crate::conversion::{declared_len, items, Drain};
 use crate::errors::typed;
 
 /// Copies a 1-d native-order buffer of int64 or int32 into a vector, or converts any other
@@ -92,6 +92,16 @@ pub(crate) fn native_order(format: &[u8]) -> bool {
 /// Non-negative integers from any iterable of ints (a list, tuple or array) of at most `max`
 /// items, with typed errors; `what` names the argument in messages.
 pub(crate) fn small_ints(what: &str, obj: &Bound<'_, PyAny>, max: usize) -> PyResult<Vec<u64>> {
+    let too_many = || {
+        typed(
+            |e| &e.invalid_argument,
+            format!("{what} has more than {max} entries"),
+        )
+    };
+    // What it says it holds first; a length that lies ends the read one item past `max`.
+    if declared_len(obj)?.is_some_and(|n| n > max) {
+        return Err(too_many());
+    }
     let iter = obj.try_iter().map_err(|_| {
         typed(
             |e| &e.invalid_type,
@@ -102,10 +112,7 @@ pub(crate) fn small_ints(what: &str, obj: &Bound<'_, PyAny>, max: usize) -> PyRe
     for (i, item) in iter.enumerate() {
         let item = item?;
         if i == max {
-            return Err(typed(
-                |e| &e.invalid_argument,
-                format!("{what} has more than {max} entries"),
-            ));
+            return Err(too_many());
         }
         if item.is_instance_of::<PyBool>() {
             return Err(typed(

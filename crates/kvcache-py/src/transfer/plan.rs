@@ -90,24 +90,27 @@ fn blocks_per_chunk_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     count(obj, "blocks_per_chunk")
 }
 
-/// The items of an iterable argument, with a type error naming it otherwise.
+/// The items of an iterable argument, with a type error naming it otherwise. With a `drain`,
+/// its length is checked against the drain's bound first (named `bound`, the argument).
 fn items<'py>(
+    drain: Option<(&Drain<'py>, &str)>,
     obj: &Bound<'py, PyAny>,
     what: &str,
     expected: &str,
 ) -> PyResult<Bound<'py, PyIterator>> {
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(typed(
-            |e| &e.invalid_type,
-            format!("{what} must be {expected}, got {}", type_name(obj)),
-        ));
-    }
-    obj.try_iter().map_err(|_| {
+    let refuse = || {
         typed(
             |e| &e.invalid_type,
             format!("{what} must be {expected}, got {}", type_name(obj)),
         )
-    })
+    };
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(refuse());
+    }
+    match drain {
+        Some((drain, bound)) => drain.iter(obj, bound, refuse),
+        None => obj.try_iter().map_err(|_| refuse()),
+    }
 }
 
 /// An integer entry of `groups` or `offsets`: an int or any integer type (`__index__`, e.g. a
@@ -133,17 +136,18 @@ fn index_in_range<T: TryFrom<i128>>(obj: &Bound<'_, PyAny>, what: &str) -> PyRes
 fn group_refs(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<GroupRef>>> {
     let mut drain = Drain::new(obj.py());
     let mut groups = Vec::new();
-    for (g, group) in items(obj, "groups", "a sequence of groups")?.enumerate() {
+    let expected = "a sequence of groups";
+    let groups_of = items(Some((&drain, "groups")), obj, "groups", expected)?;
+    for (g, group) in groups_of.enumerate() {
         let group = group?;
         let mut refs = Vec::new();
         let what = format!("groups[{g}]");
-        for (r, pair) in
-            items(&group, &what, "a sequence of (layer index, bytes) pairs")?.enumerate()
-        {
+        let pairs = "a sequence of (layer index, bytes) pairs";
+        for (r, pair) in items(Some((&drain, "groups")), &group, &what, pairs)?.enumerate() {
             let pair = pair?;
             let what = format!("groups[{g}][{r}]");
             // At most one item more than a pair is read: enough to refuse it.
-            let fields: Vec<_> = items(&pair, &what, "a (layer index, bytes) pair")?
+            let fields: Vec<_> = items(None, &pair, &what, "a (layer index, bytes) pair")?
                 .take(3)
                 .collect::<PyResult<_>>()?;
             let [tensor, bytes] = fields.as_slice() else {
@@ -167,7 +171,13 @@ fn group_refs(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<GroupRef>>> {
 fn segment_offsets(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     let mut drain = Drain::new(obj.py());
     let mut offsets = Vec::new();
-    for (i, o) in items(obj, "offsets", "a sequence of ints")?.enumerate() {
+    let offsets_of = items(
+        Some((&drain, "offsets")),
+        obj,
+        "offsets",
+        "a sequence of ints",
+    )?;
+    for (i, o) in offsets_of.enumerate() {
         let offset = index_in_range(&o?, &format!("offsets[{i}]"))?;
         drain.push(&mut offsets, offset, "offsets")?;
     }
