@@ -176,3 +176,133 @@ def test_hostile_transfer_input_raises_in_a_fresh_interpreter(call: str, expecte
     if expected != "InvalidStateError":  # the contrast case queued a real load on purpose
         assert report["unchanged"], report
     assert report["usable"], report
+
+
+# Device pointer arrays of any stride, dtype and length (what vLLM 0.34's worker is handed as
+# `DevicePointers`): the counts, then the arrays' lengths, are checked before anything is
+# sized from them or copied. A zero-stride view of 2**30 or 2**40 entries was copied whole
+# first ("memory allocation of 8589934592 bytes failed", SIGABRT, under `ulimit -v` 8 GiB).
+# Each case runs under that address-space limit, as the hostile round did.
+ZERO = "np.lib.stride_tricks.as_strided(np.zeros(1, {dtype}), ({shape}), ({strides}))"
+
+
+def zero_stride(length: str, dtype: str = "np.uint64") -> str:
+    return ZERO.format(dtype=dtype, shape=f"{length},", strides="0,")
+
+
+POINTER_CASES = [
+    (
+        "zero-stride-2**30-counts-disagree",
+        f"p = {zero_stride('1 << 30')}; engine.block_ids_from_pointers(p, p, "
+        "group_block_counts=[1, 0], group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    (
+        "zero-stride-2**40-counts-disagree",
+        f"p = {zero_stride('1 << 40')}; engine.block_ids_from_pointers(p, p, "
+        "group_block_counts=[1, 0], group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    # Counts that agree with the arrays: the blocks they name are past the bound.
+    (
+        "zero-stride-2**30-counts-agree",
+        f"p = {zero_stride('1 << 30')}; engine.block_ids_from_pointers(p, p, "
+        "group_block_counts=[1 << 29, 0], group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    (
+        "zero-stride-2**40-counts-agree",
+        f"p = {zero_stride('1 << 40')}; engine.block_ids_from_pointers(p, p, "
+        "group_block_counts=[1 << 39, 0], group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    (
+        "zero-stride-sizes-only",
+        f"p, _ = ptrs_of([5, 6]); s = {zero_stride('1 << 40')}; "
+        "engine.block_ids_from_pointers(p, s, group_block_counts=[2, 0], "
+        "group_data_ref_counts=[2, 0])",
+        "InvalidArgumentError",
+    ),
+    # Within the bound, where the copy of a strided array is what the allocator refuses.
+    (
+        "strided-within-the-bound-out-of-memory",
+        f"p = {zero_stride('2 * kvcache._core.MAX_ITEMS')}; limited(4 << 20, lambda: "
+        "engine.block_ids_from_pointers(p, p, group_block_counts=[kvcache._core.MAX_ITEMS, 0], "
+        "group_data_ref_counts=[2, 0]))",
+        "OutOfMemoryError",
+    ),
+    # Any other dtype, shape or byte order, at any length, is refused before it is read.
+    (
+        "zero-stride-uint8",
+        f"p = {zero_stride('1 << 40', 'np.uint8')}; engine.block_ids_from_pointers(p, p, "
+        "group_block_counts=[1, 0], group_data_ref_counts=[2, 0])",
+        "InvalidTypeError",
+    ),
+    (
+        "zero-stride-float64",
+        f"p = {zero_stride('1 << 40', 'np.float64')}; engine.block_ids_from_pointers(p, p, "
+        "group_block_counts=[1, 0], group_data_ref_counts=[2, 0])",
+        "InvalidTypeError",
+    ),
+    (
+        "zero-stride-big-endian",
+        "p = " + zero_stride("1 << 40", "np.dtype('>u8')") + "; "
+        "engine.block_ids_from_pointers(p, p, group_block_counts=[1, 0], "
+        "group_data_ref_counts=[2, 0])",
+        "InvalidTypeError",
+    ),
+    (
+        "zero-stride-2-d",
+        "p = "
+        + ZERO.format(dtype="np.uint64", shape="1 << 20, 1 << 20", strides="0, 0")
+        + "; engine.block_ids_from_pointers(p, p, group_block_counts=[1, 0], "
+        "group_data_ref_counts=[2, 0])",
+        "InvalidTypeError",
+    ),
+    # A strided (copied) pair of arrays that names real blocks decodes as a contiguous one.
+    (
+        "strided-pointers-decode",
+        "p, s = ptrs_of([5, 6]); p, s = np.repeat(p, 2)[::2], np.repeat(s, 2)[::2]; "
+        "assert not p.flags.c_contiguous; ids = engine.block_ids_from_pointers(p, s, "
+        "group_block_counts=[2, 0], group_data_ref_counts=[2, 0]); "
+        "assert ids.tolist() == [5, 6], ids; raise kvcache.InvalidStateError('decoded')",
+        "InvalidStateError",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"), [c[1:] for c in POINTER_CASES], ids=[c[0] for c in POINTER_CASES]
+)
+def test_hostile_pointer_arrays_raise_under_an_address_space_limit(
+    call: str, expected: str
+) -> None:
+    script = "limit_address_space(8 << 30)\n" + SCRIPT.replace("{call}", call)
+    report = run_isolated(script, max_rss=2048 << 20).check()
+    assert report["outcome"] == expected, report
+    assert report["unchanged"], report
+    assert report["usable"], report
+
+
+# The same arrays through vLLM 0.34's worker front, which hands `DevicePointers` to the engine.
+FRONT = """
+from vllm.v1.kv_offload.base import DevicePointers
+from kvcache._vllm_fronts import PointerFront
+
+p = {array}
+job = DevicePointers(ptrs=p, sizes=p, group_block_counts=(1, 0), group_data_ref_counts=(2, 0),
+                     block_indices=(0, 0))
+PointerFront().device_job(engine, job)
+"""
+
+
+@pytest.mark.parametrize("length", ["1 << 30", "1 << 40"])
+def test_zero_stride_device_pointers_through_the_worker_front_raise(length: str) -> None:
+    base = pytest.importorskip("vllm.v1.kv_offload.base")
+    if not hasattr(base, "DevicePointers"):
+        pytest.skip("this vLLM release hands the worker block ids, not pointers")
+    call = "exec(" + repr(FRONT.format(array=zero_stride(length))) + ")"
+    script = "limit_address_space(8 << 30)\n" + SCRIPT.replace("{call}", call)
+    report = run_isolated(script, max_rss=2048 << 20, timeout=300).check()
+    assert report["outcome"] == "InvalidArgumentError", report
+    assert report["unchanged"], report

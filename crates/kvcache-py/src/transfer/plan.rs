@@ -17,7 +17,7 @@ use pyo3::types::{PyBool, PyBytes, PyInt, PyIterator, PyString, PyTuple};
 
 use super::ids::{id_vec, native_order, small_ints};
 use super::pool::PyHostChunkPool;
-use crate::conversion::{count, int_in_range, type_name, Drain};
+use crate::conversion::{count, int_in_range, type_name, Drain, MAX_ITEMS};
 use crate::errors::{typed, IntoPyResult};
 
 /// `(device base, block stride, segment offset, page slot bytes, bytes copied)`.
@@ -215,25 +215,45 @@ fn out_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<i64>> {
 }
 
 /// A 1-d uint64 numpy array, read in place when it is contiguous and aligned (as vLLM's
-/// are), else copied through the buffer protocol, which handles any strides.
+/// are), else copied through the buffer protocol, which handles any strides. Its length is
+/// the array's word: a zero-stride view claims any length over eight bytes, so a caller checks
+/// it ([`Words::len`]) before anything is copied.
 struct Words<'py> {
     view: PyReadonlyArray1<'py, u64>,
     obj: Bound<'py, PyAny>,
+    what: &'static str,
 }
 
 impl Words<'_> {
+    fn len(&self) -> usize {
+        self.view.len()
+    }
+
+    /// The words, borrowed, or copied into memory the allocator may refuse
+    /// (`OutOfMemoryError`).
     fn get(&self) -> PyResult<Cow<'_, [u64]>> {
-        Ok(match self.view.as_slice() {
-            Ok(slice) => Cow::Borrowed(slice),
-            Err(_) => Cow::Owned(PyBuffer::<u64>::get(&self.obj)?.to_vec(self.obj.py())?),
-        })
+        if let Ok(slice) = self.view.as_slice() {
+            return Ok(Cow::Borrowed(slice));
+        }
+        let buf = PyBuffer::<u64>::get(&self.obj)?;
+        let n = buf.item_count();
+        let mut out = Vec::new();
+        out.try_reserve_exact(n).map_err(|_| {
+            typed(
+                |e| &e.out_of_memory,
+                format!("not enough memory to copy {} ({n} entries)", self.what),
+            )
+        })?;
+        out.resize(n, 0);
+        buf.copy_to_slice(self.obj.py(), &mut out)?;
+        Ok(Cow::Owned(out))
     }
 }
 
 /// `obj` as [`Words`]: exactly a 1-d numpy array of native uint64 (what vLLM's
 /// `DevicePointers` hold); anything else is refused with `InvalidTypeError`, a byte-swapped
 /// or otherwise foreign dtype included, since its values would be read as other addresses.
-fn words<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<Words<'py>> {
+fn words<'py>(what: &'static str, obj: &Bound<'py, PyAny>) -> PyResult<Words<'py>> {
     let refuse = || {
         typed(
             |e| &e.invalid_type,
@@ -256,6 +276,7 @@ fn words<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<Words<'py>> {
     Ok(Words {
         view,
         obj: obj.clone(),
+        what,
     })
 }
 
@@ -555,9 +576,22 @@ impl PyTransferLayout {
         let refs = small_ints("group_data_ref_counts", group_data_ref_counts, groups)?;
         let ptrs = words("ptrs", ptrs)?;
         let sizes = words("sizes", sizes)?;
-        let ids = self
-            .shared
-            .layout
+        // The counts, then the arrays' lengths, are checked before any pointer is read or
+        // copied: only the layout and a bound size what this call allocates.
+        let layout = &self.shared.layout;
+        let need = layout.pointer_counts(&counts, &refs).py_err()?;
+        if need.blocks > MAX_ITEMS {
+            return Err(typed(
+                |e| &e.invalid_argument,
+                format!(
+                    "group_block_counts name {} blocks, more than the {MAX_ITEMS} a transfer \
+                     may take",
+                    need.blocks
+                ),
+            ));
+        }
+        need.check_lengths(ptrs.len(), sizes.len()).py_err()?;
+        let ids = layout
             .block_ids_from_pointers(&ptrs.get()?, &sizes.get()?, &counts, &refs)
             .py_err()?;
         Ok(PyArray1::from_vec(py, ids))
