@@ -153,6 +153,13 @@ CASES = [
         "kvcache._core.CudaApi('libcudart\\x00.so')",
         "InvalidArgumentError",
     ),
+    # glibc's dlopen copies the name onto the stack: 10 MB of it was a SIGSEGV.
+    (
+        "runtime-path-of-megabytes",
+        "kvcache._core.CudaApi('x' * 10**7)",
+        "InvalidArgumentError",
+    ),
+    ("runtime-path-none", "kvcache._core.CudaApi(None)", "InvalidTypeError"),
     # A real job decoded and run, for contrast: the group without references gets
     # placeholders, nothing of it is copied.
     (

@@ -10,7 +10,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyInt};
 
-use crate::conversion::{declared_len, items, Drain};
+use super::plan::Plan;
+use crate::conversion::{declared_len, int_in_range, items, type_name, Drain};
 use crate::errors::typed;
 
 /// Copies a 1-d native-order buffer of int64 or int32 into a vector, or converts any other
@@ -67,6 +68,22 @@ fn copied<T: pyo3::buffer::Element + Copy + Default>(
     out.resize(n, T::default());
     buf.copy_to_slice(py, &mut out)?;
     Ok(out)
+}
+
+/// A copier's `job_id`: an int from 0 to 2**64 - 1 (pyo3's own would be a bare
+/// `OverflowError` or `TypeError`).
+pub(crate) fn job_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    int_in_range(obj, "job_id", ">= 0 and < 2**64")
+}
+
+/// A copier's `plan`: a `_core.Plan`, else `InvalidTypeError`.
+pub(crate) fn plan_arg<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Plan>> {
+    obj.cast::<Plan>().cloned().map_err(|_| {
+        typed(
+            |e| &e.invalid_type,
+            format!("plan must be a kvcache._core.Plan, got {}", type_name(obj)),
+        )
+    })
 }
 
 /// `wait`'s `job_ids`: None (every job), or an iterable of job ids.
