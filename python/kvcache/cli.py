@@ -16,9 +16,10 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn, TextIO
+from typing import TextIO
 
 import kvcache
+from kvcache._argparse import OneLineParser as _Parser
 from kvcache._core import MAX_ITEMS
 from kvcache._semantics import VLLM_SEMANTICS
 from kvcache.replay.backends import (
@@ -62,9 +63,6 @@ from kvcache.replay.trace import (
 )
 from kvcache.replay.workload import SyntheticChat, Workload, synthetic_chat
 
-if TYPE_CHECKING:
-    from _typeshed import SupportsWrite
-
 __all__ = ["build_parser", "main"]
 
 DEFAULT_POLICIES = "lru,arc,turn"
@@ -84,20 +82,6 @@ MAX_REPEAT = 1_000
 MAX_MODEL_DIM = 1 << 20
 #: The largest host size a capacity or block may name (1 EiB).
 MAX_BYTES = 1 << 60
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (no usage dump), like every other error here."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
-        # argparse drops a failed write silently (--help into a full disk exits 0): let it
-        # reach main(), which reports it as for any other output.
-        stream = file or sys.stderr
-        if message and stream is not None:
-            stream.write(message)
 
 
 def _int_option(low: int, high: int) -> Callable[[str], int]:
