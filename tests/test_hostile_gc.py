@@ -298,9 +298,10 @@ def test_a_stable_working_set_does_not_grow(target: str) -> None:
 
 # A pool over a caller's buffer holds that buffer's export (its memory must stay valid), so
 # the exporter is alive for as long as the pool is. A cycle back to the pool through the
-# exporter (an attribute of a numpy or mmap subclass) was never collected: the pool did not
-# report the exporter to the collector. It does now, while nothing but the pool uses the
-# memory; a plan (a transfer) over it keeps both alive, and the export, until it is dropped.
+# exporter (an attribute of a numpy or mmap subclass), directly or through an engine over the
+# pool, was never collected: the pool did not report the exporter to the collector. It does
+# now, while no transfer uses the memory: a plan not yet run keeps both alive, and the
+# export, until it is dropped, and a layout keeps its pool reachable.
 POOL_CYCLE = """
 import gc, mmap, weakref
 import numpy as np
@@ -343,6 +344,29 @@ results["memory-while-planned"] = bytes(memoryview(dead())[:4]) == bytes([7] * 4
 del plan
 gc.collect()
 results["collected-after"] = dead() is None
+
+# Through an engine (its layout shares the pool's memory) after a finished job.
+import torch
+from kvcache.transfer import TransferEngine
+buf = owner("numpy-subclass")
+pool = HostChunkPool(8, 1024, pin=False, buffer=buf)
+engine = TransferEngine([torch.zeros(8, 1024, dtype=torch.uint8)], pool)
+engine.wait([engine.store([0], [1])])
+buf.engine = engine
+dead = weakref.ref(pool)
+del buf, pool, engine
+gc.collect()
+results["through-an-engine"] = dead() is None
+
+# A layout that can still plan keeps its pool, and the buffer, alive.
+buf = owner("numpy-subclass")
+pool = HostChunkPool(2, 4096, pin=False, buffer=buf)
+buf.pool = pool
+layout = _core.TransferLayout(pool, [(1 << 40, 4096, 4096, 4, 0)], 1)
+dead = weakref.ref(pool)
+del buf, pool
+gc.collect()
+results["kept-by-a-layout"] = dead() is not None and len(layout.plan(True, [0], [1])) == 1
 report(**results)
 """
 

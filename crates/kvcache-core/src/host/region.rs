@@ -399,6 +399,14 @@ impl HostRegion {
         self.map_len
     }
 
+    /// Whether anything may be reading or writing the memory right now: a transfer holds a
+    /// lease (a plan not yet run, a copy in flight), or a registration is prefaulting and
+    /// pinning it. (A caller's own synchronous call, `populate` or `register`, is not seen.)
+    pub fn is_in_use(&self) -> bool {
+        let st = self.lock();
+        st.leases > 0 || matches!(st.status, PinStatus::Pinning { .. })
+    }
+
     /// Closed by `close()`, or its memory's region ([`Self::within`]) is.
     pub fn is_closed(&self) -> bool {
         let closed = self.lock().closed;

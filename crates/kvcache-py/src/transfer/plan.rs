@@ -12,8 +12,10 @@ use numpy::{
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::ffi;
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyIterator, PyString, PyTuple};
+use pyo3::PyTraverseError;
 
 use super::ids::{id_vec, native_order, small_ints};
 use super::pool::PyHostChunkPool;
@@ -46,6 +48,10 @@ impl LayoutShared {
 pub struct PyTransferLayout {
     shared: Arc<LayoutShared>,
     scratch: Mutex<PlanScratch>,
+    /// The pool whose region `shared` uses: a layout that can still plan keeps its pool
+    /// reachable, so the collector never releases a buffer the pool borrowed while a layout
+    /// over it lives (see `PyHostChunkPool::__traverse__`).
+    pool: Py<PyHostChunkPool>,
 }
 
 fn to_u64(v: isize, what: &str, index: usize) -> PyResult<u64> {
@@ -323,6 +329,7 @@ impl PyTransferLayout {
             .filter(|o| !o.is_none())
             .map(|o| segment_offsets(&o))
             .transpose()?;
+        let pool_ref = pool.clone().unbind();
         let pool = pool.get();
         let region = Arc::clone(&pool.region);
         if region.is_closed() {
@@ -426,7 +433,14 @@ impl PyTransferLayout {
                 host_buffers: buffers,
             }),
             scratch: Mutex::new(PlanScratch::default()),
+            pool: pool_ref,
         })
+    }
+
+    /// Shows the pool it keeps reachable to the garbage collector. Nothing to clear: the
+    /// reference never changes, and a cycle through it is broken at the pool or its buffer.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.pool)
     }
 
     /// Valid device block ids are `range(num_blocks)` (the smallest layer's count).

@@ -50,11 +50,13 @@ impl PyHostChunkPool {
         Ok(&self.region)
     }
 
-    /// Whether nothing but this pool can reach its memory: no layout, plan, copy or pinning
-    /// thread holds the region. Then, and only then, the garbage collector may see and
-    /// release the export it holds.
-    fn sole_owner(&self) -> bool {
-        Arc::strong_count(&self.region) == 1
+    /// Whether the garbage collector may see, and release, the export this pool holds: no
+    /// transfer holds a lease on the memory and no registration is pinning it. Everything
+    /// else that shares the region either references this pool from Python (a layout: while
+    /// it is reachable, so is the pool) or never touches the memory again without a lease
+    /// (a plan that ran), which a closed region refuses.
+    fn collectable(&self) -> bool {
+        !self.region.is_in_use()
     }
 
     pub(crate) fn num_chunks_usize(&self) -> usize {
@@ -318,13 +320,13 @@ impl PyHostChunkPool {
 
     /// The exporter of the buffer the pool was built over, which its export keeps alive: a
     /// cycle back to the pool through it (an attribute of a `bytearray` or numpy subclass)
-    /// is then collectable. Shown only while nothing but the pool uses the memory, the case
-    /// in which `__clear__` may release it.
+    /// is then collectable. Shown only while no transfer or registration uses the memory
+    /// (`collectable`), the case in which `__clear__` may release it.
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         let Some(held) = &self.held else {
             return Ok(());
         };
-        if !self.sole_owner() {
+        if !self.collectable() {
             return Ok(());
         }
         // Never waits: only `__clear__` and the last drop lock it, both with the interpreter
@@ -345,15 +347,16 @@ impl PyHostChunkPool {
     }
 
     /// Breaks a cycle through the buffer's exporter: closes the pool, then releases the
-    /// export. Only while nothing but the pool uses the memory (see `__traverse__`): a
-    /// layout, plan or copy that still holds the region keeps the export, and the memory.
+    /// export. Only when `__traverse__` showed it (`collectable`): a transfer or registration
+    /// in progress keeps the export, and the memory.
     fn __clear__(&self) {
         let Some(held) = &self.held else {
             return;
         };
-        // Closed first, so that nothing exports, pins or copies the memory once it may be
-        // gone; `close()` cannot be refused here (a lease would hold the region).
-        if !self.sole_owner() || self.region.close().is_err() {
+        // Closed first, so that nothing exports, pins or leases the memory once it may be
+        // gone (a plan that ran and still holds the region cannot run again); `close()` is
+        // refused if a transfer started meanwhile, and then the export stays.
+        if !self.collectable() || self.region.close().is_err() {
             return;
         }
         let buf = held.0.lock().unwrap_or_else(|e| e.into_inner()).take();
