@@ -246,6 +246,33 @@ case("copier-float-id", copier_submit(1.0, a_plan), InvalidTypeError, covers="Cp
 case("copier-not-a-plan", copier_submit(0, "plan"), InvalidTypeError, covers="CpuCopier")
 
 
+# The layout the engine builds, called directly: pyo3's own errors before.
+DEVICE_LAYER = (1 << 40, 64, 64, 8, 0)
+
+
+def layout(e: TransferEngine, *, pool: Any = None, layer: Any = DEVICE_LAYER) -> Any:
+    from kvcache import _core
+
+    return _core.TransferLayout(e.pool if pool is None else pool, [layer], 1)
+
+
+for name, call, expected in [
+    ("negative-base", lambda e: layout(e, layer=(-1, 64, 64, 8, 0)), InvalidArgumentError),
+    ("base-2**64", lambda e: layout(e, layer=(2**64, 64, 64, 8, 0)), InvalidArgumentError),
+    ("float-stride", lambda e: layout(e, layer=(1 << 40, 64.0, 64, 8, 0)), InvalidTypeError),
+    (
+        "negative-segment",
+        lambda e: layout(e, layer=(np.zeros((8, 64), np.uint8), -1)),
+        InvalidArgumentError,
+    ),
+    ("pool-object", lambda e: layout(e, pool=object()), InvalidTypeError),
+    ("plan-store-int", lambda e: layout(e).plan(1, [0], [0]), InvalidTypeError),
+    ("group_refs-negative", lambda e: layout(e).group_refs(-1), InvalidArgumentError),
+    ("kernel_problem-2**64", lambda e: layout(e).kernel_problem(2**64), InvalidArgumentError),
+]:
+    case(f"layout-{name}", call, expected, covers="TransferLayout")
+
+
 # --- ids --------------------------------------------------------------------------------------
 
 ID_CASES: list[tuple[str, Any, Any, type[BaseException]]] = [

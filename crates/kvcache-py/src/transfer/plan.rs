@@ -294,6 +294,29 @@ fn group_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     count(obj, "group")
 }
 
+fn store_arg(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    obj.extract::<crate::conversion::Flag>().map(|f| f.0)
+}
+
+fn pool_arg<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyHostChunkPool>> {
+    obj.cast::<PyHostChunkPool>().cloned().map_err(|_| {
+        typed(
+            |e| &e.invalid_type,
+            format!("pool must be a HostChunkPool, got {}", type_name(obj)),
+        )
+    })
+}
+
+/// Field `at` of layer tuple `layer` (number `index`): an int from 0 to 2**64 - 1.
+fn layer_field(layer: &Bound<'_, PyTuple>, index: usize, at: usize, what: &str) -> PyResult<u64> {
+    let value = layer.get_item(at)?;
+    int_in_range(
+        &value,
+        &format!("layers[{index}] {what}"),
+        ">= 0 and < 2**64",
+    )
+}
+
 #[pymethods]
 impl PyTransferLayout {
     /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
@@ -314,7 +337,7 @@ impl PyTransferLayout {
     #[new]
     #[pyo3(signature = (pool, layers, blocks_per_chunk, groups=None, offsets=None))]
     fn new(
-        pool: &Bound<'_, PyHostChunkPool>,
+        #[pyo3(from_py_with = pool_arg)] pool: Bound<'_, PyHostChunkPool>,
         #[pyo3(from_py_with = layers_arg)] layers: Vec<Bound<'_, PyTuple>>,
         #[pyo3(from_py_with = blocks_per_chunk_arg)] blocks_per_chunk: usize,
         groups: Option<Bound<'_, PyAny>>,
@@ -346,17 +369,17 @@ impl PyTransferLayout {
                             format!("layer {i}: not a byte buffer: {e}"),
                         )
                     })?;
-                    geoms.push(host_layer(&buf, i, t.get_item(1)?.extract()?)?);
+                    let segment = layer_field(t, i, 1, "segment")?;
+                    geoms.push(host_layer(&buf, i, segment)?);
                     buffers.push(buf);
                 }
                 5 => {
-                    let (base, block_stride, page_bytes, num_blocks, segment) = t.extract()?;
                     geoms.push(LayerGeometry {
-                        base,
-                        block_stride,
-                        page_bytes,
-                        num_blocks,
-                        segment,
+                        base: layer_field(t, i, 0, "base")?,
+                        block_stride: layer_field(t, i, 1, "block stride")?,
+                        page_bytes: layer_field(t, i, 2, "page bytes")?,
+                        num_blocks: layer_field(t, i, 3, "blocks")?,
+                        segment: layer_field(t, i, 4, "segment")?,
                     });
                 }
                 n => {
@@ -474,7 +497,7 @@ impl PyTransferLayout {
     fn plan(
         &self,
         py: Python<'_>,
-        store: bool,
+        #[pyo3(from_py_with = store_arg)] store: bool,
         gpu_ids: &Bound<'_, PyAny>,
         chunk_ids: &Bound<'_, PyAny>,
         group_sizes: Option<&Bound<'_, PyAny>>,
@@ -613,13 +636,16 @@ impl PyTransferLayout {
 
     /// Why the copy kernel cannot serve `group` (None: it can): the first address or size it
     /// would form that is not a multiple of 8 bytes (the pool's and the chunks' included).
-    fn kernel_problem(&self, group: usize) -> PyResult<Option<String>> {
+    fn kernel_problem(
+        &self,
+        #[pyo3(from_py_with = group_arg)] group: usize,
+    ) -> PyResult<Option<String>> {
         self.shared.layout.kernel_problem(group).py_err()
     }
 
     /// A group's distinct references as `(device base, block stride, segment offset, page
     /// slot bytes, bytes copied)` tuples (the copy kernel's per-tensor table).
-    fn group_refs(&self, group: usize) -> PyResult<Vec<RefRow>> {
+    fn group_refs(&self, #[pyo3(from_py_with = group_arg)] group: usize) -> PyResult<Vec<RefRow>> {
         Ok(self
             .shared
             .layout
