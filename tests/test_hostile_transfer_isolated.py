@@ -313,3 +313,55 @@ def test_zero_stride_device_pointers_through_the_worker_front_raise(length: str)
     report = run_isolated(script, max_rss=2048 << 20, timeout=300).check()
     assert report["outcome"] == "InvalidArgumentError", report
     assert report["unchanged"], report
+
+
+# A load vLLM 0.33's worker refuses is parsed once more, to split it around a repeated
+# destination: that second read was unbounded. A spec whose block ids became a zero-stride
+# view of 2**40 (they are an attribute, set after the spec checked them) or whose group sizes
+# never end was read whole (MemoryError, or memory until the process was killed). The worker
+# refuses each with the engine's typed error now.
+WORKER = """
+import itertools
+import numpy as np
+from tests.vllm_worker_oracle import Geometry, build_pairs, vllm_on_cpu
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+class Endless:  # says it holds one size, never ends
+    def __len__(self):
+        return 1
+    def __iter__(self):
+        return itertools.repeat(1)
+
+with vllm_on_cpu():
+    (pair,) = build_pairs(Geometry(((256, 256),), (((0, 256),),), 64, 2),
+                          cpu_bytes_to_use=1 << 20, seed=6)
+    spec = GPULoadStoreSpec([0, 0], [2], [0])
+    {mutate}
+    try:
+        pair.our_worker.submit_load(1, CPULoadStoreSpec([0]), spec)
+        outcome = "returned"
+    except BaseException as exc:
+        outcome = type(exc).__name__
+    pair.shutdown()
+report(outcome=outcome)
+"""
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        "spec.block_ids = np.broadcast_to(np.int32(0), (1 << 40,))",
+        "spec.group_sizes = Endless()",
+    ],
+    ids=["zero-stride-block-ids", "endless-group-sizes"],
+)
+def test_a_refused_load_is_not_read_whole_for_repeats(mutate: str) -> None:
+    from tests.vllm_worker_oracle import pointers_release
+
+    pytest.importorskip("vllm")
+    if pointers_release():
+        pytest.skip("vLLM 0.34 hands the worker pointers, decoded within bounds")
+    script = "limit_address_space(8 << 30)\n" + WORKER.replace("{mutate}", mutate)
+    report = run_isolated(script, max_rss=2048 << 20, timeout=300).check()
+    assert report["outcome"] == "InvalidArgumentError", report

@@ -81,6 +81,8 @@ def as_ids(name: str, ids: object) -> np.ndarray:
     is ``OutOfMemoryError``.
     """
     if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype in (np.int64, np.int32):
+        if ids.size > MAX_ITEMS:  # a zero-stride view claims any size: no caller may read it
+            raise too_many(name)
         return ids
     try:
         if _array_like(ids):
