@@ -327,6 +327,11 @@ from tests.vllm_worker_oracle import Geometry, build_pairs, vllm_on_cpu
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
+def load(mutate):  # a load naming block 0 twice, its spec changed by `mutate` once checked
+    spec = GPULoadStoreSpec([0, 0], [2], [0])
+    mutate(spec)
+    pair.our_worker.submit_load(1, CPULoadStoreSpec([0]), spec)
+
 class Endless:  # says it holds one size, never ends
     def __len__(self):
         return 1
@@ -336,10 +341,8 @@ class Endless:  # says it holds one size, never ends
 with vllm_on_cpu():
     (pair,) = build_pairs(Geometry(((256, 256),), (((0, 256),),), 64, 2),
                           cpu_bytes_to_use=1 << 20, seed=6)
-    spec = GPULoadStoreSpec([0, 0], [2], [0])
-    {mutate}
     try:
-        pair.our_worker.submit_load(1, CPULoadStoreSpec([0]), spec)
+        {call}
         outcome = "returned"
     except BaseException as exc:
         outcome = type(exc).__name__
@@ -349,19 +352,30 @@ report(outcome=outcome)
 
 
 @pytest.mark.parametrize(
-    "mutate",
+    "call",
     [
-        "spec.block_ids = np.broadcast_to(np.int32(0), (1 << 40,))",
-        "spec.group_sizes = Endless()",
+        "load(lambda s: setattr(s, 'block_ids', np.broadcast_to(np.int32(0), (1 << 40,))))",
+        "load(lambda s: setattr(s, 'group_sizes', Endless()))",
     ],
     ids=["zero-stride-block-ids", "endless-group-sizes"],
 )
-def test_a_refused_load_is_not_read_whole_for_repeats(mutate: str) -> None:
+def test_a_refused_load_is_not_read_whole_for_repeats(call: str) -> None:
     from tests.vllm_worker_oracle import pointers_release
 
     pytest.importorskip("vllm")
     if pointers_release():
         pytest.skip("vLLM 0.34 hands the worker pointers, decoded within bounds")
-    script = "limit_address_space(8 << 30)\n" + WORKER.replace("{mutate}", mutate)
+    script = "limit_address_space(8 << 30)\n" + WORKER.replace("{call}", call)
+    report = run_isolated(script, max_rss=2048 << 20, timeout=300).check()
+    assert report["outcome"] == "InvalidArgumentError", report
+
+
+# The worker's `wait` spun for ever on job ids that never end (none of them its own).
+@pytest.mark.parametrize(
+    "job_ids", ["itertools.repeat(7)", "range(1 << 62)"], ids=["endless", "range-2**62"]
+)
+def test_the_workers_wait_reads_job_ids_within_the_bound(job_ids: str) -> None:
+    pytest.importorskip("vllm")
+    script = WORKER.replace("{call}", f"pair.our_worker.wait({job_ids})")
     report = run_isolated(script, max_rss=2048 << 20, timeout=300).check()
     assert report["outcome"] == "InvalidArgumentError", report

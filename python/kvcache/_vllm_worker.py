@@ -396,8 +396,16 @@ class CPUOffloadingWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         """Blocks until the given jobs have finished (ids this worker does not own are
-        ignored); :meth:`get_finished` still reports them."""
-        mine = [e for j in job_ids if j in self._by_vllm for e in self._by_vllm[j]]
+        ignored, anything that is not an int included); :meth:`get_finished` still reports
+        them. Read within the engine's bound: an endless iterable is refused
+        (``InvalidArgumentError``), not spun on."""
+        owned = self._by_vllm
+        mine = [
+            e
+            for j in bounded_list("job_ids", job_ids)
+            if isinstance(j, int) and j in owned
+            for e in owned[j]
+        ]
         if mine:
             self.engine.wait(mine)
 
