@@ -50,9 +50,12 @@ const SIGNAL_EVERY: usize = 1 << 14;
 ///   (`job_ids`).
 ///
 /// Group sizes, block indices and per-group pointer counts (`transfer::ids::small_ints`) stop
-/// at the layout's group count instead. The transfer engine's Python methods read what they
-/// keep in Python (job ids, layers, one-shot groups and offsets) with the same bound
-/// (`kvcache.transfer._checks.bounded_list`).
+/// at the layout's group count instead, their length checked against it first; device
+/// pointer arrays are checked against the counts before they are read. The transfer engine's
+/// Python methods and vLLM's worker read what they keep in Python (job ids, layers, one-shot
+/// groups and offsets, a refused load's spans) with the same rules
+/// (`kvcache.transfer._checks.bounded_list`), and ids that are not an id array are converted
+/// under them (`kvcache.transfer._checks.as_ids`).
 pub struct Drain<'py> {
     py: Python<'py>,
     /// Items read so far in this call, across all of its arguments.
