@@ -8,6 +8,8 @@
 #                .venv/oracle/vllm-0.33.0), with the CUDA build of torch: ~7 GB
 #
 # `make replay` (the main job) needs only the base; `make test` and `make lint` install it all.
+# `make stress` reruns the tests that wait on threads, gates and the fake CUDA runtime pinned to
+# one core (and beside CPU burners), to catch a test that races instead of waiting.
 # Versions are pinned by requirements/constraints.txt. A new target depends on the layer it
 # needs and adds itself to `.PHONY`; a new lint step goes into `lint`.
 PYTHON ?= python3
@@ -32,7 +34,7 @@ BASE        := $(VENV)/.base-installed
 WHEEL_TOOLS := $(VENV)/.wheel-tools-installed
 FULL        := $(VENV)/.installed
 
-.PHONY: base install build build-dev wheel replay test test-rust test-py lint fmt \
+.PHONY: base install build build-dev wheel replay test test-rust test-py stress lint fmt \
         bench bench-rust bench-py memory miri fuzz clean
 
 # --- environments ---------------------------------------------------------------------------
@@ -97,13 +99,49 @@ test-rust:
 # The whole suite against each vLLM release: first the one in .venv (with
 # tests/test_wheel.py, which installs the wheel `make wheel` just built into a clean venv),
 # then each other one first on PYTHONPATH (everything but the wheel test, which does not
-# depend on the installed vLLM).
+# depend on the installed vLLM). Every release's pass runs whatever an earlier one did; the
+# target then fails if any failed, after a line per release.
 test-py: install build wheel
-	KVCACHE_WHEEL="$(abspath $(wildcard dist/kvcache_offload-*.whl))" $(PY) -m pytest -q
+	@status=""; \
+	echo "--- pytest against vLLM $(VLLM_MAIN)"; \
+	if KVCACHE_WHEEL="$(abspath $(wildcard dist/kvcache_offload-*.whl))" $(PY) -m pytest -q; \
+	then status="$$status $(VLLM_MAIN):passed"; else status="$$status $(VLLM_MAIN):FAILED"; fi; \
 	for v in $(VLLM_OTHERS); do \
 	  echo "--- pytest against vLLM $$v"; \
-	  PYTHONPATH="$(abspath $(ORACLE_DIR))/vllm-$$v" $(PY) -m pytest -q \
-	    --ignore=tests/test_wheel.py || exit 1; \
+	  if PYTHONPATH="$(abspath $(ORACLE_DIR))/vllm-$$v" $(PY) -m pytest -q \
+	    --ignore=tests/test_wheel.py; \
+	  then status="$$status $$v:passed"; else status="$$status $$v:FAILED"; fi; \
+	done; \
+	echo "--- pytest results"; \
+	for r in $$status; do echo "vLLM $${r%%:*}: $${r#*:}"; done; \
+	case "$$status" in *FAILED*) exit 1;; esac
+
+# The tests that wait on threads, gates, background pinning and the fake CUDA runtime's
+# streams, STRESS_REPEAT times pinned to one core (taskset -c 0), then STRESS_BURN_REPEAT times
+# on that core beside two CPU burners the target starts and kills: a test that sleeps and
+# hopes instead of waiting for the state it asserts fails here. Any failure fails the target.
+# The long conformance files (test_worker_conformance.py, test_worker_kernel_conformance.py)
+# are left out by default; add them through STRESS_TESTS.
+STRESS_REPEAT      ?= 3
+STRESS_BURN_REPEAT ?= 1
+STRESS_TESTS       ?= tests/test_fakecuda.py tests/test_transfer_cuda_backend.py \
+  tests/test_transfer_registration.py tests/test_transfer_populate.py \
+  tests/test_transfer_pool.py tests/test_transfer_engine.py tests/test_hostile_threads.py \
+  tests/test_tiering_worker.py tests/test_tiering_conformance.py tests/test_worker_api.py \
+  tests/test_worker_pointers.py tests/test_worker_default.py
+STRESS_PYTEST      = $(PY) -m pytest -q -p no:cacheprovider $(STRESS_TESTS)
+stress: install build
+	@set -e; \
+	for i in $$(seq $(STRESS_REPEAT)); do \
+	  echo "--- stress: pinned to one core, run $$i of $(STRESS_REPEAT)"; \
+	  taskset -c 0 $(STRESS_PYTEST); \
+	done; \
+	taskset -c 0 yes >/dev/null & burner1=$$!; \
+	taskset -c 0 yes >/dev/null & burner2=$$!; \
+	trap 'kill $$burner1 $$burner2' EXIT; trap 'exit 130' INT TERM; \
+	for i in $$(seq $(STRESS_BURN_REPEAT)); do \
+	  echo "--- stress: pinned to one core beside two CPU burners, run $$i of $(STRESS_BURN_REPEAT)"; \
+	  taskset -c 0 $(STRESS_PYTEST); \
 	done
 
 lint: install build

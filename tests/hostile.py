@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -136,6 +136,25 @@ def report(**values):
     values["vm_peak"] = status("VmPeak")
     values["rss_peak"] = status("VmHWM")
     print("RESULT " + json.dumps(values), flush=True)
+
+# Runs `run()` with the address space limited to `headroom` bytes above its size now. Large
+# blocks are always mapped and unmapped (glibc's M_MMAP_THRESHOLD, fixed), so that memory
+# freed by an earlier call does not sit in the heap, unseen by the limit.
+def limited(headroom, run):
+    import ctypes, resource
+    ctypes.CDLL(None).mallopt(-3, 128 << 10)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (status("VmSize") + headroom, hard))
+    try:
+        return run()
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+# The whole process under an address space of `limit` bytes (`ulimit -v`), as the hostile
+# rounds run each case: an allocation beyond it fails rather than succeeding on a large host.
+def limit_address_space(limit):
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 """
 
 
@@ -186,18 +205,28 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def run_isolated(script: str, *, max_rss: int = 768 << 20, timeout: float = 120) -> Isolated:
-    """Runs ``script`` in a fresh interpreter (repository root as cwd, ``report(...)``
-    available) and stops it when its resident memory exceeds ``max_rss``."""
+def run_isolated(
+    script: str,
+    *,
+    max_rss: int = 768 << 20,
+    timeout: float = 120,
+    stdout: int | IO[Any] = subprocess.PIPE,
+    env: dict[str, str] | None = None,
+) -> Isolated:
+    """Runs ``script`` in a fresh interpreter (repository root as cwd, ``report(...)``,
+    ``limited(...)`` and ``limit_address_space(...)`` available) and stops it when its
+    resident memory exceeds ``max_rss``. ``stdout``: where its output goes (a pipe read back
+    by default; a closed pipe or ``/dev/full`` for output that fails); ``env``: variables set
+    on top of this process's."""
     code = _PRELUDE + textwrap.dedent(script)
     # The caller's PYTHONPATH stays after the root: it may name the vLLM oracle under test.
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, PYTHONPATH=path, PYTHONFAULTHANDLER="1")
+    env = dict(os.environ, PYTHONPATH=path, PYTHONFAULTHANDLER="1", **(env or {}))
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=ROOT,
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -213,5 +242,5 @@ def run_isolated(script: str, *, max_rss: int = 768 << 20, timeout: float = 120)
             proc.kill()
             break
         time.sleep(0.01)
-    stdout, stderr = proc.communicate()
-    return Isolated(proc.returncode, stdout, stderr, killed, timed_out)
+    out, err = proc.communicate()
+    return Isolated(proc.returncode, out or "", err, killed, timed_out)

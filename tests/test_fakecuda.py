@@ -33,11 +33,7 @@ from tests.fakecuda import (
     MemcpyAttributes,
     library_path,
 )
-
-# Long enough for a stream thread to have run anything it was allowed to run.
-SETTLE_S = 0.1
-# Bound on every wait for something that must happen, so a bug fails instead of hanging.
-DEADLINE_S = 10.0
+from tests.waiting import HANG_S, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +69,11 @@ def device(cuda: FakeCuda, n: int, value: int, dev: int = 0) -> np.ndarray:
 
 
 class Call:
-    """Runs a (blocking) call on a thread of its own; ``result`` once it has returned."""
+    """Runs a (blocking) call on a thread of its own; ``result`` once it has returned.
+
+    A test first waits for the fake to report the call blocked (``waiting()``, ``holding()``,
+    ``registers_waiting()``), then checks :meth:`blocked`: no guess at how long the thread
+    takes to get there."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.result: Any = None
@@ -84,20 +84,23 @@ class Call:
         self.result = fn()
 
     def blocked(self) -> bool:
-        self.thread.join(SETTLE_S)
+        """Still inside the call."""
         return self.thread.is_alive()
 
     def finish(self) -> Any:
-        self.thread.join(DEADLINE_S)
+        self.thread.join(HANG_S)
         assert not self.thread.is_alive(), "the call did not return"
         return self.result
 
 
-def wait_until(predicate: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
+def waiting(cuda: FakeCuda, n: int = 1) -> None:
+    """Until ``n`` callers are blocked in synchronising calls."""
+    wait_until(lambda: cuda.waiting() == n, f"{n} caller(s) blocked in a synchronising call")
+
+
+def at_gate(cuda: FakeCuda, gate: int) -> None:
+    """Until the stream sits at ``gate``: what it holds back has not run, and will not."""
+    wait_until(lambda: cuda.gate_reached(gate), "the stream at its gate")
 
 
 def on_thread(fn: Callable[[], Any]) -> Any:
@@ -170,8 +173,10 @@ def test_copies_run_later_on_the_stream_in_order(cuda: FakeCuda) -> None:
     gate = cuda.stream_gate(s)
     assert cuda.memcpy_async(addr(dst), addr(first), 64, s) == SUCCESS
     assert cuda.memcpy_async(addr(dst), addr(second), 64, s) == SUCCESS
-    time.sleep(SETTLE_S)
+    at_gate(cuda, gate)
     assert (dst == 0).all()
+    assert cuda.stream_pending(s) == 3  # the gate and both copies
+    assert cuda.stream_blocked(s)
     assert cuda.stream_query(s) == NOT_READY
     # "Not ready" is an answer, not an error.
     assert cuda.get_last_error() == SUCCESS
@@ -180,6 +185,7 @@ def test_copies_run_later_on_the_stream_in_order(cuda: FakeCuda) -> None:
     # Enqueue order: the second copy ran last.
     assert (dst == 2).all()
     assert cuda.stream_query(s) == SUCCESS
+    assert (cuda.stream_pending(s), cuda.stream_blocked(s)) == (0, False)
     assert cuda.count("memcpy_calls") == 2
     assert cuda.count("pageable_copies") == 0
 
@@ -213,6 +219,7 @@ def test_stream_destroy_drains_then_joins(cuda: FakeCuda) -> None:
     gate = cuda.stream_gate(s)
     assert cuda.memcpy_async(addr(dst), addr(src), 8, s) == SUCCESS
     call = Call(lambda: cuda.stream_destroy(s))
+    waiting(cuda)
     assert call.blocked()
     cuda.gate_open(gate)
     assert call.finish() == SUCCESS
@@ -270,7 +277,7 @@ def test_copy_behind_wait_on_unreached_event_does_not_run(cuda: FakeCuda) -> Non
     assert cuda.event_record(ev, a) == SUCCESS
     assert cuda.stream_wait_event(b, ev) == SUCCESS
     assert cuda.memcpy_async(addr(dst), addr(src), 32, b) == SUCCESS
-    time.sleep(SETTLE_S)
+    wait_until(lambda: cuda.stream_blocked(b), "stream b at its wait for the event")
     assert (dst == 0).all()
     assert cuda.event_query(ev) == NOT_READY
     assert cuda.stream_query(b) == NOT_READY
@@ -316,8 +323,9 @@ def test_event_query_synchronize_and_elapsed(cuda: FakeCuda) -> None:
     assert cuda.event_query(end) == NOT_READY
     assert cuda.event_elapsed(start, end)[0] == NOT_READY
     sync = Call(lambda: cuda.event_synchronize(end))
+    waiting(cuda)
     assert sync.blocked()
-    time.sleep(0.02)
+    time.sleep(0.02)  # a span the records must measure: `end` runs after it, `start` before
     cuda.gate_open(gate)
     assert sync.finish() == SUCCESS
     assert cuda.event_query(end) == SUCCESS
@@ -431,6 +439,7 @@ def test_pageable_copy_blocks_the_call_until_executed(cuda: FakeCuda) -> None:
     dst = device(cuda, 4096, 0)
     gate = cuda.stream_gate(s)
     call = Call(lambda: cuda.memcpy_async(addr(dst), addr(src), 4096, s))
+    waiting(cuda)
     assert call.blocked()
     assert (dst == 0).all()
     cuda.gate_open(gate)
@@ -445,6 +454,7 @@ def test_pageable_destination_blocks_too(cuda: FakeCuda) -> None:
     src, dst = device(cuda, 64, 6), filled(64, 0)
     gate = cuda.stream_gate(s)
     call = Call(lambda: cuda.memcpy_async(addr(dst), addr(src), 64, s))
+    waiting(cuda)
     assert call.blocked()
     cuda.gate_open(gate)
     assert call.finish() == SUCCESS
@@ -539,7 +549,7 @@ def test_batch_copies(cuda: FakeCuda, v2: bool) -> None:
     dsts = [addr(dst) + 32 * i for i in range(3)]
     rc, fail = cuda.memcpy_batch(dsts, [addr(a) for a in srcs], [32] * 3, s, order=1, v2=v2)
     assert (rc, fail) == (SUCCESS, SIZE_MAX)
-    time.sleep(SETTLE_S)
+    at_gate(cuda, gate)
     assert (dst == 0).all()
     cuda.gate_open(gate)
     assert cuda.stream_synchronize(s) == SUCCESS
@@ -566,6 +576,7 @@ def test_batch_with_pageable_memory_blocks(cuda: FakeCuda) -> None:
     src, dst = filled(16, 5), device(cuda, 16, 0)
     gate = cuda.stream_gate(s)
     call = Call(lambda: cuda.memcpy_batch([addr(dst)], [addr(src)], [16], s))
+    waiting(cuda)
     assert call.blocked()
     cuda.gate_open(gate)
     assert call.finish() == (SUCCESS, SIZE_MAX)
@@ -656,7 +667,7 @@ def test_hold_memcpy_blocks_inside_the_call(cuda: FakeCuda) -> None:
     assert cuda.memcpy_async(addr(dst), addr(src), 8, other) == SUCCESS
     memcpy = Call(lambda: cuda.memcpy_async(addr(dst), addr(src), 8, s))
     batch = Call(lambda: cuda.memcpy_batch([addr(dst)], [addr(src)], [8], s))
-    wait_until(lambda: cuda.holding() == 2)
+    wait_until(lambda: cuda.holding() == 2, "both calls held")
     assert memcpy.blocked()
     cuda.hold_memcpy(s, False)
     assert memcpy.finish() == SUCCESS
@@ -669,7 +680,7 @@ def test_destroying_a_held_stream_releases_its_callers(cuda: FakeCuda) -> None:
     src, dst = pinned(cuda, 8, 1), device(cuda, 8, 0)
     cuda.hold_memcpy(s, True)
     memcpy = Call(lambda: cuda.memcpy_async(addr(dst), addr(src), 8, s))
-    wait_until(lambda: cuda.holding() == 1)
+    wait_until(lambda: cuda.holding() == 1, "the call held")
     assert cuda.stream_destroy(s) == SUCCESS
     assert memcpy.finish() == INVALID_HANDLE
     assert (dst == 0).all()
@@ -679,7 +690,7 @@ def test_register_gate_and_failure_injection(cuda: FakeCuda) -> None:
     a = filled(4096, 0)
     cuda.register_gate(True)
     call = Call(lambda: cuda.host_register(addr(a), 1024))
-    wait_until(lambda: cuda.registers_waiting() == 1)
+    wait_until(lambda: cuda.registers_waiting() == 1, "the registration held")
     assert call.blocked()
     cuda.register_gate(False)
     assert call.finish() == SUCCESS
@@ -727,12 +738,16 @@ def test_sticky_fault_drops_queued_work(cuda: FakeCuda) -> None:
     src, dst = filled(8, 1), device(cuda, 8, 0)
     gate = cuda.stream_gate(s)
     call = Call(lambda: cuda.memcpy_async(addr(dst), addr(src), 8, s))
+    waiting(cuda)  # the pageable copy is queued behind the gate, its caller waiting for it
     assert call.blocked()
     cuda.fault(ILLEGAL_ADDRESS)
+    # The stream may drop the gate before this: the gate stays the test's to open.
     cuda.gate_open(gate)
     assert call.finish() == ILLEGAL_ADDRESS
-    time.sleep(SETTLE_S)
+    wait_until(lambda: cuda.stream_pending(s) == 0, "the stream through its queued work")
     assert (dst == 0).all()
+    with pytest.raises(ValueError, match="no pending gate"):
+        cuda.gate_open(gate)  # once only
 
 
 # ---- the copy kernel ---------------------------------------------------------------------
@@ -779,7 +794,7 @@ def test_kernel_copies_both_directions(cuda: FakeCuda) -> None:
     k.tables([(3, 1, 1), (0, 0, 0)], nbytes=16)
     gate = cuda.stream_gate(s)
     assert k.launch(s, to_device=True) == SUCCESS
-    time.sleep(SETTLE_S)
+    at_gate(cuda, gate)
     assert all((layer == 0).all() for layer in k.layers)
     cuda.gate_open(gate)
     assert cuda.stream_synchronize(s) == SUCCESS
@@ -914,15 +929,25 @@ def test_reset_clears_everything(cuda: FakeCuda) -> None:
     assert cuda.memcpy_async(addr(dev), addr(host), 64, s) == SUCCESS
     assert cuda.event_record(ev, s) == SUCCESS
     assert cuda.memcpy_batch([addr(dev)], [addr(host)], [64], s, order=2)[0] == SUCCESS
+    # Callers stuck inside the library: one synchronizing on the event behind the gate, one
+    # held in a submission to the gated stream.
+    waiter = Call(lambda: cuda.event_synchronize(ev))
+    waiting(cuda)
+    cuda.hold_memcpy(s, True)
+    held = Call(lambda: cuda.memcpy_async(addr(dev), addr(host), 64, s))
+    wait_until(lambda: cuda.holding() == 1, "the submission held")
     cuda.fail_memcpy(1, ILLEGAL_ADDRESS)
     cuda.fail_batch(1, code=ILLEGAL_ADDRESS)
     cuda.fail_register(1, ILLEGAL_ADDRESS)
     cuda.set_uva(False)
     cuda.fault(LAUNCH_FAILURE)
-    # A stream stuck at a gate and a stuck waiter elsewhere must not block the reset.
-    waiter = Call(lambda: cuda.event_synchronize(ev))
+    # The fault ends a synchronize, as CUDA's sticky error does.
+    assert waiter.finish() == LAUNCH_FAILURE
+    # A stream stuck at a gate and a caller still stuck inside must not block the reset; the
+    # reset destroys the stream the caller was held on.
+    assert held.blocked()
     cuda.reset()
-    assert waiter.finish() in (SUCCESS, LAUNCH_FAILURE)
+    assert held.finish() == INVALID_HANDLE
     assert (dev == 0).all()  # queued work was dropped, not run
     assert cuda.sticky() == 0
     assert cuda.get_device() == 0

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
+from typing import IO, Any
 
 import pytest
 
@@ -24,13 +26,21 @@ DIGITS = "9" * 4301
 INT64 = "9,223,372,036,854,775,807"
 
 
-def replay(argv: list[str]) -> tuple[int, str, str]:
-    """``kvcache replay ARGV`` in a fresh interpreter: exit status, stdout, stderr."""
-    script = f"import sys\nfrom kvcache.cli import main\nsys.exit(main({['replay', *argv]!r}))\n"
-    run = run_isolated(script, max_rss=768 << 20, timeout=60)
+def command(
+    argv: list[str], *, stdout: int | IO[Any] = subprocess.PIPE, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
+    """``kvcache ARGV`` in a fresh interpreter: exit status, stdout, stderr. ``stdout`` and
+    ``env``: see ``run_isolated``."""
+    script = f"import sys\nfrom kvcache.cli import main\nsys.exit(main({argv!r}))\n"
+    run = run_isolated(script, max_rss=768 << 20, timeout=60, stdout=stdout, env=env)
     assert not run.killed_for_memory, run.describe()
     assert not run.timed_out, run.describe()
     return run.returncode, run.stdout, run.stderr
+
+
+def replay(argv: list[str], **kwargs: Any) -> tuple[int, str, str]:
+    """``kvcache replay ARGV`` (see :func:`command`)."""
+    return command(["replay", *argv], **kwargs)
 
 
 def assert_one_line(result: tuple[int, str, str], *fragments: str) -> None:
@@ -49,6 +59,9 @@ OPTIONS = [
     (["--capacity", "9223372036854775808"], [f"at most {INT64} chunks"]),
     (["--capacity", DIGITS], ["(4,301 characters)"]),
     (["--capacity", "99999999999999999999GiB", "--bytes-per-block", "1"], ["at most 1 EiB"]),
+    # One byte past 1 EiB: a float rounded it to 1 EiB, which was then replayed without a word.
+    (["--capacity", "1152921504606846977B", "--bytes-per-block", "1"], ["at most 1 EiB"]),
+    (["--bytes-per-block", "1152921504606846977B"], ["--bytes-per-block", "at most 1 EiB"]),
     (["--seed", "9223372036854775808"], ["--seed", f"from -9,223,372,036,854,775,808 to {INT64}"]),
     (["--seed", "-9223372036854775809"], ["--seed", "from -9,223,372,036,854,775,808"]),
     (["--seed", DIGITS], ["--seed", "(4,301 characters)"]),
@@ -161,3 +174,70 @@ def test_the_largest_64_bit_hash_id_is_read(tmp_path: Path) -> None:
     path.write_text(json.dumps({"hash_ids": [(1 << 64) - 1, 0]}) + "\n", encoding="utf-8")
     (request,) = load_mooncake_trace(path).requests
     assert len(request) == 2
+
+
+# --- output that cannot be written ------------------------------------------------------------
+# The CLI ends like a Unix tool: a reader that went away ends it quietly with status 141 (what
+# the shell reports for a writer killed by SIGPIPE), a full disk and an encoding that cannot
+# hold the output end in one line and status 2. Before, each ended in a traceback.
+
+SMALL = ["--requests", "20", "--policy", "lru"]
+
+
+def test_a_closed_pipe_ends_quietly_with_the_sigpipe_status() -> None:
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write: EPIPE, deterministically
+    with os.fdopen(write, "w") as gone:
+        rc, _, err = replay([*SMALL, "--quiet"], stdout=gone)
+    assert (rc, err) == (141, ""), err
+
+
+def test_help_into_a_closed_pipe_ends_quietly() -> None:
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as gone:
+        rc, _, err = replay(["--help"], stdout=gone)
+    assert (rc, err) == (141, ""), err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", *SMALL, "--quiet"],
+        ["replay", *SMALL, "--quiet", "--csv"],
+        # argparse dropped a failed write of the help: these exited 0, writing nothing.
+        ["replay", "--help"],
+        ["--help"],
+        ["transfer", "bench", "--help"],
+    ],
+)
+def test_a_full_disk_is_one_line(argv: list[str]) -> None:
+    with open("/dev/full", "w") as full:
+        rc, _, err = command(argv, stdout=full)
+    assert rc == 2, err
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err, err
+    assert "No space left on device" in err, err
+
+
+def test_an_encoding_the_output_lacks_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "café.jsonl"
+    path.write_text(f"{GOOD}\n{GOOD}\n", encoding="utf-8")
+    argv = ["--trace", str(path), "--capacity", "1", "--policy", "lru", "--quiet"]
+    rc, _, err = replay(argv, env={"PYTHONIOENCODING": "ascii", "LC_ALL": "C"})
+    assert rc == 2, err
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err, err
+    for fragment in ("'\\xe9'", "(ascii)", "PYTHONIOENCODING=utf-8"):
+        assert fragment in err, err
+
+
+def test_a_capacity_clamped_to_the_workload_says_so() -> None:
+    # Exactly 1 EiB is accepted, and clamped to the workload's unique blocks: one note.
+    argv = [*SMALL, "--quiet", "--capacity", "1152921504606846976B", "--bytes-per-block", "4096"]
+    rc, out, err = replay(argv)
+    assert rc == 0, err
+    assert err.count("\n") == 1, err
+    assert "note: capacity 1152921504606846976B is 281,474,976,710,656 chunks" in err, err
+    assert "clamped" in out, out

@@ -294,3 +294,84 @@ def test_a_stable_working_set_does_not_grow(target: str) -> None:
     # 0.2 MiB for the policies and nothing for the managers, the same for 4 x 10**5 calls).
     assert report["rss_growth"] < 4 << 20, report
     assert report["traced_growth"] < 1 << 20, report
+
+
+# A pool over a caller's buffer holds that buffer's export (its memory must stay valid), so
+# the exporter is alive for as long as the pool is. A cycle back to the pool through the
+# exporter (an attribute of a numpy or mmap subclass), directly or through an engine over the
+# pool, was never collected: the pool did not report the exporter to the collector. It does
+# now, while no transfer uses the memory: a plan not yet run keeps both alive, and the
+# export, until it is dropped, and a layout keeps its pool reachable.
+POOL_CYCLE = """
+import gc, mmap, weakref
+import numpy as np
+from kvcache import _core
+from kvcache.transfer import HostChunkPool
+
+class Array(np.ndarray):
+    pass
+
+class Mapping(mmap.mmap):
+    pass
+
+def owner(kind):
+    if kind == "numpy-subclass":
+        return np.frombuffer(mmap.mmap(-1, 8192), dtype=np.uint8).view(Array)
+    return Mapping(-1, 8192)
+
+results = {}
+for kind in ("numpy-subclass", "mmap-subclass"):
+    buf = owner(kind)
+    pool = HostChunkPool(2, 4096, pin=False, buffer=buf)
+    buf.pool = pool
+    dead = weakref.ref(pool)
+    del buf, pool
+    gc.collect()
+    results[kind] = dead() is None
+
+# A plan holds the memory: the cycle stays, and the memory stays valid, until it is dropped.
+buf = owner("numpy-subclass")
+pool = HostChunkPool(2, 4096, pin=False, buffer=buf)
+buf.pool = pool
+buf[:] = 7
+layout = _core.TransferLayout(pool, [(1 << 40, 4096, 4096, 4, 0)], 1)
+plan = layout.plan(True, [0], [1])
+dead = weakref.ref(pool)
+del buf, pool, layout
+gc.collect()
+results["kept-while-planned"] = dead() is not None
+results["memory-while-planned"] = bytes(memoryview(dead())[:4]) == bytes([7] * 4)
+del plan
+gc.collect()
+results["collected-after"] = dead() is None
+
+# Through an engine (its layout shares the pool's memory) after a finished job.
+import torch
+from kvcache.transfer import TransferEngine
+buf = owner("numpy-subclass")
+pool = HostChunkPool(8, 1024, pin=False, buffer=buf)
+engine = TransferEngine([torch.zeros(8, 1024, dtype=torch.uint8)], pool)
+engine.wait([engine.store([0], [1])])
+buf.engine = engine
+dead = weakref.ref(pool)
+del buf, pool, engine
+gc.collect()
+results["through-an-engine"] = dead() is None
+
+# A layout that can still plan keeps its pool, and the buffer, alive.
+buf = owner("numpy-subclass")
+pool = HostChunkPool(2, 4096, pin=False, buffer=buf)
+buf.pool = pool
+layout = _core.TransferLayout(pool, [(1 << 40, 4096, 4096, 4, 0)], 1)
+dead = weakref.ref(pool)
+del buf, pool
+gc.collect()
+results["kept-by-a-layout"] = dead() is not None and len(layout.plan(True, [0], [1])) == 1
+report(**results)
+"""
+
+
+def test_a_pool_referenced_from_the_buffer_it_is_built_over_is_collected() -> None:
+    report = run_isolated(POOL_CYCLE).check()
+    del report["vm_peak"], report["rss_peak"]
+    assert report == dict.fromkeys(report, True), report

@@ -26,13 +26,20 @@ MAX = getattr(_core, "MAX_ITEMS", 1 << 22)  # also runs against builds from befo
 K = [bytes([i]) * 32 for i in range(8)]
 LAYER = (1 << 40, 64, 64, 4, 0)  # a device layer: base, block stride, page bytes, blocks, segment
 
-class Liar:  # a sequence that claims 2**40 items and holds a few
-    def __init__(self, items):
-        self.items = items
+class Liar:  # a sequence that claims `n` items and holds `items`; counts the items read
+    read = 0
+    def __init__(self, items, n=1 << 40):
+        self.items, self.n = items, n
     def __len__(self):
-        return 1 << 40
+        return self.n
     def __getitem__(self, i):
+        Liar.read += 1
         return self.items[i]
+
+class Endless(Liar):  # claims a few items and never ends (the old sequence protocol)
+    def __getitem__(self, i):
+        Liar.read += 1
+        return self.items[0]
 
 def chunk(i):
     c = kvcache.ChunkStatus(i)
@@ -69,21 +76,6 @@ def state():
     if isinstance(obj, _core.CpuCopier):
         return obj.in_flight(), obj.poll()
     return None
-
-def vm_size():
-    return status("VmSize")
-
-# Runs `run()` with the address space limited to `headroom` bytes above its size now. Large
-# blocks are always mapped and unmapped (glibc's M_MMAP_THRESHOLD, fixed), so that memory
-# freed by an earlier call does not sit in the heap, unseen by the limit.
-def limited(headroom, run):
-    ctypes.CDLL(None).mallopt(-3, 128 << 10)
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + headroom, hard))
-    try:
-        return run()
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 def attempt(items):
     before = state()
@@ -246,33 +238,75 @@ def test_a_hostile_iterable_raises_and_changes_nothing(setup: str, item: str, ca
     assert report["interrupt"]["read"] <= 2 * (1 << 14), report["interrupt"]
 
 
-# A sequence whose `__len__` claims 2**40 items sized pyo3's vectors ("memory allocation of
-# 8796093022208 bytes failed"): each is now read as the three items it holds.
-LIARS = [
+# What an argument says it holds is checked against the bound before anything is read: a
+# sequence whose `__len__` claims 2**40 items once sized pyo3's vectors ("memory allocation of
+# 8796093022208 bytes failed") and then was read item by item, and `range(2**25)` as transfer
+# ids was converted whole (+1.5 GiB, 3.8 s) before it was refused. Each is refused now with
+# no item read; a length that claims a few items and never ends stops one past the bound.
+LENGTHS = (
+    HEADER
+    + """
+signal.signal(signal.SIGINT, signal.default_int_handler)
+results = {}
+for name, make in [
+    ("liar", lambda: Liar([ITEM] * 3)),
+    ("range", lambda: range(1 << 25)),
+    ("range-past-an-index", lambda: range(1 << 70)),
+]:
+    Liar.read = 0
+    results[name] = attempt(make())
+    results[name]["read"] = Liar.read
+Liar.read = 0
+results["endless"] = attempt(Endless([ITEM], 3))
+results["endless"]["read"] = Liar.read
+FINISH
+"""
+)
+
+
+@pytest.mark.parametrize(
+    ("setup", "item", "call"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_a_length_is_checked_before_anything_is_read(setup: str, item: str, call: str) -> None:
+    report = run_isolated(_script(LENGTHS, setup, call, ITEM=item), max_rss=1536 << 20).check()
+    for mode in ("liar", "range", "range-past-an-index"):
+        assert report[mode]["outcome"] == "InvalidArgumentError", (mode, report[mode])
+        assert "most kvcache reads" in report[mode]["message"], (mode, report[mode])
+        assert report[mode]["read"] == 0, (mode, report[mode])
+        assert report[mode]["unchanged"], (mode, report[mode])
+    endless = report["endless"]
+    assert endless["outcome"] == "InvalidArgumentError", endless
+    assert endless["read"] <= (1 << 22) + 1, endless
+    assert endless["unchanged"], endless
+    # Nothing the size of the arguments was made: 2**25 ints are 256 MiB as int64 alone.
+    assert report["rss_peak"] < 320 << 20, report
+
+
+# Arguments with a bound of their own (a layout's groups, the deferred chunks) refuse a
+# longer length before reading too.
+OWN_BOUNDS = [
     (
-        "manager._hint_next_uses",
-        "obj, ctx = manager('belady')",
-        "obj._hint_next_uses(K[:3], items)",
-        "Liar([1, 2, 3])",
+        "TransferLayout.plan.group_sizes",
+        "pool = _core.HostChunkPool(4, 64); layout = _core.TransferLayout(pool, [LAYER], 1)",
+        "layout.plan(True, [0], [0], items, [0])",
     ),
     (
-        "TransferLayout.layers",
-        "pool = _core.HostChunkPool(4, 64)",
-        "_core.TransferLayout(pool, items, 1)",
-        "Liar([LAYER])",
+        "manager.release_deferred_write",
+        MANAGER,
+        "obj.release_deferred_write(items)",
     ),
-    ("CpuCopier.wait", "obj = _core.CpuCopier()", "obj.wait(items)", "Liar([1, 2, 3])"),
-    ("policy.evict", POLICY, "obj.evict(1, items)", "Liar([K[0]])"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("setup", "call", "arg"), [c[1:] for c in LIARS], ids=[c[0] for c in LIARS]
+    ("setup", "call"), [c[1:] for c in OWN_BOUNDS], ids=[c[0] for c in OWN_BOUNDS]
 )
-def test_a_length_never_sizes_an_allocation(setup: str, call: str, arg: str) -> None:
-    script = _script(ONE_CALL, setup, call, ARG=arg, LIMIT="None")
-    report = run_isolated(script, max_rss=1536 << 20).check()
-    assert report["call"]["outcome"] == "returned", report
+def test_a_length_past_an_arguments_own_bound_is_refused_unread(setup: str, call: str) -> None:
+    script = _script(ONE_CALL, setup, call, ARG="Liar([0] * 3)", LIMIT="None")
+    report = run_isolated(script.replace("report(**results)", "report(read=Liar.read, **results)"))
+    report = report.check()
+    assert report["call"]["outcome"] == "InvalidArgumentError", report
+    assert report["read"] == 0, report
 
 
 # Block and chunk ids as a zero-stride numpy view: eight bytes that claim 2**40 ids. Their
@@ -305,6 +339,38 @@ def test_zero_stride_ids_raise(arg: str, limit: str, expected: str) -> None:
     assert report["call"]["outcome"] == expected, report
 
 
+# Block and chunk ids that are not an int64 or int32 array are converted in Python
+# (`kvcache.transfer._checks.as_ids`), under the same rules: `range(2**25)` was converted
+# whole (+1.5 GiB) and `[range(2**25)]` expanded by numpy before either was refused, a length
+# of 2**40 ended in a bare `MemoryError`, and a sequence that claims 3 items and never ends was
+# read until memory ran out (49 s, 4.6 GiB).
+IDS = [
+    ("length-2**40", "Liar([0] * 3)", "None", "InvalidArgumentError"),
+    ("range-2**25", "range(1 << 25)", "None", "InvalidArgumentError"),
+    ("range-past-an-index", "range(1 << 70)", "None", "InvalidArgumentError"),
+    ("claims-3-never-ends", "Endless([0], 3)", "None", "InvalidArgumentError"),
+    ("nested-range", "[range(1 << 25)]", "None", "InvalidArgumentError"),
+    ("generator", "(i for i in itertools.count())", "None", "InvalidTypeError"),
+    ("list-within-the-bound-out-of-memory", "IDS", "4 << 20", "OutOfMemoryError"),
+]
+
+
+@pytest.mark.parametrize(
+    ("arg", "limit", "expected"), [c[1:] for c in IDS], ids=[c[0] for c in IDS]
+)
+def test_hostile_python_ids_raise_before_they_are_read_whole(
+    arg: str, limit: str, expected: str
+) -> None:
+    setup = PLAN + ("; IDS = [0] * MAX" if arg == "IDS" else "")
+    script = _script(ONE_CALL, setup, "layout.plan(True, items, [0])", ARG=arg, LIMIT=limit)
+    script = script.replace("report(**results)", "report(read=Liar.read, **results)")
+    report = run_isolated(script, max_rss=1536 << 20).check()
+    assert report["call"]["outcome"] == expected, report
+    assert report["read"] <= (1 << 22) + 1 if arg.startswith("Endless") else report["read"] == 0
+    if arg != "IDS":
+        assert report["rss_peak"] < 320 << 20, report
+
+
 # The transfer engine's Python methods read some arguments in Python first: the same bound.
 ENGINE = """
 import itertools, torch
@@ -317,6 +383,14 @@ layer = torch.arange(64, dtype=torch.float32).reshape(4, 16)
 engine = TransferEngine([layer], pool)
 job = engine.load([0], [1])
 engine.wait([job])
+read = 0
+class Liar:  # claims 2**40 items
+    def __len__(self):
+        return 1 << 40
+    def __getitem__(self, i):
+        global read
+        read += 1
+        return 0
 before = (bytes(memoryview(pool)), layer.clone(), engine.poll())
 try:
     {call}
@@ -325,21 +399,45 @@ except BaseException as exc:
     outcome = type(exc).__name__
 after = (bytes(memoryview(pool)), layer, engine.poll())
 unchanged = before[0] == after[0] and torch.equal(before[1], after[1]) and after[2] == []
-report(outcome=outcome, unchanged=unchanged)
+report(outcome=outcome, unchanged=unchanged, read=read)
 """
 
 ENGINE_CASES = [
     # The same valid id forever: a set of one id, filled without end (a hang).
-    ("wait.job_ids", "engine.wait(itertools.repeat(job))"),
-    ("gpu_layers", "TransferEngine(itertools.repeat(layer), pool)"),
-    ("groups", "TransferEngine([layer], pool, groups=(g for g in itertools.repeat([])))"),
-    ("offsets", "TransferEngine([layer], pool, offsets=iter(itertools.repeat(0)))"),
+    ("wait.job_ids", "engine.wait(itertools.repeat(job))", "InvalidArgumentError"),
+    ("gpu_layers", "TransferEngine(itertools.repeat(layer), pool)", "InvalidArgumentError"),
+    (
+        "groups",
+        "TransferEngine([layer], pool, groups=(g for g in itertools.repeat([])))",
+        "InvalidArgumentError",
+    ),
+    (
+        "offsets",
+        "TransferEngine([layer], pool, offsets=iter(itertools.repeat(0)))",
+        "InvalidArgumentError",
+    ),
+    # Lengths first: nothing is read.
+    ("wait.job_ids.range", "engine.wait(range(1 << 25))", "InvalidArgumentError"),
+    ("wait.job_ids.length", "engine.wait(Liar())", "InvalidArgumentError"),
+    ("gpu_layers.length", "TransferEngine(Liar(), pool)", "InvalidArgumentError"),
+    ("store.range", "engine.store(range(1 << 25), [0])", "InvalidArgumentError"),
+    ("load.length", "engine.load(Liar(), [0])", "InvalidArgumentError"),
+    # Memory the system refuses while the ids are listed: the typed error, not a bare one.
+    (
+        "wait.job_ids.out-of-memory",
+        "limited(4 << 20, lambda: engine.wait(itertools.repeat(job)))",
+        "OutOfMemoryError",
+    ),
 ]
 
 
-@pytest.mark.parametrize("call", [c[1] for c in ENGINE_CASES], ids=[c[0] for c in ENGINE_CASES])
-def test_an_endless_iterable_to_the_transfer_engine_raises(call: str) -> None:
+@pytest.mark.parametrize(
+    ("call", "expected"), [c[1:] for c in ENGINE_CASES], ids=[c[0] for c in ENGINE_CASES]
+)
+def test_a_hostile_iterable_to_the_transfer_engine_raises(call: str, expected: str) -> None:
     pytest.importorskip("torch")
     report = run_isolated(ENGINE.replace("{call}", call), max_rss=1536 << 20).check()
-    assert report["outcome"] == "InvalidArgumentError", report
+    assert report["outcome"] == expected, report
     assert report["unchanged"], report
+    assert report["read"] == 0, report
+    assert report["rss_peak"] < 640 << 20, report

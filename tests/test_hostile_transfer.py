@@ -187,6 +187,17 @@ for name, make, expected in [
         lambda pool: TransferEngine(layers_of((8, 64)), pool, kernel_programs=0),
         InvalidArgumentError,
     ),
+    # torch's own errors (a nested tensor has no sizes) before: no pages to copy.
+    (
+        "nested-layer",
+        lambda pool: TransferEngine([torch.nested.nested_tensor([torch.zeros(2)])], pool),
+        InvalidArgumentError,
+    ),
+    (
+        "sparse-layer",
+        lambda pool: TransferEngine([torch.zeros(8, 16).to_sparse()], pool),
+        InvalidArgumentError,
+    ),
 ]:
     case(f"engine-{name}", lambda *_, make=make: make(HostChunkPool(4, 64, pin=False)), expected)
 
@@ -198,6 +209,68 @@ def closed_pool_engine(*_: Any) -> object:
 
 
 case("engine-closed-pool", closed_pool_engine, PoolClosedError)
+
+
+def pool_over_closed_pool(*_: Any) -> object:
+    pool = HostChunkPool(1, 4096, pin=False)
+    pool.close()
+    return HostChunkPool(1, 4096, pin=False, buffer=pool)
+
+
+# It raised InvalidTypeError ("buffer must export bytes"), hiding why.
+case("pool-buffer-closed-pool", pool_over_closed_pool, PoolClosedError, ctor=True)
+
+
+# The CPU copier the engine drives: pyo3's own errors (OverflowError, TypeError) before.
+def copier_submit(job_id: Any, plan: Any) -> Callable[[TransferEngine], object]:
+    def call(e: TransferEngine) -> object:
+        from kvcache import _core
+
+        copier = _core.CpuCopier()
+        try:
+            made = plan(e) if callable(plan) else plan
+            return copier.submit(job_id, made)
+        finally:
+            copier.shutdown()
+
+    return call
+
+
+def a_plan(e: TransferEngine) -> object:
+    return e.plan(store=True, gpu_block_ids=[0], chunk_ids=[0])
+
+
+case("copier-negative-id", copier_submit(-1, a_plan), InvalidArgumentError, covers="CpuCopier")
+case("copier-id-2**64", copier_submit(2**64, a_plan), InvalidArgumentError, covers="CpuCopier")
+case("copier-float-id", copier_submit(1.0, a_plan), InvalidTypeError, covers="CpuCopier")
+case("copier-not-a-plan", copier_submit(0, "plan"), InvalidTypeError, covers="CpuCopier")
+
+
+# The layout the engine builds, called directly: pyo3's own errors before.
+DEVICE_LAYER = (1 << 40, 64, 64, 8, 0)
+
+
+def layout(e: TransferEngine, *, pool: Any = None, layer: Any = DEVICE_LAYER) -> Any:
+    from kvcache import _core
+
+    return _core.TransferLayout(e.pool if pool is None else pool, [layer], 1)
+
+
+for name, call, expected in [
+    ("negative-base", lambda e: layout(e, layer=(-1, 64, 64, 8, 0)), InvalidArgumentError),
+    ("base-2**64", lambda e: layout(e, layer=(2**64, 64, 64, 8, 0)), InvalidArgumentError),
+    ("float-stride", lambda e: layout(e, layer=(1 << 40, 64.0, 64, 8, 0)), InvalidTypeError),
+    (
+        "negative-segment",
+        lambda e: layout(e, layer=(np.zeros((8, 64), np.uint8), -1)),
+        InvalidArgumentError,
+    ),
+    ("pool-object", lambda e: layout(e, pool=object()), InvalidTypeError),
+    ("plan-store-int", lambda e: layout(e).plan(1, [0], [0]), InvalidTypeError),
+    ("group_refs-negative", lambda e: layout(e).group_refs(-1), InvalidArgumentError),
+    ("kernel_problem-2**64", lambda e: layout(e).kernel_problem(2**64), InvalidArgumentError),
+]:
+    case(f"layout-{name}", call, expected, covers="TransferLayout")
 
 
 # --- ids --------------------------------------------------------------------------------------

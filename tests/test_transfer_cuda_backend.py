@@ -18,7 +18,6 @@ kernel's own arithmetic runs under Triton's interpreter in test_worker_kernel_co
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +29,8 @@ from kvcache import InvalidArgumentError, TransferError
 from kvcache.transfer import HostChunkPool, TransferEngine
 from kvcache.transfer._cuda import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 from tests.fakecuda import ILLEGAL_ADDRESS
-from tests.fakecuda.shim import TorchCuda, engine_on_fake, fake, pin
+from tests.fakecuda.shim import TorchCuda, dma_settled, engine_on_fake, fake, pin
+from tests.waiting import HANG_S, wait_until
 
 PAGE = 256
 
@@ -52,12 +52,7 @@ def kv(seed: int, blocks: int = 32, page: int = PAGE, layers: int = 2) -> list[t
 
 
 def settle(engine: TransferEngine) -> None:
-    """Until every DMA queue's thread has put its jobs on the stream (bounded)."""
-    for _ in range(4000):
-        if all(q.queued() == 0 for q in engine._backend._dma.values()):
-            return
-        threading.Event().wait(0.005)
-    raise AssertionError("the DMA threads did not get to their jobs")
+    dma_settled(engine._backend)
 
 
 def results(engine: TransferEngine) -> list[tuple[int, bool]]:
@@ -147,7 +142,8 @@ def test_a_store_waits_for_the_compute_stream_still_writing_its_source() -> None
     assert fake().memcpy_async(layers[0][6].data_ptr(), new.data_ptr(), PAGE, compute) == 0
     job = engine.store([6], [1])
     settle(engine)
-    threading.Event().wait(0.05)
+    store_stream = engine._backend._streams["store"].cuda_stream
+    wait_until(lambda: fake().stream_blocked(store_stream), "the store stream at its wait")
     assert not pool.tensor()[1].any(), "the store ran before the write it must follow"
     fake().gate_open(gate)
     engine.wait([job])
@@ -170,10 +166,7 @@ def test_copies_run_on_pageable_memory_while_pinning_runs_in_the_background() ->
     fake().register_gate(True)  # the registration thread will be stuck in cudaHostRegister
     try:
         assert pin(pool, background=True, device=0)
-        for _ in range(4000):
-            if fake().registers_waiting():
-                break
-            threading.Event().wait(0.005)
+        wait_until(fake().registers_waiting, "the pinning thread in cudaHostRegister")
         assert fake().registers_waiting() == 1
         assert pool.pin_status()["state"] == "pinning"
         engine = engine_on_fake(layers, pool, groups=[[(0, PAGE), (1, PAGE)]], offsets=[0, PAGE])
@@ -185,7 +178,7 @@ def test_copies_run_on_pageable_memory_while_pinning_runs_in_the_background() ->
         assert pool.pin_status()["state"] == "pinning"
     finally:
         fake().register_gate(False)
-    assert pool.wait_pinned(60.0)["state"] == "pinned"
+    assert pool.wait_pinned(HANG_S)["state"] == "pinned"
     before = fake().count("pageable_copies")
     job = engine.load([far], [20])
     engine.wait([job])
@@ -206,7 +199,7 @@ def test_kv_on_a_second_device_never_touches_the_first() -> None:
     cuda = TorchCuda((1,))
     assert fake().get_device() == 0
     assert pin(pool, background=True, device=1)
-    assert pool.wait_pinned(10.0)["state"] == "pinned"
+    assert pool.wait_pinned(HANG_S)["state"] == "pinned"
     engine = engine_on_fake(layers, pool, device=1, cuda=cuda)
     jobs = [engine.store([2], [0])]
     engine.wait(jobs)  # stores and loads are on different queues: no order between them
@@ -402,10 +395,7 @@ def test_an_expedited_load_overtakes_a_regular_load_stuck_in_its_submission() ->
     fake().hold_memcpy(load_stream, True)  # the regular queue's thread is stuck in the driver
     try:
         regular = engine.load([0], [10])
-        for _ in range(2000):
-            if fake().holding():
-                break
-            threading.Event().wait(0.005)
+        wait_until(fake().holding, "the load queue's thread held in the driver")
         assert fake().holding() == 1
         expedited = engine.load([1], [11], expedited=True)
         engine.wait([expedited])

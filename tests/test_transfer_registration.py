@@ -6,13 +6,16 @@ and friends exactly as it calls CUDA's."""
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvcache.transfer import HostChunkPool, TransferEngine, _cuda
 from tests.fakecuda.shim import fake, runtime
+from tests.waiting import HANG_S
 
 MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 
@@ -132,7 +135,7 @@ def test_background_registration_binds_its_thread_and_completes(
         )
         # Boundaries are known before the registration finishes.
         assert pool.registration_piece_bytes == 2 * 4096
-        status = pool.wait_pinned(5.0)
+        status = pool.wait_pinned(HANG_S)
         assert status["state"] == "pinned"
         assert status["pieces"] == 4
         assert pool.pinned
@@ -147,33 +150,62 @@ def test_background_registration_binds_its_thread_and_completes(
     assert fake().touched_devices() == {3}
 
 
+class ArrivalLock:
+    """A lock that counts the threads that have asked for it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.arrived = 0
+        self._cond = threading.Condition()
+
+    def __enter__(self) -> ArrivalLock:
+        with self._cond:
+            self.arrived += 1
+            self._cond.notify_all()
+        self.inner.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inner.release()
+
+    def wait_for(self, n: int) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: self.arrived >= n, HANG_S), (
+                f"{self.arrived} of {n} threads asked for the lock"
+            )
+
+
 def test_a_finished_background_pin_is_reported_once_by_racing_threads(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Threads that see the registration finish at the same time (say, the engine's submitter
-    and a describe() from another thread) report it once: the status read is slowed down so
-    that every thread is inside the report before any has marked it done."""
-    import threading
-    import time
-
+    and a describe() from another thread) report it once: the first thread's status read is
+    held until every thread has got past the report's unlocked check and asked for its lock,
+    so every thread is inside the report before any has marked it done."""
+    threads_n = 4
     with HostChunkPool(8, 4096, pin=False) as pool, caplog.at_level("INFO"):
         assert _cuda.register_pool(
             pool, runtime(), required=False, background=True, max_piece_bytes=2 * 4096, device=0
         )
-        assert pool.wait_pinned(5.0)["state"] == "pinned"
+        assert pool.wait_pinned(HANG_S)["state"] == "pinned"
+        lock = ArrivalLock(pool._pin_lock)
+        pool._pin_lock = lock
         read = pool.pin_status
 
-        def slow_status() -> dict[str, object]:
-            time.sleep(0.05)
+        def held_status() -> dict[str, object]:
+            lock.wait_for(threads_n)
             return read()
 
-        pool.pin_status = slow_status  # type: ignore[method-assign]
-        threads = [threading.Thread(target=pool.report_pinning) for _ in range(4)]
+        pool.pin_status = held_status  # type: ignore[method-assign]
+        threads = [threading.Thread(target=pool.report_pinning) for _ in range(threads_n)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join(HANG_S)
+            assert not t.is_alive(), "a report never returned"
         del pool.pin_status
+        pool._pin_lock = lock.inner
+        assert lock.arrived == threads_n
         reports = [r for r in caplog.records if "pinned in the background" in r.getMessage()]
         assert len(reports) == 1
 
@@ -186,7 +218,7 @@ def test_failed_background_registration_is_reported_once(
         assert _cuda.register_pool(
             pool, runtime(), required=False, background=True, max_piece_bytes=2 * 4096, device=0
         )
-        assert pool.wait_pinned(5.0)["state"] == "failed"
+        assert pool.wait_pinned(HANG_S)["state"] == "failed"
         assert not pool.kernel_ready
         assert not pool.kernel_ready
         warnings = [r for r in caplog.records if "stays pageable" in r.getMessage()]
@@ -227,7 +259,7 @@ def test_a_failed_background_pin_is_logged_by_a_dma_only_engine(
     layer = torch.zeros(8, 512, dtype=torch.uint8)
     with HostChunkPool(8, 512, pin=False) as pool, caplog.at_level("WARNING"):
         assert _cuda.register_pool(pool, runtime(), required=False, background=True, device=0)
-        assert pool.wait_pinned(5.0)["state"] == "failed"
+        assert pool.wait_pinned(HANG_S)["state"] == "failed"
         with TransferEngine([layer], pool, copy="dma") as engine:
             assert engine.poll() == []
             engine.wait([engine.store([1], [2])])

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import uuid
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 from tests.conftest import make_key
 from tests.hint_cases import HINT_KINDS, hint_fields
 from tests.manager_driver import event_record, multi_turn_workload, store_batches
+from tests.waiting import wait_until
 
 TOKENS_PER_BLOCK = 16
 
@@ -71,26 +71,28 @@ def build(spec: str, tiers: list[dict[str, Any]], **extra: Any) -> tuple[Any, An
 
 
 class _CountingQueue:
-    """A queue wrapper counting the batches put (None, the stop marker, excluded)."""
+    """A queue wrapper counting the entries of the batches put (None, the stop marker,
+    excluded), each once it is in the queue: a reader that sees the count sees the entry."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
-        self.puts = 0
+        self.entries = 0
         self._lock = threading.Lock()
 
     def put(self, item: Any, *args: Any, **kw: Any) -> None:
-        with self._lock:
-            if item is not None:
-                self.puts += 1
         self._inner.put(item, *args, **kw)
+        if item is not None:
+            with self._lock:
+                self.entries += len(item)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
 
 def instrument(manager: Any) -> None:
-    """Counts each fs tier's background lookup batches in and results out, so that
-    :func:`settle` can wait for its lookups to be answered."""
+    """Counts each fs tier's background lookups in and answers out, so that :func:`settle`
+    can wait for its lookups to be answered. Entries, not batches: vLLM 0.34's lookup thread
+    answers one batch in one put per request."""
     for tier in manager.secondary_tiers:
         lm = getattr(tier, "_lookup_manager", None)
         if lm is not None and not isinstance(lm._lookup_queue, _CountingQueue):
@@ -101,15 +103,15 @@ def instrument(manager: Any) -> None:
 def settle(manager: Any) -> None:
     """Until every secondary tier's I/O threads are idle and its background lookups are
     answered (bounded: a hang fails the test)."""
-    deadline = time.monotonic() + 30
     for tier in manager.secondary_tiers:
         tier.drain_jobs() if hasattr(tier, "_pool") else None
         lm = getattr(tier, "_lookup_manager", None)
         if lm is None:
             continue
-        while lm._lookup_queue.puts != lm._pending_results.puts:
-            assert time.monotonic() < deadline, "an fs tier's lookups never came back"
-            time.sleep(0.001)
+        wait_until(
+            lambda lm=lm: lm._lookup_queue.entries == lm._pending_results.entries,
+            "an fs tier's lookups answered",
+        )
 
 
 # --- the log ---------------------------------------------------------------------------------

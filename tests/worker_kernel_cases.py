@@ -14,7 +14,6 @@ and device byte and every job result is compared the same way.
 from __future__ import annotations
 
 import os
-import threading
 from collections import Counter
 from typing import Any
 
@@ -31,6 +30,7 @@ from tests.fakecuda.shim import (
     InterpretedLauncher,
     TorchCuda,
     device_layers,
+    dma_settled,
     fake,
     pin,
     runtime,
@@ -180,15 +180,6 @@ def test_random_jobs_through_the_kernel_match_vllms_worker(
     run_kernel_sequence(geometry, seed, copy=copy, cutoff=cutoff, min_runs=min_runs)
 
 
-def settle(backend: CudaBackend) -> None:
-    """Until every DMA queue's thread has put its jobs on the stream (bounded)."""
-    for _ in range(4000):
-        if all(q.queued() == 0 for q in backend._dma.values()):
-            return
-        threading.Event().wait(0.005)
-    raise AssertionError("the DMA threads did not get to their jobs")
-
-
 @pytest.mark.parametrize("order", ["held-dma-then-kernel", "dma-then-kernel", "kernel-then-dma"])
 def test_a_queue_keeps_submission_order_across_methods(order: str) -> None:
     """Two loads on one queue write the same block, one too small for the kernel
@@ -220,7 +211,7 @@ def test_a_queue_keeps_submission_order_across_methods(order: str) -> None:
             else:
                 engine.load(*single)
                 if order == "dma-then-kernel":
-                    settle(backend)
+                    dma_settled(backend)
                 engine.load(*pair)
                 fake().hold_memcpy(dma, False)
                 assert backend.suited == {("dma", False): 1, ("kernel", False): 1}

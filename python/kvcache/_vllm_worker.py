@@ -40,10 +40,17 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvcache._core import InvalidArgumentError, InvalidTypeError, TransferError, _refuse_pickling
+from kvcache._core import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    KvCacheError,
+    TransferError,
+    _refuse_pickling,
+)
 from kvcache._vllm_fronts import Front, front_for
 from kvcache._vllm_version import VLLM_SEMANTICS
 from kvcache.transfer import HostChunkPool, TransferEngine
+from kvcache.transfer._checks import as_ids, bounded_list
 
 if TYPE_CHECKING:
     import torch
@@ -130,17 +137,22 @@ def _split_repeats(
     block named twice is written twice, the later occurrence last (the jobs of one engine
     queue run in submission order, whichever copy method runs them; vLLM's worker, whose
     batched copies have no order among themselves, gives no order either). None when
-    nothing repeats (the load was refused for another reason) or the spec does not parse."""
-    import numpy as np
-
+    nothing repeats (the load was refused for another reason) or the spec does not parse,
+    within the bounds the engine reads its arguments with (a refused load may have been
+    refused for naming more ids than those)."""
     try:
-        ids = [int(b) for b in np.asarray(block_ids).reshape(-1).tolist()]
-        chunks = [int(c) for c in np.asarray(chunk_ids).reshape(-1).tolist()]
-        sizes = [int(n) for n in group_sizes]
-        starts = [int(i) for i in block_indices]
-    except (TypeError, ValueError, OverflowError):
+        ids = as_ids("gpu_block_ids", block_ids).tolist()
+        chunks = as_ids("chunk_ids", chunk_ids).tolist()
+        sizes = [int(n) for n in bounded_list("group_sizes", group_sizes)]
+        starts = [int(i) for i in bounded_list("block_indices", block_indices)]
+    except (KvCacheError, TypeError, ValueError, OverflowError):
         return None
-    if len(set(ids)) == len(ids) or len(sizes) != len(starts) or min(sizes, default=0) < 0:
+    if (
+        len(set(ids)) == len(ids)
+        or len(sizes) != len(starts)
+        or min(sizes, default=0) < 0
+        or sum(sizes) != len(ids)  # every group's blocks are there: no slice runs short
+    ):
         return None
     bpc = blocks_per_chunk
     parts = []
@@ -384,8 +396,16 @@ class CPUOffloadingWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         """Blocks until the given jobs have finished (ids this worker does not own are
-        ignored); :meth:`get_finished` still reports them."""
-        mine = [e for j in job_ids if j in self._by_vllm for e in self._by_vllm[j]]
+        ignored, anything that is not an int included); :meth:`get_finished` still reports
+        them. Read within the engine's bound: an endless iterable is refused
+        (``InvalidArgumentError``), not spun on."""
+        owned = self._by_vllm
+        mine = [
+            e
+            for j in bounded_list("job_ids", job_ids)
+            if isinstance(j, int) and j in owned
+            for e in owned[j]
+        ]
         if mine:
             self.engine.wait(mine)
 

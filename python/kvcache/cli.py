@@ -2,20 +2,25 @@
 ``python -m kvcache ...``).
 
 Errors the user can fix (bad options, a missing or malformed trace, a backend or a dependency
-that is not installed) end in one line on stderr and exit status 2; a replay whose decisions
-diverged from vLLM's under ``--compare-vllm`` exits 1. Anything else is a bug and keeps its
-traceback.
+that is not installed, a full disk, an output encoding that cannot hold the text) end in one
+line on stderr and exit status 2; a replay whose decisions diverged from vLLM's under
+``--compare-vllm`` exits 1; a closed output pipe ends quietly with 141, as ``head``'s writers
+do (see :func:`main`). Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn, TextIO
+from typing import TextIO
 
 import kvcache
+from kvcache._argparse import OneLineParser as _Parser
 from kvcache._check_config import ModelShape
 from kvcache._core import MAX_ITEMS
 from kvcache._semantics import VLLM_SEMANTICS
@@ -82,13 +87,6 @@ MAX_MODEL_DIM = 1 << 20
 _CHECK_SHAPE = ModelShape()
 #: The largest host size a capacity or block may name (1 EiB).
 MAX_BYTES = 1 << 60
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (no usage dump), like every other error here."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _int_option(low: int, high: int) -> Callable[[str], int]:
@@ -615,8 +613,75 @@ def _transfer_bench(argv: list[str]) -> int:
     return _bench.main(argv)
 
 
+#: A writer whose reader has gone ends as a C tool killed by SIGPIPE does in the shell.
+EXIT_READER_GONE = 128 + signal.SIGPIPE
+#: Writes that fail for want of room: a full disk or quota, a file past its size limit.
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (the console script passes it to ``sys.exit``)."""
+    """Run the CLI; returns the exit status (the console script passes it to ``sys.exit``).
+
+    Output fails like a Unix tool's, without a traceback: a reader that went away (``| head``)
+    ends the run quietly with status 141, what the shell reports for a writer killed by
+    SIGPIPE (``yes | head -1``), since 1 already means a diverged ``--compare-vllm``; a full
+    disk and text the output's encoding cannot hold (a non-ASCII trace name on an ASCII
+    terminal) end in one line on stderr and status 2, as other errors the user can fix do.
+    """
+    if sys.stderr is None:  # started with it closed (`2>&-`): notes and progress go nowhere
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the process)
+    if sys.stdout is None:  # started with it closed (`>&-`)
+        _say("kvcache: error: cannot write the output: standard output is closed")
+        return 2
+    try:
+        try:
+            return _run(argv)
+        finally:
+            # Buffered output fails here rather than when the interpreter exits, where it
+            # would print "Exception ignored" and end with status 120.
+            sys.stdout.flush()
+    except (BrokenPipeError, ConnectionResetError):  # a pipe's or a socket's reader left
+        _discard(sys.stdout)
+        return EXIT_READER_GONE
+    except OSError as exc:
+        if exc.errno not in _NO_ROOM:
+            raise
+        _discard(sys.stdout)
+        _say(f"kvcache: error: cannot write the output: {exc.strerror or exc}")
+        return 2
+    except UnicodeEncodeError as exc:
+        text = exc.object[exc.start : exc.end] if isinstance(exc.object, str) else "?"
+        _say(
+            f"kvcache: error: the output holds {text!a}, which its encoding "
+            f"({exc.encoding}) cannot write; set PYTHONIOENCODING=utf-8 or use a UTF-8 locale"
+        )
+        return 2
+
+
+def _discard(stream: TextIO | None) -> None:
+    """Points ``stream``'s descriptor at /dev/null: what is still buffered for a reader that
+    left or a full disk would fail again when the interpreter flushes it at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())  # type: ignore[union-attr]
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's StringIO): nothing
+        pass
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr, if stderr can still take it (it may be the pipe or disk that failed)."""
+    if sys.stderr is None:  # closed at start: nowhere to say it
+        return
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        _discard(sys.stderr)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

@@ -147,6 +147,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "fakecuda_fail_register": (None, [ctypes.c_long, _I]),
     "fakecuda_stream_gate": (_U64, [_P]),
     "fakecuda_gate_open": (_I, [_U64]),
+    "fakecuda_gate_reached": (_I, [_U64]),
+    "fakecuda_stream_pending": (ctypes.c_long, [_P]),
+    "fakecuda_stream_blocked": (_I, [_P]),
+    "fakecuda_waiting": (_I, []),
     "fakecuda_hold_memcpy": (_I, [_P, _I]),
     "fakecuda_holding": (_I, []),
     "fakecuda_register_gate": (None, [_I]),
@@ -252,8 +256,38 @@ class FakeCuda:
         return gate
 
     def gate_open(self, gate: int) -> None:
+        """Opens ``gate``, once. A gate stays the test's to open until then (or the next
+        reset), even when its stream dropped it under a sticky fault."""
         if self.lib.fakecuda_gate_open(gate) != SUCCESS:
             raise ValueError(f"no pending gate {gate}")
+
+    def gate_reached(self, gate: int) -> bool:
+        """Whether the stream has got to ``gate`` (waits there, or dropped it): everything
+        enqueued before it has executed, nothing after it has."""
+        reached = self.lib.fakecuda_gate_reached(gate)
+        if reached < 0:
+            raise ValueError(f"no pending gate {gate}")
+        return bool(reached)
+
+    def stream_pending(self, stream: int) -> int:
+        """Ops enqueued on ``stream`` not yet executed or dropped (answers under a sticky
+        fault, unlike ``cudaStreamQuery``)."""
+        pending = self.lib.fakecuda_stream_pending(stream)
+        if pending < 0:
+            raise CudaError("fakecuda_stream_pending", INVALID_HANDLE)
+        return pending
+
+    def stream_blocked(self, stream: int) -> bool:
+        """Whether ``stream``'s thread sits at a gate or at a wait for an event."""
+        blocked = self.lib.fakecuda_stream_blocked(stream)
+        if blocked < 0:
+            raise CudaError("fakecuda_stream_blocked", INVALID_HANDLE)
+        return bool(blocked)
+
+    def waiting(self) -> int:
+        """Callers blocked inside a synchronising call: a stream or event synchronize, a
+        pageable copy waiting for its stream, a stream destroy draining its work."""
+        return self.lib.fakecuda_waiting()
 
     def hold_memcpy(self, stream: int, on: bool) -> None:
         rc = self.lib.fakecuda_hold_memcpy(stream, int(on))

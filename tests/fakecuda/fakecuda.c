@@ -17,6 +17,9 @@
  *   - pageable copies block the calling thread until executed; pinned/device ones do not;
  *   - cuMemcpyBatchAsync's argument rules and failIdx, with failure injection;
  *   - sticky faults: a bad kernel access poisons the process, as on a real GPU;
+ *   - what a test waits for instead of sleeping: a gate reached, a stream sitting at a gate
+ *     or an event wait, the ops a stream has not executed yet, the callers blocked in a
+ *     synchronising call (so no test has to guess how long a thread takes to get there);
  *   - a copy kernel (fakecuda_launch_copy) that checks every 8-byte access the way the GPU's
  *     MMU would: aligned, inside mapped pinned memory or the stream's device memory;
  *   - a non-UVA mode (fakecuda_set_uva(0)) where mapped pinned memory has a separate device
@@ -92,8 +95,8 @@ struct stream {
 	struct op *head, *tail;
 	uint64_t enqueued, executed;
 	/* dead: destroyed, so callers blocked on it give up; users: callers still looking at it,
-	 * so it is freed only once they have gone. */
-	int stop, hold, dead, users;
+	 * so it is freed only once they have gone; blocked: its thread sits at a gate or a wait. */
+	int stop, hold, dead, users, blocked;
 };
 
 struct event {
@@ -106,12 +109,18 @@ struct event {
 	int refs; /* the handle, pending ops and blocked callers */
 };
 
-struct gate { uint64_t id; int open; struct gate *next; };
+/* A gate is the test's: it lives until the test has opened it and the stream has passed it
+ * (or dropped it, under a sticky fault or a reset), or until the next reset. The stream
+ * dropping it first must not turn the test's own gate_open into an error. */
+struct gate { uint64_t id; int open, reached, passed; struct gate *next; };
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cond = PTHREAD_COND_INITIALIZER;
 static int g_ndev = 1, g_sticky, g_draining, g_uva = 1;
 static int g_reg_closed, g_reg_waiting, g_holding, g_last_order;
+/* Callers blocked in a synchronising call (stream or event synchronize, a pageable copy, a
+ * stream destroy draining its work). */
+static int g_waiting;
 static uint64_t g_touched, g_next_handle = 1, g_next_gate = 1;
 static struct ptrs g_streams, g_events;
 static struct stream *g_default[MAX_DEVICES];
@@ -248,7 +257,10 @@ static void op_free(struct op *op) {
 	 * stopped executing. */
 	if (op->kind == OP_RECORD && op->ev->done_gen < op->gen) op->ev->done_gen = op->gen;
 	if (op->ev) event_unref(op->ev);
-	if (op->gate) gate_remove(op->gate);
+	if (op->gate) {
+		op->gate->passed = 1;
+		if (op->gate->open) gate_remove(op->gate);
+	}
 	free(op->dst);
 	free(op->src);
 	free(op->len);
@@ -335,6 +347,15 @@ static int kernel_run(const struct op *op, const struct snapshot *snap) {
 
 /* ---- stream threads ---------------------------------------------------------------------- */
 
+/* One wait of a stream's thread at a gate or an event, seen by fakecuda_stream_blocked. */
+static void block_stream(struct stream *s) {
+	if (!s->blocked) {
+		s->blocked = 1;
+		wake_all();
+	}
+	wait_cond();
+}
+
 /* Runs one op; the lock is held on entry and exit but dropped for the slow parts. */
 static void run_op(struct stream *s, struct op *op) {
 	switch (op->kind) {
@@ -360,10 +381,14 @@ static void run_op(struct stream *s, struct op *op) {
 		}
 		break;
 	case OP_WAIT:
-		while (op->ev->done_gen < op->gen && !dropping()) wait_cond();
+		while (op->ev->done_gen < op->gen && !dropping()) block_stream(s);
+		s->blocked = 0;
 		break;
 	case OP_GATE:
-		while (!op->gate->open && !dropping()) wait_cond();
+		op->gate->reached = 1;
+		wake_all();
+		while (!op->gate->open && !dropping()) block_stream(s);
+		s->blocked = 0;
 		break;
 	case OP_KERNEL: {
 		struct snapshot snap;
@@ -411,13 +436,24 @@ static struct stream *stream_new(int device) {
 	return s;
 }
 
+/* Waits (lock held) until `s` has executed `target` ops or a sticky fault ends the wait
+ * (`sticky`), counted in g_waiting while it blocks. */
+static void block_on_stream(struct stream *s, uint64_t target, int sticky) {
+	if (s->executed >= target || (sticky && g_sticky)) return;
+	g_waiting++;
+	wake_all();
+	while (s->executed < target && !(sticky && g_sticky)) wait_cond();
+	g_waiting--;
+	wake_all();
+}
+
 /* Drains, stops, joins and frees a stream already out of every registry. Lock held. */
 static void stream_retire(struct stream *s) {
 	uint64_t target = s->enqueued;
 	s->dead = 1;
 	s->hold = 0;
 	wake_all();
-	while (s->executed < target) wait_cond();
+	block_on_stream(s, target, 0);
 	s->stop = 1;
 	wake_all();
 	pthread_mutex_unlock(&g_lock);
@@ -462,7 +498,7 @@ static int hold_wait(struct stream *s) {
 /* Blocks until `s` has executed its op number `seq`. */
 static int wait_executed(struct stream *s, uint64_t seq) {
 	s->users++;
-	while (s->executed < seq && !g_sticky) wait_cond();
+	block_on_stream(s, seq, 1);
 	s->users--;
 	wake_all();
 	return g_sticky;
@@ -742,7 +778,13 @@ int cudaEventSynchronize(void *event) {
 	if (e) {
 		uint64_t target = e->gen;
 		e->refs++;
-		while (e->done_gen < target && !g_sticky) wait_cond();
+		if (e->done_gen < target && !g_sticky) {
+			g_waiting++;
+			wake_all();
+			while (e->done_gen < target && !g_sticky) wait_cond();
+			g_waiting--;
+			wake_all();
+		}
 		rc = g_sticky;
 		event_unref(e);
 	}
@@ -1000,14 +1042,36 @@ uint64_t fakecuda_stream_gate(void *stream) {
 	return id;
 }
 
+static struct gate *find_gate(uint64_t id) {
+	for (struct gate *g = g_gates; g; g = g->next)
+		if (g->id == id) return g;
+	return NULL;
+}
+
+/* Opens a gate once: E_VALUE for a gate unknown, already opened, or cleared by a reset. */
 int fakecuda_gate_open(uint64_t id) {
 	int rc = E_VALUE;
 	pthread_mutex_lock(&g_lock);
-	for (struct gate *g = g_gates; g; g = g->next)
-		if (g->id == id) g->open = 1, rc = E_OK;
+	struct gate *g = find_gate(id);
+	if (g && !g->open) {
+		rc = E_OK;
+		g->open = 1;
+		if (g->passed) gate_remove(g);
+	}
 	wake_all();
 	pthread_mutex_unlock(&g_lock);
 	return rc;
+}
+
+/* 1 once the stream has reached the gate (it waits there, or dropped it), 0 before, -1 for a
+ * gate unknown (never made, opened and passed, or cleared by a reset). */
+int fakecuda_gate_reached(uint64_t id) {
+	int v = -1;
+	pthread_mutex_lock(&g_lock);
+	struct gate *g = find_gate(id);
+	if (g) v = g->reached || g->passed;
+	pthread_mutex_unlock(&g_lock);
+	return v;
 }
 
 int fakecuda_hold_memcpy(void *stream, int on) {
@@ -1026,6 +1090,7 @@ void fakecuda_set_uva(int on) { LOCKED(g_uva = on != 0); }
 
 int fakecuda_holding(void) { int v; LOCKED(v = g_holding); return v; }
 int fakecuda_registers_waiting(void) { int v; LOCKED(v = g_reg_waiting); return v; }
+int fakecuda_waiting(void) { int v; LOCKED(v = g_waiting); return v; }
 int fakecuda_sticky(void) { int v; LOCKED(v = g_sticky); return v; }
 int fakecuda_last_batch_order(void) { int v; LOCKED(v = g_last_order); return v; }
 uint64_t fakecuda_touched_devices(void) { uint64_t v; LOCKED(v = g_touched); return v; }
@@ -1037,6 +1102,40 @@ long fakecuda_count(const char *name) {
 	pthread_mutex_lock(&g_lock);
 	for (int i = 0; name && i < C_COUNT; i++)
 		if (!strcmp(name, counter_names[i])) v = g_count[i];
+	pthread_mutex_unlock(&g_lock);
+	return v;
+}
+
+/* A live created stream, or a default stream already made; touches nothing. */
+static struct stream *peek_stream(void *stream) {
+	uint64_t v = (uint64_t)(uintptr_t)stream;
+	if (v <= 2) return valid_device(tl_device) ? g_default[tl_device] : NULL;
+	for (size_t i = 0; i < g_streams.n; i++) {
+		struct stream *s = g_streams.v[i];
+		if (s->handle == v) return s;
+	}
+	return NULL;
+}
+
+/* Ops enqueued on a stream and not executed (or dropped) yet; -1 for an unknown handle.
+ * Unlike cudaStreamQuery it answers under a sticky fault, and touches nothing. */
+long fakecuda_stream_pending(void *stream) {
+	long v = -1;
+	pthread_mutex_lock(&g_lock);
+	struct stream *s = peek_stream(stream);
+	if (s) v = (long)(s->enqueued - s->executed);
+	else if ((uint64_t)(uintptr_t)stream <= 2) v = 0; /* a default stream not made yet */
+	pthread_mutex_unlock(&g_lock);
+	return v;
+}
+
+/* 1 while the stream's thread sits at a gate or at a wait for an event, 0 otherwise, -1 for
+ * an unknown handle. */
+int fakecuda_stream_blocked(void *stream) {
+	int v = -1;
+	pthread_mutex_lock(&g_lock);
+	struct stream *s = peek_stream(stream);
+	if (s) v = s->blocked;
 	pthread_mutex_unlock(&g_lock);
 	return v;
 }

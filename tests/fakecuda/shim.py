@@ -27,6 +27,7 @@ import torch
 from kvcache.transfer import TransferEngine, _cuda
 from kvcache.transfer._cuda_backend import CudaBackend
 from tests.fakecuda import NOT_READY, SUCCESS, FakeCuda
+from tests.waiting import wait_until
 
 _FAKE: FakeCuda | None = None
 
@@ -257,6 +258,15 @@ def engine_on_fake(
         launcher=FakeLauncher(cuda, device),
     )
     return engine
+
+
+def dma_settled(backend: CudaBackend) -> None:
+    """Until every DMA queue's thread has put its jobs on its stream (a job leaves the
+    queue's count only once its copies are enqueued)."""
+    wait_until(
+        lambda: all(q.queued() == 0 for q in backend._dma.values()),
+        "the DMA threads enqueueing their jobs",
+    )
 
 
 def host_pool(pool: Any) -> Any:

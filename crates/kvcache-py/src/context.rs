@@ -327,7 +327,10 @@ pub fn order_request_keys<'py>(
     key_groups: &Bound<'py, PyAny>,
     positions: Positions<'py>,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-    let groups = key_groups.try_iter().map_err(|_| {
+    // The groups and all their keys count against one bound, so that neither endless groups
+    // nor endless keys in one of them run on.
+    let mut drain = Drain::new(key_groups.py());
+    let groups = drain.iter(key_groups, "key_groups", || {
         let py = key_groups.py();
         new_err(
             py,
@@ -338,9 +341,6 @@ pub fn order_request_keys<'py>(
             ),
         )
     })?;
-    // The groups and all their keys count against one bound, so that neither endless groups
-    // nor endless keys in one of them run on.
-    let mut drain = Drain::new(key_groups.py());
     let groups = {
         let mut out = Vec::new();
         drain.read_into(groups, &mut out, "key_groups", Ok)?;

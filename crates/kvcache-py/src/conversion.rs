@@ -7,9 +7,10 @@
 
 use kvcache_core::{Key, KeyHasher, VllmSemantics};
 
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyIterator, PyList, PyString, PyTuple};
 
 use crate::errors::{no_memory_for, too_many_items};
 use crate::exceptions::{exceptions, new_err};
@@ -29,9 +30,12 @@ const SIGNAL_EVERY: usize = 1 << 14;
 /// Reads callers' iterables into Rust vectors, for one call: the one place where a caller's
 /// iterable sizes a Rust allocation. A vector grows fallibly (the system refusing memory is
 /// `OutOfMemoryError`, a `MemoryError`, with the partial vector freed first), the call reads
-/// at most [`MAX_ITEMS`] items in all (then `InvalidArgumentError`), a `__len__` never sizes
-/// anything, and a pending signal (Ctrl-C) ends a long read. The call fails before the core is
-/// touched, so nothing changes.
+/// at most [`MAX_ITEMS`] items in all (then `InvalidArgumentError`), and a pending signal
+/// (Ctrl-C) ends a long read. The bound is checked before an iterable is read: what it says it
+/// holds (`len()`: a list's or a `range`'s length, an array's first dimension, a user's
+/// `__len__`) must fit first ([`Drain::iter`]), and a read that goes on past it stops at the
+/// item after the bound, whatever the length said. A length only ever refuses: it never sizes
+/// an allocation. The call fails before the core is touched, so nothing changes.
 ///
 /// Every binding that reads a caller's iterable reads it here:
 /// - policies: `touch`, `on_store_miss`, `on_request_access`, `on_request_finished` (the key
@@ -46,9 +50,12 @@ const SIGNAL_EVERY: usize = 1 << 14;
 ///   (`job_ids`).
 ///
 /// Group sizes, block indices and per-group pointer counts (`transfer::ids::small_ints`) stop
-/// at the layout's group count instead. The transfer engine's Python methods read what they
-/// keep in Python (job ids, layers, one-shot groups and offsets) with the same bound
-/// (`kvcache.transfer._checks.bounded_list`).
+/// at the layout's group count instead, their length checked against it first; device
+/// pointer arrays are checked against the counts before they are read. The transfer engine's
+/// Python methods and vLLM's worker read what they keep in Python (job ids, layers, one-shot
+/// groups and offsets, a refused load's spans) with the same rules
+/// (`kvcache.transfer._checks.bounded_list`), and ids that are not an id array are converted
+/// under them (`kvcache.transfer._checks.as_ids`).
 pub struct Drain<'py> {
     py: Python<'py>,
     /// Items read so far in this call, across all of its arguments.
@@ -60,7 +67,29 @@ impl<'py> Drain<'py> {
         Drain { py, read: 0 }
     }
 
-    /// Appends `items`, each converted by `convert`, to `out`.
+    /// Refuses `obj` when what it says it holds (see [`declared_len`]) is more than this call
+    /// may still read; reads nothing. Returns that length when it passed.
+    pub fn check_len(&self, obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Option<usize>> {
+        match declared_len(obj)? {
+            Some(n) if n > MAX_ITEMS - self.read => Err(too_many_items(what, MAX_ITEMS)),
+            len => Ok(len),
+        }
+    }
+
+    /// `obj`'s iterator, for [`Drain::read_into`], once its length passed [`Drain::check_len`];
+    /// `not_iterable` is the error when it has none.
+    pub fn iter(
+        &self,
+        obj: &Bound<'py, PyAny>,
+        what: &str,
+        not_iterable: impl FnOnce() -> PyErr,
+    ) -> PyResult<Bound<'py, PyIterator>> {
+        self.check_len(obj, what)?;
+        obj.try_iter().map_err(|_| not_iterable())
+    }
+
+    /// Appends `items`, each converted by `convert`, to `out`. Take `items` from
+    /// [`Drain::iter`], which checks the iterable's length first.
     pub fn read_into<T>(
         &mut self,
         items: impl IntoIterator<Item = PyResult<Bound<'py, PyAny>>>,
@@ -82,7 +111,7 @@ impl<'py> Drain<'py> {
         what: &str,
         convert: impl FnMut(Bound<'py, PyAny>) -> PyResult<T>,
     ) -> PyResult<Vec<T>> {
-        let items = obj.try_iter().map_err(|_| {
+        let items = self.iter(obj, what, || {
             new_err(
                 self.py,
                 &exceptions(self.py).invalid_type,
@@ -134,6 +163,21 @@ impl<'py> Drain<'py> {
             .map_err(|_| no_memory_for(what, self.read))?;
         self.read += n;
         Ok(())
+    }
+}
+
+/// How many items `obj` says it holds (`len(obj)`), which kvcache checks against its bounds
+/// before reading it: None when it has no length (a generator; `__len__` raising `TypeError`,
+/// as `operator.length_hint` reads it), `usize::MAX` when the length is beyond a Python index
+/// (`OverflowError`: `range(2**70)`). Any other error `__len__` raises (a `KeyboardInterrupt`)
+/// is the caller's.
+pub fn declared_len(obj: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    let py = obj.py();
+    match obj.len() {
+        Ok(n) => Ok(Some(n)),
+        Err(e) if e.is_instance_of::<PyOverflowError>(py) => Ok(Some(usize::MAX)),
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
@@ -339,6 +383,9 @@ pub fn collect_keys_into<'py>(
             ),
         ));
     }
+    // As `Drain::iter`, keeping the length: within the bound, but still only a claim, so it
+    // reserves a little at most.
+    let hint = drain.check_len(obj, what)?.unwrap_or(0);
     let iter = obj.try_iter().map_err(|_| {
         let py = obj.py();
         new_err(
@@ -347,14 +394,6 @@ pub fn collect_keys_into<'py>(
             format!("expected an iterable of bytes keys, got {}", type_name(obj)),
         )
     })?;
-    // `__len__` is only a hint, and a user's: never let it size an allocation. As
-    // `operator.length_hint`, no `__len__` (a TypeError) means no hint; any other error it
-    // raises (a KeyboardInterrupt) is the caller's.
-    let hint = match obj.len() {
-        Ok(n) => n,
-        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => 0,
-        Err(e) => return Err(e),
-    };
     if keys.is_empty() {
         keys.reserve_exact(hint.min(1024));
     }
@@ -364,6 +403,8 @@ pub fn collect_keys_into<'py>(
 /// The items of the iterable argument `what`, each extracted as `T`, read by a [`Drain`]: what
 /// pyo3's `Vec<T>` gives, without letting a `__len__` size the vector. A `str` or `bytes` is
 /// refused (`InvalidTypeError`), as pyo3 refuses a `str`: its items are not what was meant.
+/// An item of the wrong type is `InvalidTypeError` and one out of `T`'s range
+/// `InvalidArgumentError` (pyo3's own are a bare `TypeError` and `OverflowError`).
 pub fn items<'py, T>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<T>>
 where
     T: pyo3::conversion::FromPyObjectOwned<'py>,
@@ -376,7 +417,30 @@ where
             format!("{what} must be a sequence, got {}", type_name(obj)),
         ));
     }
-    Drain::new(obj.py()).read(obj, what, |item| item.extract::<T>().map_err(Into::into))
+    let py = obj.py();
+    let mut at = 0usize;
+    Drain::new(py).read(obj, what, |item| {
+        let i = at;
+        at += 1;
+        item.extract::<T>().map_err(|e| {
+            let e: PyErr = e.into();
+            let ex = exceptions(py);
+            let why = e.value(py).to_string();
+            if e.is_instance(py, ex.base.bind(py)) {
+                e
+            } else if e.is_instance_of::<PyOverflowError>(py) {
+                new_err(
+                    py,
+                    &ex.invalid_argument,
+                    format!("{what}[{i}] is out of range: {why}"),
+                )
+            } else if e.is_instance_of::<PyTypeError>(py) {
+                new_err(py, &ex.invalid_type, format!("{what}[{i}]: {why}"))
+            } else {
+                e // raised by the item's own code (its `__index__`): the caller's
+            }
+        })
+    })
 }
 
 /// A Python int (not a bool) as an `i128`, for range checks on our side; a type error otherwise.
@@ -593,16 +657,15 @@ pub fn default_semantics(py: Python<'_>) -> PyResult<VllmSemantics> {
 /// after `max + 1` items. `what` names the argument in messages.
 pub fn bounded_ints(obj: &Bound<'_, PyAny>, what: &str, max: usize) -> PyResult<Vec<i64>> {
     let py = obj.py();
+    if declared_len(obj)?.is_some_and(|n| n > max) {
+        return Err(more_than(py, what, max));
+    }
     let mut at = 0usize;
     let ints = Drain::new(py).read(obj, what, |item| {
         let i = at;
         at += 1;
         if i == max {
-            return Err(new_err(
-                py,
-                &exceptions(py).invalid_argument,
-                format!("{what} has more than the {max} entries it may have"),
-            ));
+            return Err(more_than(py, what, max));
         }
         if item.is_instance_of::<pyo3::types::PyBool>() {
             return Err(new_err(
@@ -620,4 +683,12 @@ pub fn bounded_ints(obj: &Bound<'_, PyAny>, what: &str, max: usize) -> PyResult<
         })
     })?;
     Ok(ints)
+}
+
+fn more_than(py: Python<'_>, what: &str, max: usize) -> PyErr {
+    new_err(
+        py,
+        &exceptions(py).invalid_argument,
+        format!("{what} has more than the {max} entries it may have"),
+    )
 }

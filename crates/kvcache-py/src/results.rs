@@ -34,7 +34,8 @@ impl LoadStoreSpec {
 
     #[new]
     fn new(py: Python<'_>, block_ids: Bound<'_, PyAny>) -> PyResult<Self> {
-        let items = block_ids.try_iter().map_err(|_| {
+        let mut drain = Drain::new(py);
+        let items = drain.iter(&block_ids, "block_ids", || {
             new_err(
                 py,
                 &exceptions(py).invalid_type,
@@ -45,7 +46,7 @@ impl LoadStoreSpec {
             )
         })?;
         let mut ids = Vec::new();
-        Drain::new(py).read_into(items, &mut ids, "block_ids", |item| {
+        drain.read_into(items, &mut ids, "block_ids", |item| {
             int_in_range::<i32>(&item, "a chunk id", "a 32-bit int")
         })?;
         Ok(LoadStoreSpec {

@@ -16,6 +16,7 @@ manager would still size its tables by the larger number (a 10⁹-chunk table is
 
 from __future__ import annotations
 
+import decimal
 import math
 import mmap
 import re
@@ -88,7 +89,14 @@ def parse_size(text: str) -> int:
             "expected a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
             f"not {quoted(text)}"
         )
-    value = float(match["number"]) * unit
+    number = match["number"]
+    # Exact (a float would round 2**60 + 1 bytes down to 2**60 without a word); a whole part
+    # longer than 1 EiB's 19 digits is refused before it is converted at all.
+    if len(number.split(".")[0].lstrip("0")) > len(str(_MAX_BYTES)):
+        raise ConfigError(f"size {quoted(text)} is out of range (at most 1 EiB)")
+    with decimal.localcontext() as exact:
+        exact.prec = len(number) + 20  # every digit of the number times the unit
+        value = decimal.Decimal(number) * unit
     if value < 1:
         raise ConfigError(f"a size must be at least 1 byte, not {quoted(text)}")
     if value > _MAX_BYTES:

@@ -27,10 +27,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
+from kvcache._argparse import OneLineParser as _Parser
 from kvcache.transfer._checks import as_ids
 from kvcache.transfer._engine import TransferEngine
 from kvcache.transfer._pool import HostChunkPool
@@ -585,13 +586,6 @@ def run(args: argparse.Namespace) -> int:
 
 PROG = "kvcache transfer bench"
 MISSING_TORCH = f"{PROG}: error: needs torch (pip install 'kvcache-offload[transfer]')"
-
-
-class _Parser(argparse.ArgumentParser):
-    """A usage error is one line, as everywhere in the ``kvcache`` command."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _budget(text: str) -> float:

@@ -64,6 +64,9 @@ def _layer_spec(t: torch.Tensor, index: int, *, host: bool) -> tuple[Any, ...]:
 
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"gpu_layers[{index}] is a {type(t).__name__}, not a torch.Tensor")
+    if t.is_nested or t.layout != torch.strided:  # no pages at fixed strides to copy
+        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise InvalidArgumentError(f"gpu_layers[{index}] must be a dense tensor, got {kind}")
     if t.dim() == 0 or t.shape[0] == 0:
         raise InvalidArgumentError(f"gpu_layers[{index}] needs a leading block dimension")
     if t[0].numel() == 0:

@@ -24,8 +24,8 @@ mod region;
 pub use copy::copy_runs;
 pub use error::{HostError, HostResult};
 pub use plan::{
-    CopyRuns, Direction, GroupRef, GroupSpan, HostGeometry, LayerGeometry, PlanScratch, Request,
-    TransferLayout,
+    CopyRuns, Direction, GroupRef, GroupSpan, HostGeometry, LayerGeometry, PlanScratch,
+    PointerCounts, Request, TransferLayout,
 };
 pub use region::{
     page_size, CopyGuard, HostRegion, HostRegistrar, Lease, PinStatus, BACKGROUND_PIECE_BYTES,

@@ -787,6 +787,7 @@ mod kernel;
 mod pointers;
 mod runs;
 
+pub use pointers::PointerCounts;
 pub use runs::CopyRuns;
 use runs::RunBuilder;
 #[cfg(test)]

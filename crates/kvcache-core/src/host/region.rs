@@ -240,6 +240,9 @@ pub struct HostRegion {
     /// Set for borrowed memory: keeps its owner's mapping alive for as long as this region
     /// lives (dropped last). Borrowed memory is never unmapped nor emptied here.
     owner: Option<Box<dyn Send + Sync>>,
+    /// Set when the borrowed memory is another region's ([`HostRegion::within`]): that one
+    /// closing closes this one's use of it, and its `close()` waits for this one's leases.
+    parent: Option<Arc<HostRegion>>,
     state: Mutex<State>,
     /// One lock per `stripe_bytes` of the mapping, held for writing while a piece overlapping
     /// it is being registered, for reading by whoever submits DMA on a range overlapping it
@@ -335,6 +338,7 @@ impl HostRegion {
             len,
             map_len,
             owner,
+            parent: None,
             state: Mutex::new(State {
                 registration: None,
                 partial: None,
@@ -348,6 +352,15 @@ impl HostRegion {
             stripe_bytes,
             cancel: AtomicBool::new(false),
         }
+    }
+
+    /// This region, over memory that lies in `parent` (a pool over another pool's buffer):
+    /// closed as soon as either is ([`Self::is_closed`]), and each lease on it is a lease on
+    /// `parent` too, so `parent` cannot close under a transfer that uses its memory here.
+    #[must_use]
+    pub fn within(mut self, parent: Arc<HostRegion>) -> Self {
+        self.parent = Some(parent);
+        self
     }
 
     /// Whether the memory is borrowed ([`Self::borrowed`]) rather than owned.
@@ -386,8 +399,18 @@ impl HostRegion {
         self.map_len
     }
 
+    /// Whether anything may be reading or writing the memory right now: a transfer holds a
+    /// lease (a plan not yet run, a copy in flight), or a registration is prefaulting and
+    /// pinning it. (A caller's own synchronous call, `populate` or `register`, is not seen.)
+    pub fn is_in_use(&self) -> bool {
+        let st = self.lock();
+        st.leases > 0 || matches!(st.status, PinStatus::Pinning { .. })
+    }
+
+    /// Closed by `close()`, or its memory's region ([`Self::within`]) is.
     pub fn is_closed(&self) -> bool {
-        self.lock().closed
+        let closed = self.lock().closed;
+        closed || self.parent.as_ref().is_some_and(|p| p.is_closed())
     }
 
     pub fn is_registered(&self) -> bool {
@@ -618,7 +641,7 @@ impl HostRegion {
                 let _ = done.join();
             }
         }
-        if st.closed {
+        if st.closed || self.parent.as_ref().is_some_and(|p| p.is_closed()) {
             return Err(HostError::Closed);
         }
         if st.registration.is_some() || st.partial.is_some() || st.pin_thread.is_some() {
@@ -684,6 +707,8 @@ impl HostRegion {
 
     /// Takes a lease that keeps `close()` from running while a transfer uses the region.
     pub fn lease(self: &Arc<Self>) -> HostResult<Lease> {
+        // The memory's region first (released, on a refusal below, when `parent` drops).
+        let parent = self.parent.as_ref().map(HostRegion::lease).transpose()?;
         let mut st = self.lock();
         if st.closed {
             return Err(HostError::Closed);
@@ -691,6 +716,7 @@ impl HostRegion {
         st.leases += 1;
         Ok(Lease {
             region: Arc::clone(self),
+            _parent: parent.map(Box::new),
         })
     }
 
@@ -785,6 +811,9 @@ impl Drop for HostRegion {
 /// Proof that a transfer is using the region; `close()` is refused until it is dropped.
 pub struct Lease {
     region: Arc<HostRegion>,
+    /// The lease on the region whose memory this one uses ([`HostRegion::within`]), given back
+    /// after this one.
+    _parent: Option<Box<Lease>>,
 }
 
 impl Drop for Lease {

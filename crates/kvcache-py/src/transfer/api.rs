@@ -151,6 +151,18 @@ fn dl_error() -> String {
 
 impl Library {
     fn open(path: &str) -> PyResult<Library> {
+        // No path the system can open is longer (ENAMETOOLONG), and glibc's `dlopen` copies
+        // the name onto the stack: a name of megabytes overflows it (SIGSEGV).
+        if path.len() >= PATH_MAX {
+            return Err(typed(
+                |e| &e.invalid_argument,
+                format!(
+                    "a library path may be at most {} bytes, got {}",
+                    PATH_MAX - 1,
+                    path.len()
+                ),
+            ));
+        }
         let name = CString::new(path).map_err(|_| {
             typed(
                 |e| &e.invalid_argument,
@@ -364,9 +376,13 @@ impl PyCudaApi {
     /// optional (none, or `batch=False`: one `cudaMemcpyAsync` per run).
     #[new]
     #[pyo3(signature = (runtime, driver=None, *, batch=true))]
-    fn new(runtime: &str, driver: Option<&str>, batch: bool) -> PyResult<Self> {
+    fn new(
+        #[pyo3(from_py_with = runtime_arg)] runtime: String,
+        #[pyo3(from_py_with = driver_arg)] driver: Option<String>,
+        #[pyo3(from_py_with = batch_arg)] batch: bool,
+    ) -> PyResult<Self> {
         Ok(PyCudaApi {
-            api: Arc::new(CudaApi::load(runtime, driver, batch)?),
+            api: Arc::new(CudaApi::load(&runtime, driver.as_deref(), batch)?),
         })
     }
 
@@ -436,4 +452,22 @@ impl PyCudaApi {
         }
         Some(out.expose_provenance())
     }
+}
+
+/// The longest path the system opens, terminating NUL included (Linux's `PATH_MAX`).
+const PATH_MAX: usize = 4096;
+
+fn runtime_arg(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    crate::conversion::text(obj, "runtime")
+}
+
+fn driver_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    crate::conversion::text(obj, "driver").map(Some)
+}
+
+fn batch_arg(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    obj.extract::<crate::conversion::Flag>().map(|f| f.0)
 }

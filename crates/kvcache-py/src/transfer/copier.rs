@@ -111,7 +111,11 @@ impl CpuCopier {
 
     /// Queues `plan` (a host-layer plan, not yet executed) as job `job_id` (unique among
     /// unfinished jobs). Jobs run one after another in submission order.
-    fn submit(&self, job_id: u64, plan: &Bound<'_, Plan>) -> PyResult<()> {
+    fn submit(
+        &self,
+        #[pyo3(from_py_with = super::ids::job_id_arg)] job_id: u64,
+        #[pyo3(from_py_with = super::ids::plan_arg)] plan: Bound<'_, Plan>,
+    ) -> PyResult<()> {
         let data = plan.get().data();
         if !data.is_host() {
             return Err(typed(

@@ -10,7 +10,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyInt};
 
-use crate::conversion::{items, Drain};
+use super::plan::Plan;
+use crate::conversion::{declared_len, int_in_range, items, type_name, Drain};
 use crate::errors::typed;
 
 /// Copies a 1-d native-order buffer of int64 or int32 into a vector, or converts any other
@@ -69,6 +70,22 @@ fn copied<T: pyo3::buffer::Element + Copy + Default>(
     Ok(out)
 }
 
+/// A copier's `job_id`: an int from 0 to 2**64 - 1 (pyo3's own would be a bare
+/// `OverflowError` or `TypeError`).
+pub(crate) fn job_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    int_in_range(obj, "job_id", ">= 0 and < 2**64")
+}
+
+/// A copier's `plan`: a `_core.Plan`, else `InvalidTypeError`.
+pub(crate) fn plan_arg<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Plan>> {
+    obj.cast::<Plan>().cloned().map_err(|_| {
+        typed(
+            |e| &e.invalid_type,
+            format!("plan must be a kvcache._core.Plan, got {}", type_name(obj)),
+        )
+    })
+}
+
 /// `wait`'s `job_ids`: None (every job), or an iterable of job ids.
 pub(crate) fn job_ids(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u64>>> {
     if obj.is_none() {
@@ -92,6 +109,16 @@ pub(crate) fn native_order(format: &[u8]) -> bool {
 /// Non-negative integers from any iterable of ints (a list, tuple or array) of at most `max`
 /// items, with typed errors; `what` names the argument in messages.
 pub(crate) fn small_ints(what: &str, obj: &Bound<'_, PyAny>, max: usize) -> PyResult<Vec<u64>> {
+    let too_many = || {
+        typed(
+            |e| &e.invalid_argument,
+            format!("{what} has more than {max} entries"),
+        )
+    };
+    // What it says it holds first; a length that lies ends the read one item past `max`.
+    if declared_len(obj)?.is_some_and(|n| n > max) {
+        return Err(too_many());
+    }
     let iter = obj.try_iter().map_err(|_| {
         typed(
             |e| &e.invalid_type,
@@ -102,10 +129,7 @@ pub(crate) fn small_ints(what: &str, obj: &Bound<'_, PyAny>, max: usize) -> PyRe
     for (i, item) in iter.enumerate() {
         let item = item?;
         if i == max {
-            return Err(typed(
-                |e| &e.invalid_argument,
-                format!("{what} has more than {max} entries"),
-            ));
+            return Err(too_many());
         }
         if item.is_instance_of::<PyBool>() {
             return Err(typed(

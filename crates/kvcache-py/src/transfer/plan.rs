@@ -12,12 +12,14 @@ use numpy::{
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::ffi;
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyIterator, PyString, PyTuple};
+use pyo3::PyTraverseError;
 
 use super::ids::{id_vec, native_order, small_ints};
 use super::pool::PyHostChunkPool;
-use crate::conversion::{count, int_in_range, type_name, Drain};
+use crate::conversion::{count, int_in_range, type_name, Drain, MAX_ITEMS};
 use crate::errors::{typed, IntoPyResult};
 
 /// `(device base, block stride, segment offset, page slot bytes, bytes copied)`.
@@ -46,6 +48,10 @@ impl LayoutShared {
 pub struct PyTransferLayout {
     shared: Arc<LayoutShared>,
     scratch: Mutex<PlanScratch>,
+    /// The pool whose region `shared` uses: a layout that can still plan keeps its pool
+    /// reachable, so the collector never releases a buffer the pool borrowed while a layout
+    /// over it lives (see `PyHostChunkPool::__traverse__`).
+    pool: Py<PyHostChunkPool>,
 }
 
 fn to_u64(v: isize, what: &str, index: usize) -> PyResult<u64> {
@@ -90,24 +96,27 @@ fn blocks_per_chunk_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     count(obj, "blocks_per_chunk")
 }
 
-/// The items of an iterable argument, with a type error naming it otherwise.
+/// The items of an iterable argument, with a type error naming it otherwise. With a `drain`,
+/// its length is checked against the drain's bound first (named `bound`, the argument).
 fn items<'py>(
+    drain: Option<(&Drain<'py>, &str)>,
     obj: &Bound<'py, PyAny>,
     what: &str,
     expected: &str,
 ) -> PyResult<Bound<'py, PyIterator>> {
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(typed(
-            |e| &e.invalid_type,
-            format!("{what} must be {expected}, got {}", type_name(obj)),
-        ));
-    }
-    obj.try_iter().map_err(|_| {
+    let refuse = || {
         typed(
             |e| &e.invalid_type,
             format!("{what} must be {expected}, got {}", type_name(obj)),
         )
-    })
+    };
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(refuse());
+    }
+    match drain {
+        Some((drain, bound)) => drain.iter(obj, bound, refuse),
+        None => obj.try_iter().map_err(|_| refuse()),
+    }
 }
 
 /// An integer entry of `groups` or `offsets`: an int or any integer type (`__index__`, e.g. a
@@ -133,17 +142,18 @@ fn index_in_range<T: TryFrom<i128>>(obj: &Bound<'_, PyAny>, what: &str) -> PyRes
 fn group_refs(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<GroupRef>>> {
     let mut drain = Drain::new(obj.py());
     let mut groups = Vec::new();
-    for (g, group) in items(obj, "groups", "a sequence of groups")?.enumerate() {
+    let expected = "a sequence of groups";
+    let groups_of = items(Some((&drain, "groups")), obj, "groups", expected)?;
+    for (g, group) in groups_of.enumerate() {
         let group = group?;
         let mut refs = Vec::new();
         let what = format!("groups[{g}]");
-        for (r, pair) in
-            items(&group, &what, "a sequence of (layer index, bytes) pairs")?.enumerate()
-        {
+        let pairs = "a sequence of (layer index, bytes) pairs";
+        for (r, pair) in items(Some((&drain, "groups")), &group, &what, pairs)?.enumerate() {
             let pair = pair?;
             let what = format!("groups[{g}][{r}]");
             // At most one item more than a pair is read: enough to refuse it.
-            let fields: Vec<_> = items(&pair, &what, "a (layer index, bytes) pair")?
+            let fields: Vec<_> = items(None, &pair, &what, "a (layer index, bytes) pair")?
                 .take(3)
                 .collect::<PyResult<_>>()?;
             let [tensor, bytes] = fields.as_slice() else {
@@ -167,7 +177,13 @@ fn group_refs(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<GroupRef>>> {
 fn segment_offsets(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     let mut drain = Drain::new(obj.py());
     let mut offsets = Vec::new();
-    for (i, o) in items(obj, "offsets", "a sequence of ints")?.enumerate() {
+    let offsets_of = items(
+        Some((&drain, "offsets")),
+        obj,
+        "offsets",
+        "a sequence of ints",
+    )?;
+    for (i, o) in offsets_of.enumerate() {
         let offset = index_in_range(&o?, &format!("offsets[{i}]"))?;
         drain.push(&mut offsets, offset, "offsets")?;
     }
@@ -205,25 +221,45 @@ fn out_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<i64>> {
 }
 
 /// A 1-d uint64 numpy array, read in place when it is contiguous and aligned (as vLLM's
-/// are), else copied through the buffer protocol, which handles any strides.
+/// are), else copied through the buffer protocol, which handles any strides. Its length is
+/// the array's word: a zero-stride view claims any length over eight bytes, so a caller checks
+/// it ([`Words::len`]) before anything is copied.
 struct Words<'py> {
     view: PyReadonlyArray1<'py, u64>,
     obj: Bound<'py, PyAny>,
+    what: &'static str,
 }
 
 impl Words<'_> {
+    fn len(&self) -> usize {
+        self.view.len()
+    }
+
+    /// The words, borrowed, or copied into memory the allocator may refuse
+    /// (`OutOfMemoryError`).
     fn get(&self) -> PyResult<Cow<'_, [u64]>> {
-        Ok(match self.view.as_slice() {
-            Ok(slice) => Cow::Borrowed(slice),
-            Err(_) => Cow::Owned(PyBuffer::<u64>::get(&self.obj)?.to_vec(self.obj.py())?),
-        })
+        if let Ok(slice) = self.view.as_slice() {
+            return Ok(Cow::Borrowed(slice));
+        }
+        let buf = PyBuffer::<u64>::get(&self.obj)?;
+        let n = buf.item_count();
+        let mut out = Vec::new();
+        out.try_reserve_exact(n).map_err(|_| {
+            typed(
+                |e| &e.out_of_memory,
+                format!("not enough memory to copy {} ({n} entries)", self.what),
+            )
+        })?;
+        out.resize(n, 0);
+        buf.copy_to_slice(self.obj.py(), &mut out)?;
+        Ok(Cow::Owned(out))
     }
 }
 
 /// `obj` as [`Words`]: exactly a 1-d numpy array of native uint64 (what vLLM's
 /// `DevicePointers` hold); anything else is refused with `InvalidTypeError`, a byte-swapped
 /// or otherwise foreign dtype included, since its values would be read as other addresses.
-fn words<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<Words<'py>> {
+fn words<'py>(what: &'static str, obj: &Bound<'py, PyAny>) -> PyResult<Words<'py>> {
     let refuse = || {
         typed(
             |e| &e.invalid_type,
@@ -246,6 +282,7 @@ fn words<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<Words<'py>> {
     Ok(Words {
         view,
         obj: obj.clone(),
+        what,
     })
 }
 
@@ -255,6 +292,29 @@ fn piece_bytes_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
 
 fn group_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     count(obj, "group")
+}
+
+fn store_arg(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    obj.extract::<crate::conversion::Flag>().map(|f| f.0)
+}
+
+fn pool_arg<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyHostChunkPool>> {
+    obj.cast::<PyHostChunkPool>().cloned().map_err(|_| {
+        typed(
+            |e| &e.invalid_type,
+            format!("pool must be a HostChunkPool, got {}", type_name(obj)),
+        )
+    })
+}
+
+/// Field `at` of layer tuple `layer` (number `index`): an int from 0 to 2**64 - 1.
+fn layer_field(layer: &Bound<'_, PyTuple>, index: usize, at: usize, what: &str) -> PyResult<u64> {
+    let value = layer.get_item(at)?;
+    int_in_range(
+        &value,
+        &format!("layers[{index}] {what}"),
+        ">= 0 and < 2**64",
+    )
 }
 
 #[pymethods]
@@ -277,7 +337,7 @@ impl PyTransferLayout {
     #[new]
     #[pyo3(signature = (pool, layers, blocks_per_chunk, groups=None, offsets=None))]
     fn new(
-        pool: &Bound<'_, PyHostChunkPool>,
+        #[pyo3(from_py_with = pool_arg)] pool: Bound<'_, PyHostChunkPool>,
         #[pyo3(from_py_with = layers_arg)] layers: Vec<Bound<'_, PyTuple>>,
         #[pyo3(from_py_with = blocks_per_chunk_arg)] blocks_per_chunk: usize,
         groups: Option<Bound<'_, PyAny>>,
@@ -292,6 +352,7 @@ impl PyTransferLayout {
             .filter(|o| !o.is_none())
             .map(|o| segment_offsets(&o))
             .transpose()?;
+        let pool_ref = pool.clone().unbind();
         let pool = pool.get();
         let region = Arc::clone(&pool.region);
         if region.is_closed() {
@@ -308,17 +369,17 @@ impl PyTransferLayout {
                             format!("layer {i}: not a byte buffer: {e}"),
                         )
                     })?;
-                    geoms.push(host_layer(&buf, i, t.get_item(1)?.extract()?)?);
+                    let segment = layer_field(t, i, 1, "segment")?;
+                    geoms.push(host_layer(&buf, i, segment)?);
                     buffers.push(buf);
                 }
                 5 => {
-                    let (base, block_stride, page_bytes, num_blocks, segment) = t.extract()?;
                     geoms.push(LayerGeometry {
-                        base,
-                        block_stride,
-                        page_bytes,
-                        num_blocks,
-                        segment,
+                        base: layer_field(t, i, 0, "base")?,
+                        block_stride: layer_field(t, i, 1, "block stride")?,
+                        page_bytes: layer_field(t, i, 2, "page bytes")?,
+                        num_blocks: layer_field(t, i, 3, "blocks")?,
+                        segment: layer_field(t, i, 4, "segment")?,
                     });
                 }
                 n => {
@@ -395,7 +456,14 @@ impl PyTransferLayout {
                 host_buffers: buffers,
             }),
             scratch: Mutex::new(PlanScratch::default()),
+            pool: pool_ref,
         })
+    }
+
+    /// Shows the pool it keeps reachable to the garbage collector. Nothing to clear: the
+    /// reference never changes, and a cycle through it is broken at the pool or its buffer.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.pool)
     }
 
     /// Valid device block ids are `range(num_blocks)` (the smallest layer's count).
@@ -429,7 +497,7 @@ impl PyTransferLayout {
     fn plan(
         &self,
         py: Python<'_>,
-        store: bool,
+        #[pyo3(from_py_with = store_arg)] store: bool,
         gpu_ids: &Bound<'_, PyAny>,
         chunk_ids: &Bound<'_, PyAny>,
         group_sizes: Option<&Bound<'_, PyAny>>,
@@ -545,9 +613,22 @@ impl PyTransferLayout {
         let refs = small_ints("group_data_ref_counts", group_data_ref_counts, groups)?;
         let ptrs = words("ptrs", ptrs)?;
         let sizes = words("sizes", sizes)?;
-        let ids = self
-            .shared
-            .layout
+        // The counts, then the arrays' lengths, are checked before any pointer is read or
+        // copied: only the layout and a bound size what this call allocates.
+        let layout = &self.shared.layout;
+        let need = layout.pointer_counts(&counts, &refs).py_err()?;
+        if need.blocks > MAX_ITEMS {
+            return Err(typed(
+                |e| &e.invalid_argument,
+                format!(
+                    "group_block_counts name {} blocks, more than the {MAX_ITEMS} a transfer \
+                     may take",
+                    need.blocks
+                ),
+            ));
+        }
+        need.check_lengths(ptrs.len(), sizes.len()).py_err()?;
+        let ids = layout
             .block_ids_from_pointers(&ptrs.get()?, &sizes.get()?, &counts, &refs)
             .py_err()?;
         Ok(PyArray1::from_vec(py, ids))
@@ -555,13 +636,16 @@ impl PyTransferLayout {
 
     /// Why the copy kernel cannot serve `group` (None: it can): the first address or size it
     /// would form that is not a multiple of 8 bytes (the pool's and the chunks' included).
-    fn kernel_problem(&self, group: usize) -> PyResult<Option<String>> {
+    fn kernel_problem(
+        &self,
+        #[pyo3(from_py_with = group_arg)] group: usize,
+    ) -> PyResult<Option<String>> {
         self.shared.layout.kernel_problem(group).py_err()
     }
 
     /// A group's distinct references as `(device base, block stride, segment offset, page
     /// slot bytes, bytes copied)` tuples (the copy kernel's per-tensor table).
-    fn group_refs(&self, group: usize) -> PyResult<Vec<RefRow>> {
+    fn group_refs(&self, #[pyo3(from_py_with = group_arg)] group: usize) -> PyResult<Vec<RefRow>> {
         Ok(self
             .shared
             .layout

@@ -5,23 +5,29 @@
 //! Python subclass.
 
 use std::ffi::c_int;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvcache_core::host::{HostRegion, PinStatus};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyMemoryView};
+use pyo3::PyTraverseError;
 
 use super::api::PyCudaApi;
 use super::registrar::CudartRegistrar;
 use crate::errors::{typed, IntoPyResult};
+use crate::exceptions::exceptions;
 
 #[pyclass(module = "kvcache._core", name = "HostChunkPool", subclass, frozen)]
 pub struct PyHostChunkPool {
     pub(crate) region: Arc<HostRegion>,
+    /// The export of the caller's buffer a pool over one holds (also the region's owner):
+    /// shown to the garbage collector and released by it ([`PyHostChunkPool::__clear__`]).
+    held: Option<Arc<HeldBuffer>>,
     num_chunks: usize,
     chunk_bytes: usize,
     /// Shape and strides handed to buffer consumers; they point into this object, which every
@@ -31,6 +37,28 @@ pub struct PyHostChunkPool {
 }
 
 impl PyHostChunkPool {
+    /// The region, for a call that acts on its memory (pinning, prefaulting; exports and
+    /// layouts check the same), unless the pool or the pool whose memory it uses is closed:
+    /// `PoolClosedError` then.
+    fn open_region(&self) -> PyResult<&Arc<HostRegion>> {
+        if self.region.is_closed() {
+            return Err(typed(
+                |e| &e.pool_closed,
+                "the host chunk pool is closed (or the pool it was built over is)",
+            ));
+        }
+        Ok(&self.region)
+    }
+
+    /// Whether the garbage collector may see, and release, the export this pool holds: no
+    /// transfer holds a lease on the memory and no registration is pinning it. Everything
+    /// else that shares the region either references this pool from Python (a layout: while
+    /// it is reachable, so is the pool) or never touches the memory again without a lease
+    /// (a plan that ran), which a closed region refuses.
+    fn collectable(&self) -> bool {
+        !self.region.is_in_use()
+    }
+
     pub(crate) fn num_chunks_usize(&self) -> usize {
         self.num_chunks
     }
@@ -72,12 +100,16 @@ impl PyHostChunkPool {
                     "num_chunks * chunk_bytes is too large",
                 )
             })?;
-        let region = match buffer {
-            None => HostRegion::new(len).py_err()?,
-            Some(obj) => borrowed_region(obj, len)?,
+        let (region, held) = match buffer {
+            None => (HostRegion::new(len).py_err()?, None),
+            Some(obj) => {
+                let (region, held) = borrowed_region(obj, len)?;
+                (region, Some(held))
+            }
         };
         Ok(PyHostChunkPool {
             region: Arc::new(region),
+            held,
             num_chunks,
             chunk_bytes,
             shape: [exported],
@@ -159,17 +191,19 @@ impl PyHostChunkPool {
 
     /// Prefaults every page of the pool with `threads` threads, at most the available
     /// parallelism (capped at 8) (GIL released); False when the kernel lacks
-    /// `MADV_POPULATE_WRITE`. Raises `TransferError` when the system refuses a thread.
+    /// `MADV_POPULATE_WRITE`. Raises `TransferError` when the system refuses a thread, and
+    /// `PoolClosedError` on a closed pool (it would take back the memory `close()` gave up).
     fn populate(
         &self,
         py: Python<'_>,
         #[pyo3(from_py_with = threads_arg)] threads: usize,
     ) -> PyResult<bool> {
-        let region = Arc::clone(&self.region);
+        let region = Arc::clone(self.open_region()?);
         py.detach(move || region.populate(threads)).py_err()
     }
 
-    /// Bytes of the pool resident in RAM right now (`mincore`).
+    /// Bytes of the pool resident in RAM right now (`mincore`); 0 once `close()` gave its own
+    /// pages back. A status, like `closed` and `pin_status`: it answers on a closed pool too.
     fn resident_bytes(&self) -> PyResult<usize> {
         self.region
             .resident_bytes()
@@ -283,6 +317,52 @@ impl PyHostChunkPool {
     /// # Safety
     /// Called by CPython with a view this object filled.
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+
+    /// The exporter of the buffer the pool was built over, which its export keeps alive: a
+    /// cycle back to the pool through it (an attribute of a `bytearray` or numpy subclass)
+    /// is then collectable. Shown only while no transfer or registration uses the memory
+    /// (`collectable`), the case in which `__clear__` may release it.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        let Some(held) = &self.held else {
+            return Ok(());
+        };
+        if !self.collectable() {
+            return Ok(());
+        }
+        // Never waits: only `__clear__` and the last drop lock it, both with the interpreter
+        // attached, so a held lock here means a collection inside one of them; skip a round.
+        let Ok(slot) = held.0.try_lock() else {
+            return Ok(());
+        };
+        if let Some(buf) = slot.as_ref() {
+            // SAFETY: the collector calls `tp_traverse` with the interpreter attached (pyo3
+            // only refuses `Python::attach` here); `obj` reads a field of the view and runs
+            // no Python code.
+            let py = unsafe { Python::assume_attached() };
+            if let Some(obj) = buf.obj(py) {
+                visit.call(obj.as_unbound())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Breaks a cycle through the buffer's exporter: closes the pool, then releases the
+    /// export. Only when `__traverse__` showed it (`collectable`): a transfer or registration
+    /// in progress keeps the export, and the memory.
+    fn __clear__(&self) {
+        let Some(held) = &self.held else {
+            return;
+        };
+        // Closed first, so that nothing exports, pins or leases the memory once it may be
+        // gone (a plan that ran and still holds the region cannot run again); `close()` is
+        // refused if a transfer started meanwhile, and then the export stays.
+        if !self.collectable() || self.region.close().is_err() {
+            return;
+        }
+        let buf = held.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // Released outside the lock: the exporter's release may run Python code.
+        drop(buf);
+    }
 }
 
 fn status_dict(py: Python<'_>, status: PinStatus) -> PyResult<Bound<'_, PyDict>> {
@@ -347,13 +427,14 @@ fn chunk_bytes_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     crate::conversion::count(obj, "chunk_bytes")
 }
 
-/// A buffer export held for as long as a borrowed region lives. Released with the interpreter
-/// attached; after interpreter shutdown there is nothing to release it to: leaked.
-struct HeldBuffer(Option<PyBuffer<u8>>);
+/// A buffer export held for as long as a borrowed region lives, shared by the pool (for the
+/// garbage collector) and the region (whose memory it keeps valid). Released with the
+/// interpreter attached; after interpreter shutdown there is nothing to release it to: leaked.
+struct HeldBuffer(Mutex<Option<PyBuffer<u8>>>);
 
 impl Drop for HeldBuffer {
     fn drop(&mut self) {
-        let mut slot = self.0.take();
+        let mut slot = self.0.get_mut().unwrap_or_else(|e| e.into_inner()).take();
         if Python::try_attach(|_| drop(slot.take())).is_none() {
             std::mem::forget(slot.take());
         }
@@ -361,9 +442,15 @@ impl Drop for HeldBuffer {
 }
 
 /// A region over `obj`'s memory (the first `len` bytes of a writable, C-contiguous buffer of
-/// at least `len` bytes), keeping the export alive.
-fn borrowed_region(obj: &Bound<'_, PyAny>, len: usize) -> PyResult<HostRegion> {
-    let buf = PyBuffer::<u8>::get(obj).map_err(|_| {
+/// at least `len` bytes), keeping the export alive; inside the region of the pool `obj` is,
+/// or views (a memoryview or numpy array over a pool), so that closing that pool closes this
+/// one's use of its memory. A closed pool refuses to export: `PoolClosedError`.
+fn borrowed_region(obj: &Bound<'_, PyAny>, len: usize) -> PyResult<(HostRegion, Arc<HeldBuffer>)> {
+    let py = obj.py();
+    let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
+        if e.is_instance(py, exceptions(py).pool_closed.bind(py)) {
+            return e;
+        }
         typed(
             |e| &e.invalid_type,
             format!(
@@ -389,7 +476,39 @@ fn borrowed_region(obj: &Bound<'_, PyAny>, len: usize) -> PyResult<HostRegion> {
     }
     let ptr = std::ptr::NonNull::new(buf.buf_ptr().cast::<u8>())
         .ok_or_else(|| typed(|e| &e.invalid_argument, "buffer has no memory"))?;
+    let parent = pool_region_under(obj);
+    let held = Arc::new(HeldBuffer(Mutex::new(Some(buf))));
     // SAFETY: a writable, C-contiguous export of at least `len` bytes from `ptr`; the export
-    // (held in the owner box) keeps the exporter's memory valid until it is released.
-    unsafe { HostRegion::borrowed(ptr, len, Box::new(HeldBuffer(Some(buf)))) }.py_err()
+    // (held in the owner box) keeps the exporter's memory valid until it is released, which
+    // happens when the region drops or, once the region is closed and the pool alone holds
+    // it, in `__clear__`.
+    let region = unsafe { HostRegion::borrowed(ptr, len, Box::new(Arc::clone(&held))) }.py_err()?;
+    let region = match parent {
+        Some(parent) => region.within(parent),
+        None => region,
+    };
+    Ok((region, held))
+}
+
+/// The region of the pool whose memory `obj` is: `obj` itself, or what a memoryview
+/// (`.obj`) or numpy array (`.base`) over it views, a few levels down.
+fn pool_region_under(obj: &Bound<'_, PyAny>) -> Option<Arc<HostRegion>> {
+    let mut at = obj.clone();
+    for _ in 0..16 {
+        if let Ok(pool) = at.cast::<PyHostChunkPool>() {
+            return Some(Arc::clone(&pool.get().region));
+        }
+        let under = if at.is_instance_of::<PyMemoryView>() {
+            at.getattr(pyo3::intern!(at.py(), "obj")).ok()?
+        } else if at.is_instance_of::<numpy::PyUntypedArray>() {
+            at.getattr(pyo3::intern!(at.py(), "base")).ok()?
+        } else {
+            return None;
+        };
+        if under.is_none() {
+            return None;
+        }
+        at = under;
+    }
+    None
 }

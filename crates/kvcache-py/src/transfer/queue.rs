@@ -404,8 +404,8 @@ impl CudaQueue {
     /// device, 3 (any) for host sources. The caller's current device is left as it was.
     fn submit(
         &self,
-        job_id: u64,
-        plan: &Bound<'_, Plan>,
+        #[pyo3(from_py_with = super::ids::job_id_arg)] job_id: u64,
+        #[pyo3(from_py_with = super::ids::plan_arg)] plan: Bound<'_, Plan>,
         current_stream: usize,
         src_access_order: i32,
     ) -> PyResult<()> {

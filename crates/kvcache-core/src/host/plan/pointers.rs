@@ -72,6 +72,29 @@ struct GroupSlice<'a> {
     blocks: usize,
 }
 
+/// What a pointer job's counts call for ([`TransferLayout::pointer_counts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PointerCounts {
+    /// Entries `ptrs` and `sizes` must each hold.
+    pub pointers: usize,
+    /// Block ids the job names, all groups together.
+    pub blocks: usize,
+}
+
+impl PointerCounts {
+    /// Arrays of `ptrs` and `sizes` entries hold what the counts call for, else a mismatch.
+    pub fn check_lengths(&self, ptrs: usize, sizes: usize) -> HostResult<()> {
+        let expected = self.pointers;
+        if ptrs != expected || sizes != expected {
+            return Err(mismatch(format!(
+                "the counts call for {expected} pointers and sizes, got {ptrs} pointers and \
+                 {sizes} sizes"
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl TransferLayout {
     /// The device block ids (group after group) that `ptrs` address, checked completely first:
     ///
@@ -98,6 +121,45 @@ impl TransferLayout {
         block_counts: &[u64],
         ref_counts: &[u64],
     ) -> HostResult<Vec<i64>> {
+        let (slices, counts) = self.pointer_groups(block_counts, ref_counts)?;
+        counts.check_lengths(ptrs.len(), sizes.len())?;
+        let total_blocks = counts.blocks;
+        // Bounded above by the pointers plus the pool's capacity per reference-less group,
+        // which can still be more than the allocator grants.
+        let mut ids = Vec::new();
+        ids.try_reserve_exact(total_blocks)
+            .map_err(|_| HostError::Alloc {
+                what: "block ids",
+                bytes: to_u64(total_blocks).saturating_mul(8),
+            })?;
+        ids.resize(total_blocks, 0i64);
+        let mut at = 0;
+        for s in &slices {
+            let out = &mut ids[at..at + s.blocks];
+            at += s.blocks;
+            self.group_block_ids(s, ptrs, sizes, out)?;
+        }
+        Ok(ids)
+    }
+
+    /// What `block_counts` and `ref_counts` call for, checked against the layout (see
+    /// [`Self::block_ids_from_pointers`]): how many pointers (and sizes) the job must hold and
+    /// how many block ids it names. Reads no pointer, so a caller can check the arrays' lengths
+    /// before it copies or reads any of them.
+    pub fn pointer_counts(
+        &self,
+        block_counts: &[u64],
+        ref_counts: &[u64],
+    ) -> HostResult<PointerCounts> {
+        Ok(self.pointer_groups(block_counts, ref_counts)?.1)
+    }
+
+    /// Each group's share of the flat arrays, and what they add up to.
+    fn pointer_groups(
+        &self,
+        block_counts: &[u64],
+        ref_counts: &[u64],
+    ) -> HostResult<(Vec<GroupSlice<'_>>, PointerCounts)> {
         let groups = self.groups.len();
         if block_counts.len() != groups || ref_counts.len() != groups {
             return Err(mismatch(format!(
@@ -144,29 +206,11 @@ impl TransferLayout {
             first = end;
             total_blocks = total;
         }
-        if ptrs.len() != first || sizes.len() != first {
-            return Err(mismatch(format!(
-                "the counts call for {first} pointers and sizes, got {} pointers and {} sizes",
-                ptrs.len(),
-                sizes.len()
-            )));
-        }
-        // Bounded above by the pointers plus the pool's capacity per reference-less group,
-        // which can still be more than the allocator grants.
-        let mut ids = Vec::new();
-        ids.try_reserve_exact(total_blocks)
-            .map_err(|_| HostError::Alloc {
-                what: "block ids",
-                bytes: to_u64(total_blocks).saturating_mul(8),
-            })?;
-        ids.resize(total_blocks, 0i64);
-        let mut at = 0;
-        for s in &slices {
-            let out = &mut ids[at..at + s.blocks];
-            at += s.blocks;
-            self.group_block_ids(s, ptrs, sizes, out)?;
-        }
-        Ok(ids)
+        let counts = PointerCounts {
+            pointers: first,
+            blocks: total_blocks,
+        };
+        Ok((slices, counts))
     }
 
     fn group_block_ids(

@@ -374,3 +374,39 @@ fn borrowed_memory_is_registered_copied_and_never_emptied_or_unmapped() {
         "the borrowed region let its owner go"
     );
 }
+
+#[test]
+fn a_region_within_another_closes_with_it_and_holds_it_open_while_leased() {
+    let page = page_size();
+    let parent = Arc::new(HostRegion::new(4 * page).unwrap());
+    let ptr = NonNull::new(parent.as_ptr()).unwrap();
+    let child = |parent: &Arc<HostRegion>| {
+        // SAFETY: the parent's mapping, kept alive by the box and by `within`.
+        let region = unsafe { HostRegion::borrowed(ptr, 2 * page, Box::new(Arc::clone(parent))) };
+        Arc::new(region.unwrap().within(Arc::clone(parent)))
+    };
+    let inner = child(&parent);
+    // A transfer on the child leases the parent too: the parent cannot close under it.
+    let lease = inner.lease().unwrap();
+    assert!(matches!(parent.close(), Err(HostError::Busy { leases: 1 })));
+    drop(lease);
+    // The parent closes; the child is closed with it and refuses leases and pinning.
+    assert_eq!(parent.close().unwrap(), 0);
+    assert!(inner.is_closed());
+    assert!(matches!(inner.lease(), Err(HostError::Closed)));
+    let (mock, _log) = mock(None);
+    assert!(matches!(
+        inner.register(mock, page, page),
+        Err(HostError::Closed)
+    ));
+    // Closing the child alone leaves the parent open.
+    let open = Arc::new(HostRegion::new(4 * page).unwrap());
+    let ptr = NonNull::new(open.as_ptr()).unwrap();
+    // SAFETY: as above.
+    let region = unsafe { HostRegion::borrowed(ptr, 2 * page, Box::new(Arc::clone(&open))) };
+    let inner = Arc::new(region.unwrap().within(Arc::clone(&open)));
+    assert_eq!(inner.close().unwrap(), 0);
+    assert!(inner.is_closed() && !open.is_closed());
+    assert!(matches!(inner.lease(), Err(HostError::Closed)));
+    drop(open.lease().unwrap());
+}

@@ -83,6 +83,31 @@ fn resolved_pointers_give_back_their_block_ids() {
 }
 
 #[test]
+fn the_counts_say_what_the_arrays_must_hold_before_any_is_read() {
+    let lay = two_groups();
+    let need = lay.pointer_counts(&[3, 2], &[2, 2]).unwrap();
+    assert_eq!((need.pointers, need.blocks), (3 * 2 + 2 * 2, 5));
+    assert!(need.check_lengths(10, 10).is_ok());
+    for (p, s) in [(9, 10), (10, 11), (1 << 40, 1 << 40)] {
+        assert!(matches!(
+            need.check_lengths(p, s),
+            Err(HostError::Mismatch(_))
+        ));
+    }
+    // Counts that disagree with the layout are refused without any array at all.
+    for (c, rc) in [
+        (&[3u64][..], &[2u64][..]),
+        (&[3, 2], &[2, 1]),
+        (&[u64::MAX, 0], &[2, 2]),
+    ] {
+        assert!(matches!(
+            lay.pointer_counts(c, rc),
+            Err(HostError::Mismatch(_))
+        ));
+    }
+}
+
+#[test]
 fn every_bad_pointer_job_is_refused() {
     let lay = two_groups();
     let ids = [5, 1, 3];
