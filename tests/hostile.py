@@ -209,7 +209,7 @@ def run_isolated(
     script: str,
     *,
     max_rss: int = 768 << 20,
-    timeout: float = 120,
+    timeout: float = 300,
     stdout: int | IO[Any] = subprocess.PIPE,
     env: dict[str, str] | None = None,
 ) -> Isolated:
