@@ -13,7 +13,7 @@ use std::ptr;
 use kvcache_core::manager::{
     ChunkId, ChunkRecord, Event, Manager, ManagerConfig, StoreOutput, VllmSemantics, FREE,
 };
-use kvcache_core::{BeladyPolicy, CoreError, Key, KeyHasher, RequestToken};
+use kvcache_core::{CoreError, Key, KeyHasher, Policy, RequestToken};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::gc::{PyTraverseError, PyVisit};
@@ -21,6 +21,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
+use crate::any_manager::{reads_positions, AnyManager};
 use crate::chunk::{fill_record_view, release_record_view};
 use crate::context::{require_context, ContextTypeCache, PositionWalk, Positions};
 use crate::conversion::{
@@ -32,7 +33,6 @@ use crate::exceptions::{exceptions, new_err};
 use crate::guard::Guarded;
 use crate::hints::{read_hint, HintRead};
 use crate::kinds::PolicyKind;
-use crate::manager_ops::ManagerOps;
 use crate::policy::inspection_dict;
 use crate::request_state::Owner;
 use crate::results::ResultTypes;
@@ -65,7 +65,7 @@ const DEFAULT_MAX_TRACKER_SIZE: usize = 64_000;
 
 /// The manager and what the bindings keep beside it.
 struct State {
-    ops: Box<dyn ManagerOps>,
+    manager: AnyManager,
     /// The policy's short name (`"lru"`, `"arc"`, or the replay's `"belady"`).
     policy_name: &'static str,
     types: ResultTypes,
@@ -97,10 +97,10 @@ pub struct PyManager {
 
 impl State {
     fn bury_dead(&mut self) {
-        let (observed, ops) = (&mut self.observed, &mut self.ops);
+        let (observed, manager) = (&mut self.observed, &mut self.manager);
         self.owner.bury_dead(|token| {
             observed.remove(&token.id);
-            ops.release_request(token);
+            dispatch!(&mut *manager, |m| m.release_request(token));
         });
     }
 
@@ -133,9 +133,9 @@ impl State {
     fn with_keys<R>(
         &mut self,
         keys: &Bound<'_, PyAny>,
-        call: fn(&mut Box<dyn ManagerOps>, &[Key<'_>]) -> R,
+        call: fn(&mut AnyManager, &[Key<'_>]) -> R,
     ) -> PyResult<R> {
-        with_core_keys(&mut self.ops, keys, &self.hasher, call)
+        with_core_keys(&mut self.manager, keys, &self.hasher, call)
     }
 
     /// Token positions of `keys` (only policies that read them get them), and where the walk
@@ -146,7 +146,7 @@ impl State {
         ctx: &Bound<'_, PyAny>,
         keys: &[Bound<'_, PyBytes>],
     ) -> PyResult<(Vec<Option<i64>>, isize)> {
-        if !self.ops.reads_positions() {
+        if !dispatch!(&self.manager, |m| reads_positions(m)) {
             return Ok((vec![None; keys.len()], 0));
         }
         let start = self
@@ -174,8 +174,11 @@ impl State {
         let keys = collect_keys(keys)?;
         let (positions, cursor) = self.positions(ctx, &keys)?;
         self.bury_dead();
-        let ops = &self.ops;
-        if let Some(token) = self.owner.cached_live(ctx, |t| ops.is_live_request(t)) {
+        let manager = &self.manager;
+        if let Some(token) = self
+            .owner
+            .cached_live(ctx, |t| dispatch!(manager, |m| m.is_live_request(t)))
+        {
             let hint = self.pending_hint(ctx, Some(token))?;
             self.give_hint(token, hint);
             return Ok((keys, positions, cursor, token));
@@ -183,14 +186,16 @@ impl State {
         let live = self
             .owner
             .existing_token(ctx)?
-            .filter(|&t| self.ops.is_live_request(t));
+            .filter(|&t| dispatch!(&self.manager, |m| m.is_live_request(t)));
         if live.is_none() {
             let ks = self.keys(&keys);
-            self.ops.check_request_call(&ks, load).py_err()?;
+            dispatch!(&self.manager, |m| m.check_request_call(&ks, load)).py_err()?;
         }
         let hint = self.pending_hint(ctx, live)?;
-        let ops = &mut self.ops;
-        let token = self.owner.token(ctx, |current| ops.request(current))?;
+        let manager = &mut self.manager;
+        let token = self
+            .owner
+            .token(ctx, |current| dispatch!(manager, |m| m.request(current)))?;
         self.give_hint(token, hint);
         Ok((keys, positions, cursor, token))
     }
@@ -201,14 +206,16 @@ impl State {
         self.bury_dead();
         // A context not seen recently is read (vLLM calls this once, for a new request):
         // looking its state up first would cost a `get_state` call on every request.
-        let ops = &self.ops;
-        let live = self.owner.cached_live(ctx, |t| ops.is_live_request(t));
+        let manager = &self.manager;
+        let live = self
+            .owner
+            .cached_live(ctx, |t| dispatch!(manager, |m| m.is_live_request(t)));
         let hint = self.pending_hint(ctx, live)?;
         let token = self.owner.live_token(
             ctx,
-            &mut *self.ops,
-            |ops, token| ops.is_live_request(token),
-            |ops, current| ops.request(current),
+            &mut self.manager,
+            |manager, token| dispatch!(manager, |m| m.is_live_request(token)),
+            |manager, current| dispatch!(manager, |m| m.request(current)),
         )?;
         self.give_hint(token, hint);
         Ok(token)
@@ -222,7 +229,7 @@ impl State {
         ctx: &Bound<'_, PyAny>,
         live: Option<RequestToken>,
     ) -> PyResult<Option<HintRead>> {
-        if live.is_some_and(|token| !self.ops.wants_retention_hint(token)) {
+        if live.is_some_and(|token| !dispatch!(&self.manager, |m| m.wants_retention_hint(token))) {
             return Ok(None);
         }
         read_hint(ctx).map(Some)
@@ -232,13 +239,14 @@ impl State {
     /// made after a reset), and counts a hint that could not be read.
     fn give_hint(&mut self, token: RequestToken, found: Option<HintRead>) {
         let Some(found) = found else { return };
-        if !self.ops.wants_retention_hint(token) {
+        if !dispatch!(&self.manager, |m| m.wants_retention_hint(token)) {
             return;
         }
         if found == HintRead::Ignored {
-            self.ops.note_ignored_hint();
+            dispatch!(&mut self.manager, |m| m.note_ignored_hint());
         }
-        self.ops.set_retention_hint(token, found.hint());
+        let hint = found.hint();
+        dispatch!(&mut self.manager, |m| m.set_retention_hint(token, hint));
     }
 
     fn event<'py>(
@@ -253,7 +261,7 @@ impl State {
 
     /// Whether stored events carry their request's context.
     fn stored_events_carry_context(&self) -> bool {
-        let config = self.ops.config();
+        let config = self.manager.config();
         config.enable_events && config.semantics.stored_events_expect_removal()
     }
 }
@@ -321,18 +329,14 @@ impl PyManager {
                 None => default_semantics(py)?,
             },
         };
-        let (ops, policy_name) = match kind {
+        let (manager, policy_name) = match kind {
             Some(kind) => (kind.new_manager(config).py_err()?, kind.name()),
-            None => {
-                let ops: Box<dyn ManagerOps> =
-                    Box::new(Manager::<BeladyPolicy<ChunkId>>::new(config).py_err()?);
-                (ops, BELADY)
-            }
+            None => (AnyManager::Belady(Manager::new(config).py_err()?), BELADY),
         };
         Ok(PyManager {
             inner: Guarded::new(
                 State {
-                    ops,
+                    manager,
                     policy_name,
                     types: ResultTypes::from_class(cls)?,
                     owner: Owner::default(),
@@ -364,7 +368,7 @@ impl PyManager {
     /// Chunk slots in the cache.
     #[getter]
     fn num_chunks(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.inner.lock(py)?.ops.config().num_chunks)
+        Ok(self.inner.lock(py)?.manager.config().num_chunks)
     }
 
     /// The policy's short name ("lru", "arc", "turn").
@@ -375,13 +379,13 @@ impl PyManager {
 
     #[getter]
     fn store_threshold(&self, py: Python<'_>) -> PyResult<i64> {
-        Ok(self.inner.lock(py)?.ops.config().store_threshold)
+        Ok(self.inner.lock(py)?.manager.config().store_threshold)
     }
 
     /// The vLLM release whose decisions this manager reproduces (`"0.33"` or `"0.34"`).
     #[getter]
     fn vllm_semantics(&self, py: Python<'_>) -> PyResult<&'static str> {
-        Ok(self.inner.lock(py)?.ops.config().semantics.name())
+        Ok(self.inner.lock(py)?.manager.config().semantics.name())
     }
 
     /// Always true: an empty manager is still a manager (vLLM tests `if not self._manager`).
@@ -391,17 +395,17 @@ impl PyManager {
 
     /// Resident chunks (ready or pending).
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.inner.lock(py)?.ops.len())
+        Ok(dispatch!(&self.inner.lock(py)?.manager, |m| m.len()))
     }
 
     #[getter]
     fn num_evictable(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.inner.lock(py)?.ops.num_evictable())
+        Ok(dispatch!(&self.inner.lock(py)?.manager, |m| m.num_evictable()))
     }
 
     #[getter]
     fn num_write_pending(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.inner.lock(py)?.ops.num_write_pending())
+        Ok(dispatch!(&self.inner.lock(py)?.manager, |m| m.num_write_pending()))
     }
 
     /// Live per-request states (requests whose context is still alive).
@@ -409,7 +413,7 @@ impl PyManager {
     fn num_requests(&self, py: Python<'_>) -> PyResult<usize> {
         let mut state = self.inner.lock(py)?;
         state.bury_dead();
-        Ok(state.ops.num_requests())
+        Ok(dispatch!(&state.manager, |m| m.num_requests()))
     }
 
     /// HIT if the key's chunk is ready, HIT_PENDING if its store is in flight, else MISS.
@@ -422,7 +426,8 @@ impl PyManager {
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = req_context;
         let state = self.inner.lock(py)?;
-        let result = state.ops.lookup(Key::new(&state.hasher, key.bytes()));
+        let key = Key::new(&state.hasher, key.bytes());
+        let result = dispatch!(&state.manager, |m| m.lookup(key));
         Ok(state.types.lookup(py, result))
     }
 
@@ -440,17 +445,17 @@ impl PyManager {
         let ks = state.keys(&keys);
         let shell = state.types.spec_shell(py)?;
         let mut observed = Vec::new();
-        let ids = state
-            .ops
-            .prepare_load(token, &ks, &positions, &mut observed)
-            .py_err()?;
+        let ids = dispatch!(&mut state.manager, |m| {
+            m.prepare_load(token, &ks, &positions, &mut observed)
+        })
+        .py_err()?;
         state.remember(token, &keys, &observed, cursor);
         // The pins are taken: a result that cannot be built (a MemoryError, a
         // KeyboardInterrupt in Python code) gives them back, or no caller could ever unpin
         // them.
         state.types.spec(py, shell, &ids).inspect_err(|_| {
             // Pinned just now, under the same lock: the unpin cannot fail.
-            let _ = state.ops.complete_load(&ks);
+            let _ = dispatch!(&mut state.manager, |m| m.complete_load(&ks));
         })
     }
 
@@ -469,10 +474,10 @@ impl PyManager {
         let keys = collect_keys(&keys)?;
         let ks = state.keys(&keys);
         let shell = state.types.spec_shell(py)?;
-        let ids = state.ops.prepare_read(&ks).py_err()?;
+        let ids = dispatch!(&mut state.manager, |m| m.prepare_read(&ks)).py_err()?;
         state.types.spec(py, shell, &ids).inspect_err(|_| {
             // Pinned just now, under the same lock: the unpin cannot fail.
-            let _ = state.ops.complete_load(&ks);
+            let _ = dispatch!(&mut state.manager, |m| m.complete_load(&ks));
         })
     }
 
@@ -485,7 +490,9 @@ impl PyManager {
     fn defer_write_release(&self, py: Python<'_>, keys: Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         self.inner
             .lock(py)?
-            .with_keys(&keys, |ops, ks| ops.defer_write_release(ks))?
+            .with_keys(&keys, |manager, ks| {
+                dispatch!(manager, |m| m.defer_write_release(ks))
+            })?
             .py_err()
     }
 
@@ -495,14 +502,18 @@ impl PyManager {
     fn release_deferred_write(&self, py: Python<'_>, chunk_ids: Bound<'_, PyAny>) -> PyResult<()> {
         let mut state = self.inner.lock(py)?;
         // At most the deferred chunks: a longer iterable is refused before it is drained.
-        let ids = bounded_ints(&chunk_ids, "chunk_ids", state.ops.num_deferred())?;
-        state.ops.release_deferred_write(&ids).py_err()
+        let ids = bounded_ints(
+            &chunk_ids,
+            "chunk_ids",
+            dispatch!(&state.manager, |m| m.num_deferred()),
+        )?;
+        dispatch!(&mut state.manager, |m| m.release_deferred_write(&ids)).py_err()
     }
 
     /// Chunks whose release is deferred (`defer_write_release`).
     #[getter]
     fn num_deferred_release_chunks(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.inner.lock(py)?.ops.num_deferred())
+        Ok(dispatch!(&self.inner.lock(py)?.manager, |m| m.num_deferred()))
     }
 
     /// Marks keys recently used (vLLM 0.33 semantics; under 0.34, which has no `touch`, it
@@ -517,7 +528,7 @@ impl PyManager {
         let _ = req_context;
         self.inner
             .lock(py)?
-            .with_keys(&keys, |ops, ks| ops.touch(ks))?
+            .with_keys(&keys, |manager, ks| dispatch!(manager, |m| m.touch(ks)))?
             .py_err()
     }
 
@@ -540,7 +551,7 @@ impl PyManager {
             ));
         }
         let ks = state.keys(&keys);
-        state.ops.hint_next_uses(&ks, &next_uses);
+        dispatch!(&mut state.manager, |m| m.hint_next_uses(&ks, &next_uses));
         Ok(())
     }
 
@@ -555,7 +566,9 @@ impl PyManager {
         let _ = req_context;
         self.inner
             .lock(py)?
-            .with_keys(&keys, |ops, ks| ops.complete_load(ks))?
+            .with_keys(&keys, |manager, ks| {
+                dispatch!(manager, |m| m.complete_load(ks))
+            })?
             .py_err()
     }
 
@@ -574,10 +587,10 @@ impl PyManager {
         let ks = state.keys(&keys);
         let shell = state.types.spec_shell(py)?;
         let mut observed = Vec::new();
-        let out = state
-            .ops
-            .prepare_store(token, &ks, &positions, &mut observed)
-            .py_err()?;
+        let out = dispatch!(&mut state.manager, |m| {
+            m.prepare_store(token, &ks, &positions, &mut observed)
+        })
+        .py_err()?;
         state.remember(token, &keys, &observed, cursor);
         let Some(out) = out else { return Ok(None) };
         let StoreOutput {
@@ -593,7 +606,7 @@ impl PyManager {
             // The new chunks are pending and nobody will ever hear of them: drop them as a
             // failed store would (evictions made for them stay, and their events too).
             let new: Vec<Key<'_>> = stored.iter().map(|&i| ks[i]).collect();
-            state.ops.complete_store(&new, false);
+            dispatch!(&mut state.manager, |m| m.complete_store(&new, false));
         })
     }
 
@@ -610,10 +623,10 @@ impl PyManager {
         req_context: Option<Bound<'_, PyAny>>,
         success: Flag,
     ) -> PyResult<()> {
-        let complete: fn(&mut Box<dyn ManagerOps>, &[Key<'_>]) -> usize = if success.0 {
-            |ops, ks| ops.complete_store(ks, true)
+        let complete: fn(&mut AnyManager, &[Key<'_>]) -> usize = if success.0 {
+            |manager, ks| dispatch!(manager, |m| m.complete_store(ks, true))
         } else {
-            |ops, ks| ops.complete_store(ks, false)
+            |manager, ks| dispatch!(manager, |m| m.complete_store(ks, false))
         };
         let mut state = self.inner.lock(py)?;
         let completed = state.with_keys(&keys, complete)?;
@@ -646,7 +659,7 @@ impl PyManager {
         let Some(token) = state.owner.existing_token(ctx)? else {
             return Ok(());
         };
-        let Some(n) = state.ops.unfinished_request_len(token) else {
+        let Some(n) = dispatch!(&state.manager, |m| m.unfinished_request_len(token)) else {
             return Ok(());
         };
         // Every position is read before anything changes (a failing read changes nothing).
@@ -663,7 +676,8 @@ impl PyManager {
             }
         } else {
             // Key objects not kept (a context the bindings lost track of): make them.
-            let keys = state.ops.unfinished_request_keys(token).unwrap_or_default();
+            let keys =
+                dispatch!(&state.manager, |m| m.unfinished_request_keys(token)).unwrap_or_default();
             for (i, key) in keys.iter().enumerate() {
                 positions.push(match seen.get(i) {
                     Some(object) => walk.get(object.bind(py))?,
@@ -671,7 +685,7 @@ impl PyManager {
                 });
             }
         }
-        state.ops.finish_request(token, &positions);
+        dispatch!(&mut state.manager, |m| m.finish_request(token, &positions));
         // A finished request observes no new key: its key objects are no longer needed.
         state.observed.remove(&token.id);
         Ok(())
@@ -680,7 +694,7 @@ impl PyManager {
     /// Events (stored / removed keys) since the last call.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut state = self.inner.lock(py)?;
-        let events = state.ops.take_events();
+        let events = dispatch!(&mut state.manager, |m| m.take_events());
         // All or nothing: every event is built before any is handed out; if one cannot be,
         // they all go back to the manager for the next call (and the contexts stay queued).
         let mut contexts = 0;
@@ -701,7 +715,7 @@ impl PyManager {
             .collect::<PyResult<Vec<_>>>()
             .and_then(|objects| PyList::new(py, objects));
         if built.is_err() {
-            state.ops.requeue_events(events);
+            dispatch!(&mut state.manager, |m| m.requeue_events(events));
         } else {
             let used = contexts.min(state.stored_contexts.len());
             state.stored_contexts.drain(..used);
@@ -713,7 +727,7 @@ impl PyManager {
     /// while chunks of failed writes are deferred (`defer_write_release`).
     fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
         let mut state = self.inner.lock(py)?;
-        state.ops.try_reset().py_err()?;
+        dispatch!(&mut state.manager, |m| m.try_reset()).py_err()?;
         state.owner.graveyard.take();
         state.observed.clear();
         Ok(())
@@ -723,7 +737,7 @@ impl PyManager {
     /// ignored_hints, hint_kept_hits))` since the last call; `stores_skipped` is None unless
     /// `store_threshold >= 2`.
     fn _take_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let s = self.inner.lock(py)?.ops.take_stats();
+        let s = dispatch!(&mut self.inner.lock(py)?.manager, |m| m.take_stats());
         (
             s.usage,
             s.write_usage,
@@ -738,14 +752,14 @@ impl PyManager {
     /// Heap bytes by structure, and per resident chunk.
     fn memory_usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let state = self.inner.lock(py)?;
-        let usage = state.ops.memory_usage();
+        let usage = dispatch!(&state.manager, |m| m.memory_usage());
         let d = PyDict::new(py);
         d.set_item("policy", usage.policy)?;
         d.set_item("table", usage.table)?;
         d.set_item("tracker", usage.tracker)?;
         d.set_item("requests", usage.requests)?;
         d.set_item("total", usage.total())?;
-        d.set_item("resident_chunks", state.ops.len())?;
+        d.set_item("resident_chunks", dispatch!(&state.manager, |m| m.len()))?;
         Ok(d)
     }
 
@@ -754,7 +768,7 @@ impl PyManager {
     /// free). `numpy.asarray(manager.chunk_table())` views it as a structured array.
     fn chunk_table(&self, py: Python<'_>) -> PyResult<ChunkTableView> {
         let state = self.inner.lock(py)?;
-        let live = state.ops.table().records();
+        let live = dispatch!(&state.manager, |m| m.table()).records();
         let mut records = Vec::new();
         records
             .try_reserve_exact(live.len())
@@ -777,36 +791,13 @@ impl PyManager {
     /// is on) and the stores it skipped since the last `get_stats`.
     fn _debug_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let state = self.inner.lock(py)?;
-        let ops = &state.ops;
-        let debug = inspection_dict(py, &ops.inspect())?;
-        let chunks = PyDict::new(py);
-        for (key, id) in ops.chunks() {
-            let ref_cnt = ops.table().record(id).ref_cnt();
-            chunks.set_item(PyBytes::new(py, key), (id, ref_cnt))?;
-        }
-        debug.set_item("chunks", chunks)?;
-        debug.set_item("free_list", ops.table().free_list().to_vec())?;
-        debug.set_item("num_allocated", ops.table().num_allocated())?;
-        debug.set_item("num_evictable", ops.num_evictable())?;
-        debug.set_item("num_write_pending", ops.num_write_pending())?;
-        if let Some(offers) = ops.tracked_offers() {
-            let tracked = PyList::empty(py);
-            for (key, count) in offers {
-                tracked.append((PyBytes::new(py, key), count))?;
-            }
-            debug.set_item("tracked_offers", tracked)?;
-        }
-        debug.set_item("stores_skipped", ops.stores_skipped())?;
-        Ok(debug)
+        dispatch!(&state.manager, |m| debug_state(py, m))
     }
 
     /// Checks the manager's and its policy's invariants; raises AssertionError if one is broken.
     #[cfg(feature = "validate")]
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner
-            .lock(py)?
-            .ops
-            .validate()
+        dispatch!(&self.inner.lock(py)?.manager, |m| m.validate())
             .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 
@@ -836,6 +827,33 @@ impl PyManager {
             }
         }
     }
+}
+
+/// `_debug_state` of one manager (see there).
+fn debug_state<'py, P: Policy<ChunkId>>(
+    py: Python<'py>,
+    m: &Manager<P>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let debug = inspection_dict(py, &m.policy().inspect())?;
+    let chunks = PyDict::new(py);
+    for (key, &id) in m.policy().resident() {
+        let ref_cnt = m.table().record(id).ref_cnt();
+        chunks.set_item(PyBytes::new(py, key), (id, ref_cnt))?;
+    }
+    debug.set_item("chunks", chunks)?;
+    debug.set_item("free_list", m.table().free_list().to_vec())?;
+    debug.set_item("num_allocated", m.table().num_allocated())?;
+    debug.set_item("num_evictable", m.num_evictable())?;
+    debug.set_item("num_write_pending", m.num_write_pending())?;
+    if let Some(offers) = m.tracked_offers() {
+        let tracked = PyList::empty(py);
+        for (key, count) in offers {
+            tracked.append((PyBytes::new(py, key), count))?;
+        }
+        debug.set_item("tracked_offers", tracked)?;
+    }
+    debug.set_item("stores_skipped", m.stores_skipped())?;
+    Ok(debug)
 }
 
 fn num_chunks_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
