@@ -6,78 +6,43 @@
 //! in `_result_types`: kvcache's own (`kvcache.OffloadingManager`) or vLLM's
 //! (`kvcache.vllm.CPUOffloadingManager`), so each caller gets objects of the types it expects.
 //! Calls are serialised by the object's lock (see `guard`).
+//!
+//! This file is the Python surface; what the bindings keep beside the Rust manager, and the
+//! steps its methods share, are in `state`; the chunk table's buffer export in `table_view`.
 
-use std::ffi::c_int;
-use std::ptr;
+mod state;
+mod table_view;
 
 use kvcache_core::manager::{
-    ChunkId, ChunkRecord, Event, Manager, ManagerConfig, StoreOutput, VllmSemantics, FREE,
+    ChunkId, ChunkRecord, Manager, ManagerConfig, StoreOutput, VllmSemantics,
 };
-use kvcache_core::{CoreError, Key, KeyHasher, Policy, RequestToken};
-use pyo3::exceptions::PyBufferError;
-use pyo3::ffi;
+use kvcache_core::{CoreError, Key, KeyHasher, Policy};
 use pyo3::gc::{PyTraverseError, PyVisit};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
-use crate::any_manager::{reads_positions, AnyManager};
-use crate::chunk::{fill_record_view, release_record_view};
+use crate::any_manager::AnyManager;
 use crate::context::{require_context, ContextTypeCache, PositionWalk, Positions};
 use crate::conversion::{
-    bounded_ints, collect_keys, count, default_semantics, int_in_range, key_bytes, semantics_arg,
-    text, with_core_keys, Flag, PyKey,
+    bounded_ints, collect_keys, count, default_semantics, int_in_range, semantics_arg, text, Flag,
+    PyKey,
 };
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::guard::Guarded;
-use crate::hints::{read_hint, HintRead};
 use crate::kinds::PolicyKind;
 use crate::policy::inspection_dict;
 use crate::request_state::Owner;
 use crate::results::ResultTypes;
-
-/// A request call's keys, their token positions, where the walk over the position dict
-/// stopped, and the request's state.
-type RequestCall<'py> = (
-    Vec<Bound<'py, PyBytes>>,
-    Vec<Option<i64>>,
-    isize,
-    RequestToken,
-);
-
-/// What the bindings keep per live request.
-#[derive(Default)]
-struct Observed {
-    /// The key objects the request observed, in the order the core recorded them, so
-    /// finishing reads their positions without building new bytes objects.
-    keys: Vec<Py<PyBytes>>,
-    /// Where the last walk over the request's position dict stopped ([`PositionWalk`]): the
-    /// next call's keys usually come next.
-    cursor: isize,
-}
+use state::State;
+pub use table_view::ChunkTableView;
 
 /// The replay's offline bound: a manager over [`BeladyPolicy`], not a vLLM policy.
 const BELADY: &str = "belady";
 
 /// vLLM's default bound of the `store_threshold` access tracker.
 const DEFAULT_MAX_TRACKER_SIZE: usize = 64_000;
-
-/// The manager and what the bindings keep beside it.
-struct State {
-    manager: AnyManager,
-    /// The policy's short name (`"lru"`, `"arc"`, or the replay's `"belady"`).
-    policy_name: &'static str,
-    types: ResultTypes,
-    owner: Owner,
-    contexts: ContextTypeCache,
-    hasher: KeyHasher,
-    /// Per live request (by token id): its key objects and position-walk cursor.
-    observed: hashbrown::HashMap<u64, Observed, foldhash::fast::RandomState>,
-    /// The request context of every stored event not yet taken, oldest first (vLLM 0.34
-    /// semantics with events on: a stored event carries its request's context).
-    stored_contexts: std::collections::VecDeque<Option<Py<PyAny>>>,
-}
 
 /// Offloading manager for host-memory KV chunks: vLLM 0.33.0's `CPUOffloadingManager`
 /// decisions, in Rust. Subclassed by `kvcache.OffloadingManager` and
@@ -93,177 +58,6 @@ pub struct PyManager {
     inner: Guarded<State>,
     /// vLLM's `OffloadingManager.lock`, made on first use.
     lock: PyOnceLock<Py<PyAny>>,
-}
-
-impl State {
-    fn bury_dead(&mut self) {
-        let (observed, manager) = (&mut self.observed, &mut self.manager);
-        self.owner.bury_dead(|token| {
-            observed.remove(&token.id);
-            dispatch!(&mut *manager, |m| m.release_request(token));
-        });
-    }
-
-    /// Remembers the key objects a call showed the request for the first time, and where its
-    /// position walk stopped.
-    fn remember(
-        &mut self,
-        token: RequestToken,
-        keys: &[Bound<'_, PyBytes>],
-        observed: &[usize],
-        cursor: isize,
-    ) {
-        // Nothing new and no walk (ARC never walks while a request runs): no entry to touch.
-        if observed.is_empty() && cursor == 0 {
-            return;
-        }
-        let seen = self.observed.entry(token.id).or_default();
-        seen.keys
-            .extend(observed.iter().map(|&i| keys[i].clone().unbind()));
-        seen.cursor = cursor;
-    }
-
-    fn keys<'a>(&self, keys: &'a [Bound<'_, PyBytes>]) -> Vec<Key<'a>> {
-        keys.iter()
-            .map(|k| Key::new(&self.hasher, key_bytes(k)))
-            .collect()
-    }
-
-    /// Runs a core call on `keys` (an iterable of bytes); see [`with_core_keys`].
-    fn with_keys<R>(
-        &mut self,
-        keys: &Bound<'_, PyAny>,
-        call: fn(&mut AnyManager, &[Key<'_>]) -> R,
-    ) -> PyResult<R> {
-        with_core_keys(&mut self.manager, keys, &self.hasher, call)
-    }
-
-    /// Token positions of `keys` (only policies that read them get them), and where the walk
-    /// over the position dict stopped. The walk resumes where the request's previous call
-    /// left it, found without side effects (a context not seen recently starts over).
-    fn positions(
-        &mut self,
-        ctx: &Bound<'_, PyAny>,
-        keys: &[Bound<'_, PyBytes>],
-    ) -> PyResult<(Vec<Option<i64>>, isize)> {
-        if !dispatch!(&self.manager, |m| reads_positions(m)) {
-            return Ok((vec![None; keys.len()], 0));
-        }
-        let start = self
-            .owner
-            .cached(ctx)
-            .and_then(|token| self.observed.get(&token.id))
-            .map_or(0, |o| o.cursor);
-        let mut walk = PositionWalk::new(Positions::new(Some(ctx), &mut self.contexts)?, start);
-        let positions = keys.iter().map(|k| walk.get(k)).collect::<PyResult<_>>()?;
-        Ok((positions, walk.cursor()))
-    }
-
-    /// What `prepare_load` (`load`) and `prepare_store` start with: the keys (checked), their
-    /// token positions, and the request's state (in that order: the checks come before any
-    /// change). A request seen for the first time gets its state only once the call is known
-    /// not to be refused (vLLM checks before it records anything), and its retention hint,
-    /// read before anything changes.
-    fn request_call<'py>(
-        &mut self,
-        req_context: &Bound<'py, PyAny>,
-        keys: &Bound<'py, PyAny>,
-        load: bool,
-    ) -> PyResult<RequestCall<'py>> {
-        let ctx = require_context(Some(req_context))?;
-        let keys = collect_keys(keys)?;
-        let (positions, cursor) = self.positions(ctx, &keys)?;
-        self.bury_dead();
-        let manager = &self.manager;
-        if let Some(token) = self
-            .owner
-            .cached_live(ctx, |t| dispatch!(manager, |m| m.is_live_request(t)))
-        {
-            let hint = self.pending_hint(ctx, Some(token))?;
-            self.give_hint(token, hint);
-            return Ok((keys, positions, cursor, token));
-        }
-        let live = self
-            .owner
-            .existing_token(ctx)?
-            .filter(|&t| dispatch!(&self.manager, |m| m.is_live_request(t)));
-        if live.is_none() {
-            let ks = self.keys(&keys);
-            dispatch!(&self.manager, |m| m.check_request_call(&ks, load)).py_err()?;
-        }
-        let hint = self.pending_hint(ctx, live)?;
-        let manager = &mut self.manager;
-        let token = self
-            .owner
-            .token(ctx, |current| dispatch!(manager, |m| m.request(current)))?;
-        self.give_hint(token, hint);
-        Ok((keys, positions, cursor, token))
-    }
-
-    /// The manager's request state for `ctx` (created on first sight, as vLLM does), with its
-    /// retention hint.
-    fn request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<RequestToken> {
-        self.bury_dead();
-        // A context not seen recently is read (vLLM calls this once, for a new request):
-        // looking its state up first would cost a `get_state` call on every request.
-        let manager = &self.manager;
-        let live = self
-            .owner
-            .cached_live(ctx, |t| dispatch!(manager, |m| m.is_live_request(t)));
-        let hint = self.pending_hint(ctx, live)?;
-        let token = self.owner.live_token(
-            ctx,
-            &mut self.manager,
-            |manager, token| dispatch!(manager, |m| m.is_live_request(token)),
-            |manager, current| dispatch!(manager, |m| m.request(current)),
-        )?;
-        self.give_hint(token, hint);
-        Ok(token)
-    }
-
-    /// The retention hint of `ctx`'s request, read unless its live state (`live`) already has
-    /// one: read before anything changes, since reading runs the context's Python code (a
-    /// `BaseException` it raises then propagates with the manager untouched).
-    fn pending_hint(
-        &self,
-        ctx: &Bound<'_, PyAny>,
-        live: Option<RequestToken>,
-    ) -> PyResult<Option<HintRead>> {
-        if live.is_some_and(|token| !dispatch!(&self.manager, |m| m.wants_retention_hint(token))) {
-            return Ok(None);
-        }
-        read_hint(ctx).map(Some)
-    }
-
-    /// Gives the request its hint if it still waits for one (a state made just now, or one
-    /// made after a reset), and counts a hint that could not be read.
-    fn give_hint(&mut self, token: RequestToken, found: Option<HintRead>) {
-        let Some(found) = found else { return };
-        if !dispatch!(&self.manager, |m| m.wants_retention_hint(token)) {
-            return;
-        }
-        if found == HintRead::Ignored {
-            dispatch!(&mut self.manager, |m| m.note_ignored_hint());
-        }
-        let hint = found.hint();
-        dispatch!(&mut self.manager, |m| m.set_retention_hint(token, hint));
-    }
-
-    fn event<'py>(
-        &self,
-        py: Python<'py>,
-        e: &Event,
-        req_context: Option<&Py<PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k.as_slice())))?;
-        self.types.event(py, keys, e, req_context)
-    }
-
-    /// Whether stored events carry their request's context.
-    fn stored_events_carry_context(&self) -> bool {
-        let config = self.manager.config();
-        config.enable_events && config.semantics.stored_events_expect_removal()
-    }
 }
 
 #[pymethods]
@@ -891,80 +685,3 @@ fn names(name: fn(PolicyKind) -> &'static str) -> String {
         .collect();
     all.join(", ")
 }
-
-/// A copy of a manager's chunk table, exported read-only through the buffer protocol.
-#[pyclass(name = "ChunkTableView", module = "kvcache._core", frozen)]
-pub struct ChunkTableView {
-    records: Box<[ChunkRecord]>,
-}
-
-#[pymethods]
-impl ChunkTableView {
-    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
-    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
-        Err(crate::errors::not_picklable(slf.as_any()))
-    }
-
-    fn __len__(&self) -> usize {
-        self.records.len()
-    }
-
-    /// # Safety
-    /// Called by CPython with a valid `view` to fill.
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut ffi::Py_buffer,
-        flags: c_int,
-    ) -> PyResult<()> {
-        if flags & ffi::PyBUF_WRITABLE != 0 {
-            return Err(PyBufferError::new_err("the chunk table is read-only"));
-        }
-        let records = &slf.get().records;
-        let (buf, len) = (records.as_ptr().cast_mut().cast(), records.len());
-        if len == 0 {
-            // An empty table: export zero bytes (a valid, non-null pointer still).
-            // SAFETY: `view` is valid (CPython's contract).
-            unsafe { fill_empty_view(view, flags, slf.into_any()) };
-            return Ok(());
-        }
-        // SAFETY: `buf` points at `len` records in a boxed slice that never changes and lives
-        // as long as `slf`, which the view's owner reference keeps alive; the export is
-        // read-only.
-        unsafe {
-            fill_record_view(view, flags, buf, len, slf.into_any());
-            (*view).readonly = 1;
-        }
-        Ok(())
-    }
-
-    /// # Safety
-    /// Called by CPython with the view it got from `__getbuffer__`.
-    unsafe fn __releasebuffer__(&self, view: *mut ffi::Py_buffer) {
-        // SAFETY: `view` was filled by `__getbuffer__` above and is released once.
-        unsafe { release_record_view(view) }
-    }
-}
-
-/// Fills `view` with an empty 1-d buffer.
-///
-/// # Safety
-/// `view` must be a valid `Py_buffer` to fill.
-unsafe fn fill_empty_view(view: *mut ffi::Py_buffer, flags: c_int, owner: Bound<'_, PyAny>) {
-    static EMPTY: [u8; 16] = [0; 16];
-    // SAFETY: the caller passes a valid view; the buffer is a static with zero length exported.
-    unsafe {
-        fill_record_view(
-            view,
-            flags,
-            ptr::addr_of!(EMPTY).cast_mut().cast(),
-            1,
-            owner,
-        );
-        (*view).len = 0;
-        (*view).readonly = 1;
-        *(*view).shape = 0;
-    }
-}
-
-/// Free slots read −2: kept in sync with the core's constant.
-const _: () = assert!(FREE == -2);
