@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check of kvcache on a CUDA machine that has torch + Triton + numpy but neither vLLM
-# nor Rust. Carry the repository checkout and the abi3 wheel (built where Rust is available:
-# `make wheel`), then, from the repository root:
-#   bash bench/gpu_transfer_check.sh [dist/kvcache_offload-*.whl] [check|worker|transfer|all] [options]
+# The GPU acceptance check of kvcache on a CUDA machine that has torch + Triton + numpy but
+# neither vLLM nor Rust (gpu/README.md). Carry the repository checkout and the abi3 wheel (built
+# where Rust is available: `make wheel`), then, from the repository root:
+#   bash gpu/run.sh [dist/kvcache_offload-*.whl] [check|worker|transfer|all] [options]
 # The wheel is installed into a private directory (nothing else is touched) and run from there:
-#   check    (default, < 5 min on an H200) bench/gpu_check.py: every copy path, every byte,
+#   check    (default, < 5 min on an H200) gpu/check.py: every copy path, every byte,
 #            kvcache's worker under both vLLM contracts, bandwidth next to the large copy;
 #            JSON to $OUT/gpu_check.json (OUT set) or ./gpu_check.json.
-#   worker   bench/gpu_worker_check.py: the A/B against vLLM's own worker (needs vLLM with its
+#   worker   gpu/worker_check.py: the A/B against vLLM's own worker (needs vLLM with its
 #            compiled ops); JSON to $OUT/gpu_worker_check.json.
 #   transfer python -m kvcache.transfer bench: engine round trips and the bandwidth sweep;
 #            JSON to $OUT/transfer_bench.json.
@@ -39,11 +39,11 @@ trap 'rm -rf "$target"' EXIT
 cd "$target"  # so a checkout's python/ directory cannot shadow the installed wheel
 status=0
 if [[ "$mode" == check || "$mode" == all ]]; then
-    PYTHONPATH="$target" timeout 290 "$python" "$here/gpu_check.py" \
+    PYTHONPATH="$target" timeout 290 "$python" "$here/check.py" \
         --json "$out/gpu_check.json" "$@" || status=$?
 fi
 if [[ "$mode" == worker ]]; then
-    PYTHONPATH="$target" timeout 290 "$python" "$here/gpu_worker_check.py" \
+    PYTHONPATH="$target" timeout 290 "$python" "$here/worker_check.py" \
         --json "$out/gpu_worker_check.json" "$@" || status=$?
 fi
 if [[ "$mode" == transfer || "$mode" == all ]]; then
