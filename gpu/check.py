@@ -34,6 +34,11 @@ the rest skipped with why; ``--device fake`` runs the CUDA backend on the fake C
 ``tests/fakecuda`` (DMA, kernel model, pinning, ordering), bandwidth skipped. Both exit 0 when
 nothing failed; ``make test`` runs them. Exit status: 0 every path run passed, 1 a path
 failed, 2 ``--device cuda`` without CUDA.
+
+This file is the command (options, the run, the table, the JSON); its parts sit beside it and
+are imported as siblings, so run it by its path: ``check_devices.py`` (CUDA, the fake, the
+CPU), ``check_paths.py`` (the copy paths), ``check_worker.py`` (the worker contracts),
+``check_bandwidth.py``, ``check_results.py`` (a path's row, skip and failure).
 """
 
 from __future__ import annotations
