@@ -25,11 +25,11 @@ from kvcache._check_config import (
     ModelShape,
     check,
 )
-from tests.conftest import require_oracle
+from tests.support.oracle import require_oracle
 
 pytestmark = pytest.mark.oracle
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 HEAD = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
 OURS = {"spec_name": "KvCacheOffloadingSpec", "spec_module_path": "kvcache.vllm"}

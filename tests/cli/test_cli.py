@@ -23,9 +23,10 @@ import kvcache
 import kvcache.cli as cli
 import kvcache.replay.progress as progress_module
 from kvcache.replay import Backend, vllm_backend
-from tests.conftest import require_oracle
+from tests.support.cli_runs import assert_one_line_error, replay_json, run, write_trace
+from tests.support.oracle import require_oracle
 
-PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
+PYTHON_DIR = Path(__file__).resolve().parents[2] / "python"
 REQUIRED = {
     "policy",
     "capacity",
@@ -38,31 +39,6 @@ REQUIRED = {
     "failed_prepares",
     "ns_per_visit",
 }
-
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as exc:  # argparse errors exit from inside main
-        rc = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
-def assert_one_line_error(rc: int, out: str, err: str, *fragments: str) -> None:
-    assert rc == 2
-    assert out == ""
-    assert err.endswith("\n")
-    assert err.count("\n") == 1, f"expected one line, got: {err!r}"
-    assert "Traceback" not in err
-    assert "error" in err
-    for fragment in fragments:
-        assert fragment in err
-
-
-def write_trace(path: Path, lines: list[str]) -> Path:
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
 
 
 GOOD_LINE = json.dumps(
@@ -308,12 +284,6 @@ def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # --- the kvcache backend: options in operator units, outputs, progress ------------------------
-
-
-def replay_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[dict[str, Any], str]:
-    rc, out, err = run(["replay", "--quiet", "--json", *argv], capsys)
-    assert rc == 0, err
-    return json.loads(out), err
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 import kvcache
-from tests.conftest import make_key, require_oracle
-from tests.hostile import raises_exactly, run_isolated
+from tests.support.hostile import raises_exactly, run_isolated
+from tests.support.keys import make_key
+from tests.support.oracle import require_oracle
 
 pytestmark = pytest.mark.oracle
 
@@ -29,7 +30,7 @@ def build(spec_name: str, module: str = "kvcache.vllm", **extra: Any) -> Any:
     require_oracle()
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    from tests.test_vllm_adapter import offloading_config
+    from tests.support.adapter_spec import offloading_config
 
     config = offloading_config(spec_name=spec_name, spec_module_path=module, **extra)
     return OffloadingSpecFactory.create_spec(config)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvcache._check_config import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH
-from tests.conftest import require_oracle
-from tests.hostile import run_isolated
+from tests.support.hostile import run_isolated
+from tests.support.oracle import require_oracle
 
 HEAD = '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
 

@@ -19,7 +19,7 @@ import pytest
 import kvcache.replay.trace as trace_module
 from kvcache.replay.errors import TraceError
 from kvcache.replay.trace import MAX_JSON_DEPTH, load_mooncake_trace
-from tests.hostile import run_isolated
+from tests.support.hostile import run_isolated
 
 GOOD = json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [1, 2]})
 DIGITS = "9" * 4301

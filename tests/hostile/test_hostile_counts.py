@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import kvcache
-from tests.conftest import make_key
-from tests.hostile import Isolated, run_isolated
+from tests.support.hostile import Isolated, run_isolated
+from tests.support.keys import make_key
 
 MiB = 1 << 20
 # Far below any allocation proportional to the counts used here (10**8 chunks x 16 bytes is

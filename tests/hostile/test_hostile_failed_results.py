@@ -17,7 +17,7 @@ import pytest
 
 import kvcache
 from kvcache.vllm import CPUOffloadingManager
-from tests.conftest import make_key
+from tests.support.keys import make_key
 
 
 class Interrupt:

@@ -26,8 +26,8 @@ import weakref
 import pytest
 
 import kvcache
-from tests.conftest import make_key
-from tests.hostile import Isolated, run_isolated
+from tests.support.hostile import Isolated, run_isolated
+from tests.support.keys import make_key
 
 
 class Chunk(ctypes.Structure):

@@ -1,5 +1,5 @@
 """Hostile retention hints never fail, slow or grow a request: each case runs in a fresh
-interpreter (``tests/hostile.py``), watched for memory, through kvcache's manager (turn and
+interpreter (``tests/support/hostile.py``), watched for memory, through kvcache's manager (turn and
 LRU), kvcache's turn policy under the policy protocol and, for a few cases, the manager vLLM
 loads (``kvcache.vllm``) with vLLM's own ``ReqContext``.
 
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvcache._hints import MAX_ACTIONS, MAX_FIELDS
-from tests.hostile import run_isolated
+from tests.support.hostile import run_isolated
 
 MiB = 1 << 20
 #: Address space the requests may reserve (the hostile objects are built, and every path

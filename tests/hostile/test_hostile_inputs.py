@@ -11,9 +11,9 @@ a chunk, a result, or nothing for constructors), the call, and the exact excepti
 - the builtin a ``list`` raises for the sequence protocol of result containers (decided: they
   stand in for vLLM's lists, so ``IndexError``/``TypeError``/``ValueError`` as a list has them).
 
-"Unchanged" is everything the object exposes (``tests.hostile.state_of``), and ``validate()``
-passes before and after. Cases that fail today are strict ``xfail`` with the bug class as the
-reason, so each fix turns them into XPASS (a failure) until its marker is dropped.
+"Unchanged" is everything the object exposes (``tests.support.hostile.state_of``), and
+``validate()`` passes before and after. Cases that fail today are strict ``xfail`` with the bug
+class as the reason, so each fix turns them into XPASS (a failure) until its marker is dropped.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvcache
-from tests.conftest import make_key
-from tests.hostile import raises_exactly, raises_unchanged, ready, state_of
+from tests.support.hostile import raises_exactly, raises_unchanged, ready, state_of
+from tests.support.keys import make_key
 
 K = [make_key(i) for i in range(10)]
 

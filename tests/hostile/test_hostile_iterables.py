@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hostile import run_isolated
+from tests.support.hostile import run_isolated
 
 HEADER = """
 import _thread, ctypes, itertools, resource, signal
@@ -171,7 +171,7 @@ CASES = [
     ("manager.prepare_read", MANAGER, "K[0]", "obj.prepare_read(items)"),
     ("manager.defer_write_release", MANAGER, "K[2]", "obj.defer_write_release(items)"),
     # (release_deferred_write reads no more ids than chunks are deferred: an endless
-    # iterable is refused after one item more, tests/test_tiering_conformance.py.)
+    # iterable is refused after one item more, tests/tiering/test_tiering_conformance.py.)
     (
         "manager._hint_next_uses.keys",
         "obj, ctx = manager('belady')",

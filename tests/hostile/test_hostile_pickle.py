@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import kvcache
-from tests.conftest import make_key, require_oracle
-from tests.hostile import raises_exactly, ready, state_of
+from tests.support.hostile import raises_exactly, ready, state_of
+from tests.support.keys import make_key
+from tests.support.oracle import require_oracle
 
 OPS: dict[str, Callable[[Any], object]] = {
     "pickle-0": lambda obj: pickle.dumps(obj, protocol=0),
@@ -145,8 +146,8 @@ def a_plan() -> Subject:
 
 def a_worker() -> Subject:
     require_oracle()
-    from tests.test_worker_api import PLAIN, spec_for
-    from tests.vllm_worker_oracle import canonical, make_tensors, vllm_on_cpu
+    from tests.support.vllm_worker_oracle import canonical, make_tensors, vllm_on_cpu
+    from tests.support.worker_specs import PLAIN, spec_for
 
     with vllm_on_cpu():
         spec = spec_for(PLAIN)
@@ -310,7 +311,7 @@ EXEMPT = {
     "CPUOffloadingSpec": "vLLM's spec class, copied as vLLM copies it; what it builds refuses",
     "KvCacheOffloadingSpec": "an alias of CPUOffloadingSpec",
     "KvCacheTieringOffloadingSpec": "vLLM's tiering spec class, copied as vLLM copies it; "
-    "its manager's primary tier refuses (tests/test_tiering_conformance.py)",
+    "its manager's primary tier refuses (tests/tiering/test_tiering_conformance.py)",
 }
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests import no_oracle
-from tests.hostile import run_isolated
+from tests.support import no_oracle
+from tests.support.hostile import run_isolated
 
 SCRIPT = """
 import numpy as np

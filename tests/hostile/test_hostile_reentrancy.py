@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 import kvcache
-from tests.conftest import make_key
-from tests.hostile import ready, require_error, state_of
+from tests.support.hostile import ready, require_error, state_of
+from tests.support.keys import make_key
 
 K = [make_key(i) for i in range(10)]
 

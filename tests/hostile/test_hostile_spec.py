@@ -2,7 +2,7 @@
 vLLM's manager.
 
 The fall-back exists for one case: a policy kvcache's manager cannot run (an out-of-tree
-Python policy, ``tests/test_vllm_adapter.py``). A bad ``max_tracker_size``, ``store_threshold``
+Python policy, ``tests/vllm/test_vllm_adapter.py``). A bad ``max_tracker_size``, ``store_threshold``
 or chunk count must reach the user as a typed ``KvCacheError``, from the spec's constructor
 (the settings) or from ``get_manager()`` (the chunk count), rather than read as "cannot run
 this policy" and quietly swap the manager.
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 import kvcache
-from tests.conftest import require_oracle
-from tests.hostile import raises_exactly
+from tests.support.hostile import raises_exactly
+from tests.support.oracle import require_oracle
 
 pytestmark = pytest.mark.oracle
 
@@ -25,7 +25,7 @@ def spec_with(**extra: Any) -> Any:
     require_oracle()
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    from tests.test_vllm_adapter import offloading_config
+    from tests.support.adapter_spec import offloading_config
 
     config = {"spec_name": "KvCacheOffloadingSpec", "spec_module_path": "kvcache.vllm"}
     return OffloadingSpecFactory.create_spec(offloading_config(**config, **extra))

@@ -2,8 +2,8 @@
 Python callbacks it runs; a thread that finds the object busy waits, never fails; the result
 is some serial order of the calls (the order the harness recorded).
 
-The harness is ``tests/threads_driver.py`` (its docs explain how the order is recorded). Each
-run happens in a fresh interpreter, so a deadlock or a crash fails one test instead of the
+The harness is ``tests/support/threads_driver.py`` (its docs explain how the order is recorded).
+Each run happens in a fresh interpreter, so a deadlock or a crash fails one test instead of the
 whole session. The harness first proves itself on an object serialised by a Python lock.
 """
 
@@ -13,14 +13,14 @@ import threading
 
 import pytest
 
-from tests.hostile import run_isolated
+from tests.support.hostile import run_isolated
 
 TARGETS = ["policy-lru", "policy-arc", "manager-lru", "manager-arc"]
 
 
 def threaded(target: str, *, serialise: bool = False, seed: int = 0) -> dict:
     script = f"""
-    from tests.threads_driver import main
+    from tests.support.threads_driver import main
     report(**main({target!r}, {seed}, serialise={serialise}))
     """
     return run_isolated(script, timeout=300).check()

@@ -29,7 +29,7 @@ from kvcache import (
     PoolClosedError,
     TransferError,
 )
-from tests.hostile import raises_exactly
+from tests.support.hostile import raises_exactly
 
 torch = pytest.importorskip("torch")
 
@@ -483,7 +483,7 @@ for name, timeout, expected in [
         covers="HostChunkPool.wait_pinned",
     )
 # Only the argument's type and range: how many threads actually start is bounded by
-# `populate` itself (tests/test_transfer_populate.py).
+# `populate` itself (tests/transfer/test_transfer_populate.py).
 for name, threads, expected in [
     ("str", "x", InvalidTypeError),
     ("float", 1.5, InvalidTypeError),

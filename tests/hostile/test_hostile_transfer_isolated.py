@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hostile import run_isolated
+from tests.support.hostile import run_isolated
 
 pytest.importorskip("torch")
 
@@ -323,7 +323,7 @@ def test_zero_stride_device_pointers_through_the_worker_front_raise(length: str)
 WORKER = """
 import itertools
 import numpy as np
-from tests.vllm_worker_oracle import Geometry, build_pairs, vllm_on_cpu
+from tests.support.vllm_worker_oracle import Geometry, build_pairs, vllm_on_cpu
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
@@ -360,7 +360,7 @@ report(outcome=outcome)
     ids=["zero-stride-block-ids", "endless-group-sizes"],
 )
 def test_a_refused_load_is_not_read_whole_for_repeats(call: str) -> None:
-    from tests.vllm_worker_oracle import pointers_release
+    from tests.support.vllm_worker_oracle import pointers_release
 
     pytest.importorskip("vllm")
     if pointers_release():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcache
-from tests.conftest import make_key
+from tests.support.keys import make_key
 
 KEYS = [make_key(i) for i in range(8)]
 

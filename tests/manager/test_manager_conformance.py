@@ -1,8 +1,8 @@
 """Conformance of kvcache's manager with the installed vLLM's (0.33.0 or 0.34.0)
 CPUOffloadingManager.
 
-- Seeded random operation sequences (``tests/manager_differential.py``): every result and the
-  whole state compared after each operation, for LRU and ARC, tight and roomy caches, one and
+- Seeded random operation sequences (``tests/support/manager_differential.py``): every result and
+  the whole state compared after each operation, for LRU and ARC, tight and roomy caches, one and
   two KV-cache groups, with and without ``store_threshold``; and for kvcache's turn policy,
   kvcache's manager against vLLM's manager loading ``TurnCachePolicy`` by name.
 - Replays of a multi-turn workload through the scheduler-shaped driver: identical decision logs
@@ -22,9 +22,8 @@ from typing import Any
 import pytest
 
 from kvcache import POLICY_KINDS
-from tests.conftest import oracle_semantics, require_oracle
-from tests.manager_differential import ManagerPair, our_manager_class, reference_policy
-from tests.manager_driver import (
+from tests.support.manager_differential import ManagerPair, our_manager_class, reference_policy
+from tests.support.manager_driver import (
     REPLAY_CASE_NAMES,
     REPLAY_CASES,
     DriverOptions,
@@ -33,6 +32,7 @@ from tests.manager_driver import (
     multi_turn_workload,
     replay_both,
 )
+from tests.support.oracle import oracle_semantics, require_oracle
 
 pytestmark = pytest.mark.oracle
 
@@ -205,8 +205,8 @@ HINT_OPS = RANDOM_OPS // 4
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_seeded_random_operations_with_hints_match_vllm(policy: str) -> None:
-    """Every request carries a retention hint of a random kind (tests/hint_cases.py): LRU and
-    ARC decide exactly as vLLM's, which read none; turn decides in kvcache's manager exactly
+    """Every request carries a retention hint of a random kind (tests/support/hint_cases.py): LRU
+    and ARC decide exactly as vLLM's, which read none; turn decides in kvcache's manager exactly
     as in vLLM's (loaded by name), both reading them; kvcache's manager counts exactly the
     hints it read (``ManagerPair.stats``)."""
     require_oracle()
@@ -266,7 +266,7 @@ def test_any_hint_sequence_decides_as_vllm(policy: str) -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from tests.hint_cases import HINT_KINDS
+    from tests.support.hint_cases import HINT_KINDS
 
     @settings(
         max_examples=int(os.environ.get("KVCACHE_HYPOTHESIS_EXAMPLES", "150")) // 2,

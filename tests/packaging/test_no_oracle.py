@@ -1,4 +1,4 @@
-"""tests/no_oracle.py: what a run without the vLLM oracle leaves out, and what it skips."""
+"""tests/support/no_oracle.py: what a run without the vLLM oracle leaves out, and what it skips."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import no_oracle
+from tests.support import no_oracle
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import kvcache
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _names(requirements: list[str]) -> set[str]:

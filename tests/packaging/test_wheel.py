@@ -26,7 +26,7 @@ import kvcache
 # A release build and a clean venv that pip installs into: not for the quick edit loop.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sh(

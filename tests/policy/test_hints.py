@@ -21,9 +21,9 @@ import pytest
 import kvcache
 from kvcache import _hints
 from kvcache._hints import MAX_ACTIONS, MAX_FIELDS, read_retention, retention_params
-from tests.conftest import make_key
-from tests.hint_cases import HINT_KINDS, action, envelope, hint_fields, tally
-from tests.hostile import raises_unchanged
+from tests.support.hint_cases import HINT_KINDS, action, envelope, hint_fields, tally
+from tests.support.hostile import raises_unchanged
+from tests.support.keys import make_key
 
 POLICIES = list(kvcache.POLICY_KINDS)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvcache
-from tests.conftest import make_key
+from tests.support.keys import make_key
 
 POLICIES = list(kvcache.POLICY_KINDS.values())
 

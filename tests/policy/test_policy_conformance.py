@@ -1,7 +1,7 @@
 """Conformance of kvcache's policies with vLLM 0.33.0's, operation by operation.
 
 Two drivers feed the same manager-shaped operations to vLLM's policy and ours and compare every
-result and the full internal state after each operation (see ``tests/differential.py``):
+result and the full internal state after each operation (see ``tests/support/differential.py``):
 
 - hypothesis stateful machines, which shrink any divergence to a minimal sequence;
 - seeded random runs, cheap enough to cover well over 100 k operations per policy in CI.
@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.conftest import require_oracle
-from tests.differential import CHUNK_MODES, CONTEXT_KINDS, OPS, Differential
-from tests.hint_cases import HINT_KINDS
+from tests.support.differential import CHUNK_MODES, CONTEXT_KINDS, OPS, Differential
+from tests.support.hint_cases import HINT_KINDS
+from tests.support.oracle import require_oracle
 
 pytestmark = pytest.mark.oracle
 
@@ -32,7 +32,7 @@ RANDOM_OPS = int(os.environ.get("KVCACHE_CONFORMANCE_OPS", "100000"))
 @pytest.mark.parametrize("kind", ["lru", "arc"])
 def test_seeded_random_operations_match_vllm(kind: str, chunk_mode: str, hints: bool) -> None:
     """With ``hints``, every request's context carries a retention hint of a random kind
-    (tests/hint_cases.py), in every context kind: ours read them, vLLM's do not, and the
+    (tests/support/hint_cases.py), in every context kind: ours read them, vLLM's do not, and the
     decisions and states stay identical."""
     require_oracle()
     rng = random.Random(f"{kind}-{chunk_mode}" + ("-hints" if hints else ""))

@@ -32,8 +32,8 @@ from kvcache.replay import (
     synthetic_chat,
     vllm_backend,
 )
-from tests.test_cli import assert_one_line_error, replay_json, run, write_trace
-from tests.test_replay_driver import FakeManager
+from tests.support.cli_runs import assert_one_line_error, replay_json, run, write_trace
+from tests.support.fake_manager import FakeManager
 
 
 def key(i: int) -> bytes:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvcache
-from tests.conftest import make_key
-from tests.hint_cases import HINT_KINDS, hint_fields
+from tests.support.hint_cases import HINT_KINDS, hint_fields
+from tests.support.keys import make_key
 
 CHUNK_MODES = ("shared", "native")
 CONTEXT_KINDS = ("vllm", "kvcache", "duck")
@@ -86,7 +86,7 @@ class Differential:
     context_kind: str = "vllm"
     num_blocks: int = 12
     num_groups: int = 2
-    #: Requests carry retention hints of random kinds (``tests.hint_cases``): LRU and ARC
+    #: Requests carry retention hints of random kinds (``tests.support.hint_cases``): LRU and ARC
     #: must decide as vLLM's, which read none.
     hints: bool = False
     ref: Any = None

@@ -26,9 +26,9 @@ from typing import IO, Any
 import pytest
 
 import kvcache
-from tests import no_oracle
+from tests.support import no_oracle
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # --- error classes ----------------------------------------------------------------------------
 

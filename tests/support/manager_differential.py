@@ -22,8 +22,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.conftest import make_key
-from tests.hint_cases import HINT_KINDS, hint_fields
+from tests.support.hint_cases import HINT_KINDS, hint_fields
+from tests.support.keys import make_key
 
 OPS = (
     "new_request", "lookup", "load", "complete_load", "touch", "store", "complete_store",
@@ -102,7 +102,7 @@ class ManagerPair:
     num_blocks: int = 16
     num_groups: int = 1
     our_semantics: str | None = None
-    #: Requests carry retention hints of random kinds (``tests.hint_cases``); ``hint_kinds``
+    #: Requests carry retention hints of random kinds (``tests.support.hint_cases``); ``hint_kinds``
     #: (when given) is the sequence they take them from, in turn.
     hints: bool = False
     hint_kinds: list[str] | None = None

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tests.conftest import make_key
+from tests.support.keys import make_key
 
 
 def multi_turn_workload(

@@ -1,7 +1,7 @@
 """Eight threads of mixed calls on one policy or manager, checked against a serial replay.
 
-``tests/test_hostile_threads.py`` runs ``main(target, seed)`` in a fresh interpreter (a hang or
-a crash then fails one test); ``python -m tests.threads_driver lru`` runs it by hand.
+``tests/hostile/test_hostile_threads.py`` runs ``main(target, seed)`` in a fresh interpreter (a hang
+or a crash then fails one test); ``python -m tests.support.threads_driver lru`` runs it by hand.
 
 The calls are made as vLLM's scheduler would on a busy system, but with everything that makes
 Python code run *inside* a call: keys are generators, request contexts are plain classes whose

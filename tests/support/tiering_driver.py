@@ -27,20 +27,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import make_key
-from tests.hint_cases import HINT_KINDS, hint_fields
-from tests.manager_driver import event_record, multi_turn_workload, store_batches
-from tests.waiting import wait_until
+from tests.support.hint_cases import HINT_KINDS, hint_fields
+from tests.support.keys import make_key
+from tests.support.manager_driver import event_record, multi_turn_workload, store_batches
+from tests.support.waiting import wait_until
 
 TOKENS_PER_BLOCK = 16
 
 
 def tiering_config(spec: str, tiers: list[dict[str, Any]], **extra: Any) -> Any:
-    """The test adapter's configuration (tests/test_vllm_adapter.py) for one side of a
+    """The test adapter's configuration (tests/vllm/test_vllm_adapter.py) for one side of a
     tiering run, with a shared host region of its own (a fresh engine id)."""
     import dataclasses
 
-    from tests.test_vllm_adapter import offloading_config
+    from tests.support.adapter_spec import offloading_config
 
     names = (
         {"spec_name": "TieringOffloadingSpec"}
@@ -175,7 +175,7 @@ class Options:
 
 
 def request_hint(i: int, options: Options) -> str:
-    """The kind of retention hint (``tests.hint_cases``) request ``i`` carries."""
+    """The kind of retention hint (``tests.support.hint_cases``) request ``i`` carries."""
     return list(HINT_KINDS)[i % len(HINT_KINDS)] if options.hints else "none"
 
 

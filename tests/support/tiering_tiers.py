@@ -1,6 +1,6 @@
 """An out-of-tree secondary tier for the tiering conformance tests, loaded by class name
-(``{"type": "FaultyTier", "module_path": "tests.tiering_tiers"}``) as vLLM's factory loads any
-out-of-tree tier.
+(``{"type": "FaultyTier", "module_path": "tests.support.tiering_tiers"}``) as vLLM's factory loads
+any out-of-tree tier.
 
 It is vLLM's in-memory example tier with deterministic faults, so that every branch of the
 primary tier's contract is reached: every ``fail_store_every``-th cascade job fails (the

@@ -1,6 +1,6 @@
 """pytest plugin: vLLM 0.34.0's own KV-offloading tests over kvcache's manager.
 
-Loaded by ``tests/test_vllm_upstream.py`` into a child pytest that runs the tests of vLLM's
+Loaded by ``tests/vllm/test_vllm_upstream.py`` into a child pytest that runs the tests of vLLM's
 source release (``-p upstream_swap_plugin``, with this directory on ``PYTHONPATH`` after
 vLLM's test tree). Before any test module is imported it rebinds ``CPUOffloadingManager`` and
 ``CPUPrimaryTierOffloadingManager`` where vLLM's tests and vLLM's specs look them up, so every
@@ -15,7 +15,7 @@ test that builds a CPU manager or a primary tier, directly or through a spec, bu
   ``store_threshold``'s ``counts`` and skipped stores), computed from the Rust manager's state,
   so those tests check kvcache's behaviour rather than fail on a name; a test that writes
   vLLM's internals (or patches its private methods) fails on the read-only stand-in, and
-  ``tests/test_vllm_upstream.py`` lists which and why;
+  ``tests/vllm/test_vllm_upstream.py`` lists which and why;
 - ``broken``: kvcache's with deliberate defects (a failed promotion's chunks are freed at
   once instead of being held until the tier lets go of them; a chunk still being written
   looks up as a hit): the negative control, which vLLM's tests must catch.

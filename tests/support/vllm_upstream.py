@@ -38,7 +38,7 @@ RELEASES = {
     ),
 }
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KEEP = ("tests/__init__.py", "tests/v1/__init__.py", "tests/v1/kv_offload/")
 TIERING = "tests/v1/kv_offload/tiering"
 
@@ -91,7 +91,7 @@ def run(root: Path, mode: str, selection: list[str], report: Path) -> dict[str, 
     # vLLM's test tree first (its package is also named ``tests``), then the plugin, then
     # whatever chose the vLLM release (the 0.33.0 pass puts that release first).
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO / "tests"), *inherited])
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO / "tests" / "support"), *inherited])
     env["KVCACHE_UPSTREAM"] = mode
     env["KVCACHE_UPSTREAM_REPORT"] = str(report)
     subprocess.run(

@@ -143,7 +143,7 @@ def _handler_init_without_device_assert(handler_cls: type) -> Any:
     if removed != 1:
         raise RuntimeError(
             f"expected one device assertion in {handler_cls.__name__}.__init__, found {removed}: "
-            "vLLM's worker changed; update tests/vllm_worker_oracle.py"
+            "vLLM's worker changed; update tests/support/vllm_worker_oracle.py"
         )
     module = inspect.getmodule(handler_cls)
     namespace: dict[str, Any] = {}
@@ -183,7 +183,7 @@ def _check_no_device_assert(handler_cls: type) -> None:
     if "gpu_tensors" in params or "is_cuda" in source:
         raise RuntimeError(
             f"{handler_cls.__name__}.__init__ takes device tensors again: vLLM's worker "
-            "changed; update tests/vllm_worker_oracle.py"
+            "changed; update tests/support/vllm_worker_oracle.py"
         )
 
 

@@ -1,13 +1,13 @@
 """The worker conformance sequences through the CUDA backend's copy kernel, on CPU.
 
-Not collected on its own: tests/test_worker_kernel_conformance.py runs this module in a child
+Not collected on its own: tests/worker/test_worker_kernel_conformance.py runs this module in a child
 pytest with ``TRITON_INTERPRET=1`` (Triton reads the variable when kernels are defined), where
 the real Triton kernel runs on the CPU and its pointers are host addresses. Each rank's engine
-gets a ``CudaBackend`` over the fake CUDA runtime of ``tests/fakecuda`` (its DMA on stream
+gets a ``CudaBackend`` over the fake CUDA runtime of ``tests/support/fakecuda`` (its DMA on stream
 threads, its events enforced), whose kernel launches run the interpreted kernel once the
 kernel's stream has reached the launch (``InterpretedLauncher``); the block and tensor tables
 stay in host memory. The pool is registered with the fake, so it is pinned and
-device-addressable. vLLM's worker runs as in tests/test_worker_conformance.py, and every host
+device-addressable. vLLM's worker runs as in tests/worker/test_worker_conformance.py, and every host
 and device byte and every job result is compared the same way.
 """
 
@@ -25,8 +25,7 @@ from hypothesis import strategies as st
 
 from kvcache.transfer import HostChunkPool, TransferEngine
 from kvcache.transfer._cuda_backend import CopyMode, CudaBackend, Queue
-from tests.conftest import require_oracle
-from tests.fakecuda.shim import (
+from tests.support.fakecuda.shim import (
     InterpretedLauncher,
     TorchCuda,
     device_layers,
@@ -35,8 +34,9 @@ from tests.fakecuda.shim import (
     pin,
     runtime,
 )
-from tests.test_worker_conformance import CORNERS, geometries, run_sequence
-from tests.vllm_worker_oracle import Geometry, RankPair
+from tests.support.oracle import require_oracle
+from tests.support.vllm_worker_oracle import Geometry, RankPair
+from tests.support.worker_sequences import CORNERS, geometries, run_sequence
 
 pytestmark = [
     pytest.mark.oracle,

@@ -6,7 +6,7 @@ vLLM's ``TieringOffloadingManager`` runs twice through vLLM's spec factory: over
 (``KvCacheTieringOffloadingSpec``), with the same secondary tiers: vLLM's in-memory
 ``example`` tier, vLLM's ``fs`` tier on a temporary directory, and an out-of-tree test tier
 that fails cascades and promotions (partial promotions, whose failed chunks' release 0.34
-defers until the tier lets go). The decision logs (see tests/tiering_driver.py) must be
+defers until the tier lets go). The decision logs (see tests/support/tiering_driver.py) must be
 identical step by step. Negative controls show that the comparison catches a primary tier
 whose cascade reads never unpin (both releases) and one that frees a failed promotion's
 chunks at once instead of deferring them (0.34). With retention hints on the requests, the
@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import oracle_semantics, require_oracle
+from tests.support.oracle import oracle_semantics, require_oracle
 
 pytestmark = pytest.mark.oracle
 
 EXAMPLE = {"type": "example"}
 FS = {"type": "fs", "root_dir": "{root}/fs", "n_read_threads": 2, "n_write_threads": 2}
-FAULTY = {"type": "FaultyTier", "module_path": "tests.tiering_tiers"}
+FAULTY = {"type": "FaultyTier", "module_path": "tests.support.tiering_tiers"}
 
 
 def needs_tiering() -> None:
@@ -55,8 +55,8 @@ def test_tiering_over_our_primary_tier_decides_as_over_vllms(
     name: str, tiers: list, policy: str
 ) -> None:
     needs_tiering()
-    from tests.manager_driver import assert_same_decisions
-    from tests.tiering_driver import Options, run_both
+    from tests.support.manager_driver import assert_same_decisions
+    from tests.support.tiering_driver import Options, run_both
 
     ref, ours = run_both(tiers, Options(), seed=seed_of(name), eviction_policy=policy)
     assert_same_decisions(ref, ours)
@@ -76,8 +76,8 @@ def test_tiering_over_our_primary_tier_decides_as_over_vllms(
 
 def test_reset_with_transfers_in_flight_decides_as_vllms() -> None:
     needs_tiering()
-    from tests.manager_driver import assert_same_decisions
-    from tests.tiering_driver import Options, run_both
+    from tests.support.manager_driver import assert_same_decisions
+    from tests.support.tiering_driver import Options, run_both
 
     ref, ours = run_both([EXAMPLE, FAULTY], Options(reset_every=17), seed=7)
     assert_same_decisions(ref, ours)
@@ -94,7 +94,7 @@ def test_the_comparison_catches_a_release_that_is_not_deferred(
     if oracle_semantics() != "0.34":
         pytest.skip("deferred releases are vLLM 0.34's")
     import kvcache.vllm
-    from tests.tiering_driver import Options, run_both
+    from tests.support.tiering_driver import Options, run_both
 
     primary = kvcache.vllm.CPUPrimaryTierOffloadingManager
 
@@ -114,7 +114,7 @@ def test_the_comparison_catches_a_cascade_that_never_unpins(
     their chunks keeps them from eviction; the logs must then differ."""
     needs_tiering()
     import kvcache.vllm
-    from tests.tiering_driver import Options, run_both
+    from tests.support.tiering_driver import Options, run_both
 
     primary = kvcache.vllm.CPUPrimaryTierOffloadingManager
     monkeypatch.setattr(primary, "complete_read", lambda self, keys, *args, **kwargs: None)
@@ -126,7 +126,7 @@ def test_our_spec_falls_back_to_vllms_primary_tier_for_python_policies() -> None
     needs_tiering()
     from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
 
-    from tests.tiering_driver import build
+    from tests.support.tiering_driver import build
 
     _spec, manager = build(
         "kvcache",
@@ -146,7 +146,7 @@ def test_our_spec_builds_our_primary_tier_with_vllms_tiers() -> None:
 
     import kvcache
     import kvcache.vllm
-    from tests.tiering_driver import build, tiering_config
+    from tests.support.tiering_driver import build, tiering_config
 
     _spec, manager = build("kvcache", [EXAMPLE], eviction_policy="turn")
     try:
@@ -160,7 +160,7 @@ def test_our_spec_builds_our_primary_tier_with_vllms_tiers() -> None:
         manager.shutdown()
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    # The worker settings are read as by kvcache's CPU spec (tests/test_tiering_worker.py
+    # The worker settings are read as by kvcache's CPU spec (tests/tiering/test_tiering_worker.py
     # runs the worker itself).
     with pytest.raises(kvcache.InvalidTypeError, match="kvcache_worker"):
         OffloadingSpecFactory.create_spec(
@@ -178,8 +178,8 @@ def test_the_primary_tier_contract_refuses_what_vllm_asserts() -> None:
     from vllm.v1.kv_offload.base import ReqContext
 
     import kvcache
-    from tests.conftest import make_key
-    from tests.tiering_driver import build
+    from tests.support.keys import make_key
+    from tests.support.tiering_driver import build
 
     _spec, manager = build("kvcache", [])
     p = manager.primary_tier
@@ -216,9 +216,20 @@ def test_the_tiering_cost_bench_runs(tmp_path: object) -> None:
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "tiering_cost.py"
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, str(script), "--tier", "example", "--conversations", "4", "--repeat", "1"],
+        [
+            sys.executable,
+            "-m",
+            "bench.tiering_cost",
+            "--tier",
+            "example",
+            "--conversations",
+            "4",
+            "--repeat",
+            "1",
+        ],
+        cwd=root,
         capture_output=True,
         text=True,
         timeout=300,
@@ -255,14 +266,14 @@ def watch_primary_requests(manager: Any, seen: set[str]) -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "arc", "turn"])
 def test_tiering_with_hints_decides_as_over_vllms(policy: str) -> None:
-    """Requests carry retention hints of every kind (tests/hint_cases.py). Over LRU and ARC
+    """Requests carry retention hints of every kind (tests/support/hint_cases.py). Over LRU and ARC
     both primary tiers decide as if there were none; turn reads them over vLLM's primary tier
     (kvcache's policy loaded by name) and over kvcache's alike. Only kvcache's primary tier
     counts them, and its counters reach the tiering manager's stats."""
     needs_tiering()
     from kvcache._vllm_metrics import HINTED_REQUESTS, IGNORED_HINTS
-    from tests.manager_driver import assert_same_decisions
-    from tests.tiering_driver import Options, run_both
+    from tests.support.manager_driver import assert_same_decisions
+    from tests.support.tiering_driver import Options, run_both
 
     counts: dict[str, Counter[str]] = {}
     ref, ours = run_both(
@@ -285,9 +296,9 @@ def test_the_primary_tier_counts_and_learns_from_every_hinted_request(hints: boo
     requests it saw."""
     needs_tiering()
     from kvcache._vllm_metrics import HINTED_REQUESTS, IGNORED_HINTS
-    from tests.hint_cases import tally
-    from tests.manager_driver import multi_turn_workload
-    from tests.tiering_driver import Options, build, drive, request_hint
+    from tests.support.hint_cases import tally
+    from tests.support.manager_driver import multi_turn_workload
+    from tests.support.tiering_driver import Options, build, drive, request_hint
 
     _spec, manager = build("kvcache", [EXAMPLE], eviction_policy="turn")
     try:

@@ -4,8 +4,8 @@ With tiering, the secondary tiers copy chunks to and from the rows of vLLM's sha
 (``/dev/shm``), so the GPU worker must write exactly those rows. vLLM's own worker (built by
 vLLM's ``TieringOffloadingSpec``) and kvcache's (``"kvcache_worker": true``) run the same jobs
 on identical CPU tensors, each in a region of its own (vLLM's CUDA edges faked as in
-tests/vllm_worker_oracle.py); after the stores every byte of the two regions, after the loads
-every device byte, and the results must be identical. Without the setting, the spec's worker
+tests/support/vllm_worker_oracle.py); after the stores every byte of the two regions, after the
+loads every device byte, and the results must be identical. Without the setting, the spec's worker
 is vLLM's (the default until kvcache's passes a GPU run).
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import require_oracle
-from tests.test_worker_api import PLAIN, cpu_spec, dev
-from tests.vllm_worker_oracle import canonical, make_tensors, offloading_config, vllm_on_cpu
+from tests.support.oracle import require_oracle
+from tests.support.vllm_worker_oracle import canonical, make_tensors, offloading_config, vllm_on_cpu
+from tests.support.worker_specs import PLAIN, cpu_spec, dev
 
 pytestmark = pytest.mark.oracle
 

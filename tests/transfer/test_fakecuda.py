@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fakecuda import (
+from tests.support.fakecuda import (
     EVENT_DISABLE_TIMING,
     HOST_MEMORY_ALREADY_REGISTERED,
     HOST_MEMORY_NOT_REGISTERED,
@@ -33,7 +33,7 @@ from tests.fakecuda import (
     MemcpyAttributes,
     library_path,
 )
-from tests.waiting import HANG_S, wait_until
+from tests.support.waiting import HANG_S, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """``bench/gpu_check.py``, the one GPU command, in the modes that need no GPU: ``--device cpu``
 (the Rust CPU copier, the worker contracts) and ``--device fake`` (the CUDA backend on the fake
-CUDA runtime of tests/fakecuda). Every path must be listed, run or skipped with why; nothing may
-fail; and a corrupted copy must make the run fail (the byte checks can fail)."""
+CUDA runtime of tests/support/fakecuda). Every path must be listed, run or skipped with why; nothing
+may fail; and a corrupted copy must make the run fail (the byte checks can fail)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import no_oracle
+from tests.support import no_oracle
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 PATHS = {
     "dma-batched", "dma-per-run", "expedited", "kernel-load", "kernel-store", "pinning",
     "ordering", "two-groups", "odd-chunks", "three-queues", "self-check", "worker-0.33",
@@ -75,7 +75,7 @@ def test_the_gpu_command_runs_from_the_carried_wheel(tmp_path: Path) -> None:
     no_oracle.needs("torch")  # the child process imports it
     """``bench/gpu_transfer_check.sh`` as the GPU machine runs it: the wheel from dist/,
     installed privately, default mode (this check); here on the CPU."""
-    from tests.test_worker_gpu_script import run_sh_from_wheel
+    from tests.support.gpu_scripts import run_sh_from_wheel
 
     done, out = run_sh_from_wheel(tmp_path, "--device", "cpu")
     assert done.returncode == 0, done.stdout + done.stderr

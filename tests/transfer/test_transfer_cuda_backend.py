@@ -1,4 +1,4 @@
-"""The CUDA backend on a fake CUDA that behaves like CUDA (``tests/fakecuda``).
+"""The CUDA backend on a fake CUDA that behaves like CUDA (``tests/support/fakecuda``).
 
 The fake is a C library exporting CUDA's own names and signatures; kvcache loads it by path
 exactly as it loads the real runtime and driver (``_core.CudaApi``), so the Rust DMA queues,
@@ -28,9 +28,9 @@ import torch
 from kvcache import InvalidArgumentError, TransferError
 from kvcache.transfer import HostChunkPool, TransferEngine
 from kvcache.transfer._cuda import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
-from tests.fakecuda import ILLEGAL_ADDRESS
-from tests.fakecuda.shim import TorchCuda, dma_settled, engine_on_fake, fake, pin
-from tests.waiting import HANG_S, wait_until
+from tests.support.fakecuda import ILLEGAL_ADDRESS
+from tests.support.fakecuda.shim import TorchCuda, dma_settled, engine_on_fake, fake, pin
+from tests.support.waiting import HANG_S, wait_until
 
 PAGE = 256
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import no_oracle
+from tests.support import no_oracle
 
 KERNEL_CHECK = textwrap.dedent(
     """

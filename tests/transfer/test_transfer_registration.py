@@ -1,7 +1,7 @@
-"""Pinning through the fake CUDA runtime (``tests/fakecuda``): pieces, rollback, sticky-error
-clearing, exactly-once unregistration, the device every call runs on. kvcache loads the fake by
-path as it loads the real runtime, so the pool's Rust registrar calls its ``cudaHostRegister``
-and friends exactly as it calls CUDA's."""
+"""Pinning through the fake CUDA runtime (``tests/support/fakecuda``): pieces, rollback,
+sticky-error clearing, exactly-once unregistration, the device every call runs on. kvcache loads the
+fake by path as it loads the real runtime, so the pool's Rust registrar calls its
+``cudaHostRegister`` and friends exactly as it calls CUDA's."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kvcache.transfer import HostChunkPool, TransferEngine, _cuda
-from tests.fakecuda.shim import fake, runtime
-from tests.waiting import HANG_S
+from tests.support.fakecuda.shim import fake, runtime
+from tests.support.waiting import HANG_S
 
 MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 

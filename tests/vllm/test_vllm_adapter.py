@@ -15,41 +15,11 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import make_key, require_oracle
+from tests.support.adapter_spec import offloading_config, our_spec
+from tests.support.keys import make_key
+from tests.support.oracle import require_oracle
 
 pytestmark = pytest.mark.oracle
-
-
-def offloading_config(**extra: Any) -> Any:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=4096,
-        enable_kv_cache_events=True,
-        extra_config={"cpu_bytes_to_use": 64 * 4096, **extra},
-        engine_id="test",
-        model=OffloadingModelConfig(name="m", dtype="float16", max_model_len=1024),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
 
 
 @pytest.mark.parametrize(("name", "kind"), [("LRUCachePolicy", "lru"), ("ARCCachePolicy", "arc")])
@@ -131,16 +101,6 @@ def test_our_spec_matches_what_vllms_spec_init_builds() -> None:
     assert out.store_spec.block_ids.dtype == reference.block_ids.dtype == np.int32
     assert out.store_spec.block_ids.tolist() == reference.block_ids.tolist()
     assert out.store_spec.block_ids.flags.writeable
-
-
-def our_spec(**extra: Any) -> Any:
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-    return OffloadingSpecFactory.create_spec(
-        offloading_config(
-            spec_name="KvCacheOffloadingSpec", spec_module_path="kvcache.vllm", **extra
-        )
-    )
 
 
 @pytest.mark.parametrize(
@@ -330,7 +290,7 @@ def test_the_adapter_follows_the_running_release() -> None:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager
 
     import kvcache.vllm
-    from tests.conftest import oracle_semantics
+    from tests.support.oracle import oracle_semantics
 
     assert oracle_semantics() == kvcache.vllm.VLLM_SEMANTICS
     assert vllm.__version__.startswith(kvcache.vllm.VLLM_SEMANTICS)
@@ -364,7 +324,7 @@ def test_other_vllm_releases_are_refused(version: str) -> None:
         check_vllm_version(version, allow_untested=False)
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # A vLLM process as vLLM sets one up: its logging configured by vllm.logger (the vllm logger
 # alone, propagate False, root untouched), then the connector loads our spec by name.
@@ -374,7 +334,7 @@ from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging
 configure_logging(LoggingConfig())
 assert not logging.getLogger().handlers
-from tests.test_vllm_adapter import our_spec
+from tests.support.adapter_spec import our_spec
 our_spec(eviction_policy="arc", cache_policy_module_path="kvcache.vllm").get_manager()
 """
 

@@ -8,7 +8,7 @@ Real (vLLM's code as installed): the OpenAI-compatible request models
 ``EngineCoreRequest`` through vLLM's msgpack encoder and decoder (the frontend-to-engine hop,
 which also carries ``kv_hints``); ``Request.from_engine_core_request``; vLLM's ``Scheduler``
 with the scheduler-role ``OffloadingConnector`` built from ``kv_connector_extra_config``
-naming kvcache's spec (``tests/test_vllm_connector_scheduler.py`` builds both); the
+naming kvcache's spec (``tests/vllm/test_vllm_connector_scheduler.py`` builds both); the
 ``SchedulerStats`` the scheduler attaches to its outputs; vLLM's ``KVConnectorProm`` (what
 vLLM's Prometheus logger builds for the connector) observing those stats into the
 ``prometheus_client`` registry, and vLLM's metrics reader (``LLM.get_metrics()``).
@@ -27,13 +27,12 @@ from typing import Any
 import pytest
 
 from kvcache._hints import retention_params
-from tests.conftest import oracle_semantics, require_oracle
-from tests.hint_cases import HINT_KINDS, action, envelope, tally
-from tests.test_vllm_connector_scheduler import (
-    OURS,
+from tests.support.connector_cases import OURS, TOKENS_PER_BLOCK
+from tests.support.hint_cases import HINT_KINDS, action, envelope, tally
+from tests.support.oracle import oracle_semantics, require_oracle
+from tests.support.scheduler_engine import (
     SCHEDULER_CASES,
     SETTINGS,
-    TOKENS_PER_BLOCK,
     Arrival,
     Engine,
     build_engine,

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import require_oracle
-from tests.manager_driver import (
+from tests.support.manager_driver import (
     REPLAY_CASE_NAMES,
     REPLAY_CASES,
     DriverOptions,
@@ -16,6 +15,7 @@ from tests.manager_driver import (
     multi_turn_workload,
     replay_both,
 )
+from tests.support.oracle import require_oracle
 
 pytestmark = pytest.mark.oracle
 

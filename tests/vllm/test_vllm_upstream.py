@@ -1,13 +1,13 @@
 """vLLM's own KV-offloading tests, run against kvcache's manager and primary tier.
 
 The tests come from the installed vLLM release's source release (0.34.0 or 0.33.0;
-``tests/vllm_upstream.py`` fetches it, pinned by SHA-256): ``tests/v1/kv_offload/`` (the CPU
+``tests/support/vllm_upstream.py`` fetches it, pinned by SHA-256): ``tests/v1/kv_offload/`` (the CPU
 manager with LRU and ARC, the policy factory, the specs, the shared host region, the tiering
 manager, the ``example``, ``fs``, ``obj`` and ``p2p`` tiers with their transports mocked,
 backpressure, the lookup and poll threads), less the files that need a GPU:
 ``cpu/test_gpu_worker.py`` (vLLM's worker, CUDA) and 0.34.0's
-``tiering/test_p2p_lifecycle_e2e.py`` (serves a model). ``tests/upstream_swap_plugin.py`` swaps
-the manager and the primary tier under them.
+``tiering/test_p2p_lifecycle_e2e.py`` (serves a model).
+``tests/support/upstream_swap_plugin.py`` swaps the manager and the primary tier under them.
 
 Every test that passes on vLLM's classes must pass on kvcache's, except ``EXPECTED``: each
 entry says why it cannot, and the words its failure must show, so a test that starts
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import vllm_upstream
-from tests.conftest import oracle_semantics, require_oracle
+from tests.support import vllm_upstream
+from tests.support.oracle import oracle_semantics, require_oracle
 
 pytestmark = pytest.mark.oracle
 

@@ -10,56 +10,17 @@ import pytest
 import torch
 
 import kvcache
-from tests.conftest import require_oracle
-from tests.vllm_worker_oracle import (
-    Geometry,
+from tests.support.oracle import require_oracle
+from tests.support.vllm_worker_oracle import (
     build_pairs,
     canonical,
-    device_side,
     make_tensors,
     offloading_config,
     vllm_on_cpu,
 )
+from tests.support.worker_specs import PLAIN, cpu_spec, default_spec_for, dev, gpu_spec, spec_for
 
 pytestmark = pytest.mark.oracle
-
-PLAIN = Geometry(((256, 256), (256, 256)), (((0, 256), (1, 256)),), 64, 2)
-
-
-def spec_for(geometry: Geometry, **extra: Any) -> Any:
-    import kvcache.vllm
-
-    config = offloading_config(geometry, rank=0, cpu_bytes_to_use=1 << 20, engine_id="t", **extra)
-    return kvcache.vllm.CPUOffloadingSpec(config)
-
-
-def default_spec_for(geometry: Geometry) -> Any:
-    """A spec whose configuration does not name a worker (the default applies)."""
-    import dataclasses
-
-    import kvcache.vllm
-
-    config = offloading_config(geometry, rank=0, cpu_bytes_to_use=1 << 20, engine_id="t")
-    extra = {k: v for k, v in config.extra_config.items() if k != "kvcache_worker"}
-    return kvcache.vllm.CPUOffloadingSpec(dataclasses.replace(config, extra_config=extra))
-
-
-def gpu_spec(block_ids: list[int], sizes: list[int], starts: list[int]) -> Any:
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
-    return GPULoadStoreSpec(block_ids, sizes, starts)
-
-
-def dev(caches: Any, block_ids: list[int], sizes: list[int], starts: list[int]) -> Any:
-    """The device side of a job over these blocks as the installed release's connector passes
-    it to a worker built on ``caches`` (0.34.0: device pointers, 0.33.0: the spec)."""
-    return device_side(gpu_spec(block_ids, sizes, starts), caches)
-
-
-def cpu_spec(chunk_ids: list[int]) -> Any:
-    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-
-    return CPULoadStoreSpec(chunk_ids)
 
 
 def info_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -154,7 +115,7 @@ def test_a_failed_self_check_falls_back_to_vllms_worker_with_one_warning(
     from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker as VllmWorker
 
     from kvcache.transfer import TransferEngine
-    from tests.fakecuda.shim import fake, scratch_on_fake
+    from tests.support.fakecuda.shim import fake, scratch_on_fake
 
     if fault == "corrupt":
         fake().reset(1)
@@ -318,7 +279,7 @@ def test_a_load_naming_a_block_twice_matches_vllms_worker() -> None:
     writes it twice. Ours splits the load around the repeat: same bytes, one result with
     vLLM's transfer_size."""
     require_oracle()
-    from tests.vllm_worker_oracle import device_bytes
+    from tests.support.vllm_worker_oracle import device_bytes
 
     with vllm_on_cpu():
         (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=6)
@@ -450,7 +411,7 @@ def test_null_block_placeholders_in_a_store_match_vllms_worker() -> None:
     store reads block 0 (zeroed on a GPU, random bytes here) into those slots. Both workers
     must fill every slot alike, the placeholders' included, and report the same size."""
     require_oracle()
-    from tests.vllm_worker_oracle import device_bytes
+    from tests.support.vllm_worker_oracle import device_bytes
 
     with vllm_on_cpu():
         (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=10)
@@ -492,7 +453,7 @@ def test_a_failed_copy_is_reported_in_the_releases_shape() -> None:
     error escapes its submit), and ours reports success=False with the job's size."""
     require_oracle()
     from kvcache.transfer._engine import JobResult
-    from tests.vllm_worker_oracle import CLEARED_DEVICE_ERRORS, pointers_release
+    from tests.support.vllm_worker_oracle import CLEARED_DEVICE_ERRORS, pointers_release
 
     with vllm_on_cpu(copy=failing_copy):
         (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=11)

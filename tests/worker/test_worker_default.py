@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_oracle
+from tests.support.oracle import require_oracle
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def evidence_problems(report: dict) -> list[str]:
@@ -36,7 +36,7 @@ def test_the_default_worker_names_a_gpu_run_that_passed_every_path() -> None:
 
     evidence = kvcache.vllm.WORKER_GPU_EVIDENCE
     if evidence is None:
-        return  # vLLM's worker is the default (tests/test_worker_api.py checks the line)
+        return  # vLLM's worker is the default (tests/worker/test_worker_api.py checks the line)
     path = ROOT / evidence
     assert path.is_file(), f"WORKER_GPU_EVIDENCE names {evidence}, which is not committed"
     assert path.parent == ROOT / "docs" / "gpu", "GPU evidence lives under docs/gpu/"

@@ -1,12 +1,12 @@
 """kvcache's vLLM worker with its copies through the Triton copy kernel, against vLLM's worker.
 
-The conformance sequences of tests/test_worker_conformance.py (the hand-picked corners and a
+The conformance sequences of tests/worker/test_worker_conformance.py (the hand-picked corners and a
 few random geometries, fixed seeds) with our worker's jobs on the CUDA backend's kernel path:
 ``copy="kernel"`` (every store and load through the kernel) and ``copy="auto"`` with cut-offs
 that send small loads to the kernel and the rest to the fake DMA; also the order of jobs of one
 queue that different methods run. The kernel runs under Triton's interpreter on the CPU
 tensors and the host pool, so its address arithmetic and tables are checked byte for byte
-against vLLM's worker. The cases live in tests/worker_kernel_cases.py and run in a child
+against vLLM's worker. The cases live in tests/support/worker_kernel_cases.py and run in a child
 pytest, because ``TRITON_INTERPRET=1`` must be set before Triton defines its kernels.
 """
 
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_oracle
+from tests.support.oracle import require_oracle
 
 pytestmark = pytest.mark.oracle
 
-ROOT = Path(__file__).resolve().parent.parent
-CASES = Path(__file__).resolve().parent / "worker_kernel_cases.py"
+ROOT = Path(__file__).resolve().parents[2]
+CASES = ROOT / "tests" / "support" / "worker_kernel_cases.py"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")

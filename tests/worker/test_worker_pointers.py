@@ -9,7 +9,7 @@ count; arrays of another dtype, shape or type; not a ``DevicePointers`` at all),
 it as a store and as a load: the worker must raise exactly the ``kvcache`` class the case names
 (also the matching builtin), queue nothing, write no byte of the host pool or the KV tensors,
 and then take the unchanged job under the same job id. Under vLLM 0.33.0 jobs carry block ids
-and these cases do not apply (tests/test_worker_api.py covers that front's refusals).
+and these cases do not apply (tests/worker/test_worker_api.py covers that front's refusals).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from kvcache import InvalidArgumentError, InvalidTypeError, OutOfRangeError
-from tests.conftest import require_oracle
-from tests.hostile import raises_exactly
-from tests.vllm_worker_oracle import (
+from tests.support.hostile import raises_exactly
+from tests.support.oracle import require_oracle
+from tests.support.vllm_worker_oracle import (
     Geometry,
     RankPair,
     build_pairs,

@@ -11,16 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_oracle
+from tests.support.oracle import require_oracle
 
 pytestmark = pytest.mark.oracle
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+ROOT = Path(__file__).resolve().parents[2]
 
 TOY = """
 import sys
-sys.path.insert(0, {bench!r})
-import worker_submit_cost as w
+import bench.worker_submit_cost as w
 w.LAYERS, w.PAGES, w.JOB_BLOCKS = (2,), (8 * 1024,), (16, 32)
 sys.exit(w.main(["--quick", "--json", {out!r}]))
 """
@@ -30,7 +29,8 @@ def test_submit_cost_bench_runs_at_toy_sizes(tmp_path: Path) -> None:
     require_oracle()
     out = tmp_path / "submit.json"
     done = subprocess.run(
-        [sys.executable, "-c", TOY.format(bench=str(BENCH), out=str(out))],
+        [sys.executable, "-c", TOY.format(out=str(out))],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,

@@ -22,7 +22,7 @@ from typing import Any
 
 SOURCE = Path(__file__).with_name("fakecuda.c")
 CFLAGS = ("-O1", "-g", "-shared", "-fPIC", "-pthread", "-Wall", "-Werror")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CACHE = REPO / ".pytest_cache" / "fakecuda"
 
 # cudaError_t / CUresult values the fake produces.

@@ -26,8 +26,8 @@ import torch
 
 from kvcache.transfer import TransferEngine, _cuda
 from kvcache.transfer._cuda_backend import CudaBackend
-from tests.fakecuda import NOT_READY, SUCCESS, FakeCuda
-from tests.waiting import wait_until
+from tests.support.fakecuda import NOT_READY, SUCCESS, FakeCuda
+from tests.support.waiting import wait_until
 
 _FAKE: FakeCuda | None = None
 
