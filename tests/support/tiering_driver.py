@@ -36,7 +36,7 @@ TOKENS_PER_BLOCK = 16
 
 
 def tiering_config(spec: str, tiers: list[dict[str, Any]], **extra: Any) -> Any:
-    """The test adapter's configuration (tests/vllm/test_vllm_adapter.py) for one side of a
+    """The test adapter's configuration (tests/support/adapter_spec.py) for one side of a
     tiering run, with a shared host region of its own (a fresh engine id)."""
     import dataclasses
 

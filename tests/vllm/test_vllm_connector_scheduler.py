@@ -26,9 +26,9 @@ in both managers, and only kvcache's reports its hint counters.
 
 Real (vLLM's code as installed):
 
-- ``VllmConfig`` and its parts, as in ``tests/vllm/test_vllm_connector_worker.py`` (its
-  ``vllm_config`` and ``kv_cache_config`` build them here), with ``KVEventsConfig``
-  enabling KV events;
+- ``VllmConfig`` and its parts, as in ``tests/vllm/test_vllm_connector_worker.py`` (the
+  ``vllm_config`` and ``kv_cache_config`` of ``tests/support/connector_cases.py`` build them
+  here), with ``KVEventsConfig`` enabling KV events;
 - ``vllm.v1.core.sched.scheduler.Scheduler``: admission, prefix caching and block allocation
   by its ``KVCacheManager`` (full-attention, sliding-window and Mamba "align" managers),
   preemption, asynchronous loads (``WAITING_FOR_REMOTE_KVS``) and synchronous ones

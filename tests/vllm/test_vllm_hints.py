@@ -8,7 +8,7 @@ Real (vLLM's code as installed): the OpenAI-compatible request models
 ``EngineCoreRequest`` through vLLM's msgpack encoder and decoder (the frontend-to-engine hop,
 which also carries ``kv_hints``); ``Request.from_engine_core_request``; vLLM's ``Scheduler``
 with the scheduler-role ``OffloadingConnector`` built from ``kv_connector_extra_config``
-naming kvcache's spec (``tests/vllm/test_vllm_connector_scheduler.py`` builds both); the
+naming kvcache's spec (``tests/support/scheduler_engine.py`` builds both); the
 ``SchedulerStats`` the scheduler attaches to its outputs; vLLM's ``KVConnectorProm`` (what
 vLLM's Prometheus logger builds for the connector) observing those stats into the
 ``prometheus_client`` registry, and vLLM's metrics reader (``LLM.get_metrics()``).
