@@ -106,8 +106,8 @@ test-rust: ## cargo test of the workspace
 	cargo test --workspace -q
 
 # The whole suite against each vLLM release: first the one in .venv (with
-# tests/test_wheel.py, which installs the wheel `make wheel` just built into a clean venv),
-# then each other one first on PYTHONPATH (everything but the wheel test, which does not
+# tests/packaging/test_wheel.py, which installs the wheel `make wheel` just built into a clean
+# venv), then each other one first on PYTHONPATH (everything but the wheel test, which does not
 # depend on the installed vLLM). Every release's pass runs whatever an earlier one did; the
 # target then fails if any failed, after a line per release.
 test-py: install build wheel ## pytest against each vLLM release, the wheel test included
@@ -118,7 +118,7 @@ test-py: install build wheel ## pytest against each vLLM release, the wheel test
 	for v in $(VLLM_OTHERS); do \
 	  echo "--- pytest against vLLM $$v"; \
 	  if PYTHONPATH="$(abspath $(ORACLE_DIR))/vllm-$$v" $(PY) -m pytest -q \
-	    --ignore=tests/test_wheel.py; \
+	    --ignore=tests/packaging/test_wheel.py; \
 	  then status="$$status $$v:passed"; else status="$$status $$v:FAILED"; fi; \
 	done; \
 	echo "--- pytest results"; \
@@ -127,8 +127,9 @@ test-py: install build wheel ## pytest against each vLLM release, the wheel test
 
 # The edit loop: the tests that need no vLLM oracle, in the base layer plus the test tools
 # (requirements/dev.txt), never the ~7 GB oracle install. KVCACHE_ALLOW_NO_ORACLE=1 skips what
-# needs vLLM, torch or Triton when they are not installed (tests/no_oracle.py, listed at the end
-# of the run); `slow` tests (the wheel's release build) are left out. `make test` runs them all.
+# needs vLLM, torch or Triton when they are not installed (tests/support/no_oracle.py, listed at
+# the end of the run); `slow` tests (the wheel's release build) are left out. `make test` runs
+# them all.
 QUICK       := $(VENV)/.quick-installed
 QUICK_ARGS  ?=
 $(QUICK): $(BASE) requirements/dev.txt
@@ -147,11 +148,13 @@ quick: $(QUICK) build ## the edit loop: tests needing no vLLM oracle (~3 min; no
 # are left out by default; add them through STRESS_TESTS.
 STRESS_REPEAT      ?= 3
 STRESS_BURN_REPEAT ?= 1
-STRESS_TESTS       ?= tests/test_fakecuda.py tests/test_transfer_cuda_backend.py \
-  tests/test_transfer_registration.py tests/test_transfer_populate.py \
-  tests/test_transfer_pool.py tests/test_transfer_engine.py tests/test_hostile_threads.py \
-  tests/test_tiering_worker.py tests/test_tiering_conformance.py tests/test_worker_api.py \
-  tests/test_worker_pointers.py tests/test_worker_default.py
+STRESS_TESTS       ?= tests/transfer/test_fakecuda.py tests/transfer/test_fakecuda_kernel.py \
+  tests/transfer/test_transfer_cuda_backend.py tests/transfer/test_transfer_registration.py \
+  tests/transfer/test_transfer_populate.py tests/transfer/test_transfer_pool.py \
+  tests/transfer/test_transfer_engine.py tests/hostile/test_hostile_threads.py \
+  tests/tiering/test_tiering_worker.py tests/tiering/test_tiering_conformance.py \
+  tests/worker/test_worker_api.py tests/worker/test_worker_pointers.py \
+  tests/worker/test_worker_default.py
 STRESS_PYTEST      = $(PY) -m pytest -q -p no:cacheprovider $(STRESS_TESTS)
 stress: install build ## the waiting tests pinned to one core, then beside CPU burners
 	@set -e; \
@@ -167,18 +170,19 @@ stress: install build ## the waiting tests pinned to one core, then beside CPU b
 	  taskset -c 0 $(STRESS_PYTEST); \
 	done
 
-lint: install build ## rustfmt, clippy, ruff, stubtest
+lint: install build ## rustfmt, clippy, ruff, stubtest, file lengths
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -q -- -D warnings
 	cargo clippy --workspace --all-targets -q --features kvcache-py/validate -- -D warnings
-	$(VENV)/bin/ruff check python tests bench gpu
-	$(VENV)/bin/ruff format --check python tests bench gpu
+	$(VENV)/bin/ruff check python tests bench gpu scripts
+	$(VENV)/bin/ruff format --check python tests bench gpu scripts
+	$(PY) scripts/check_file_lengths.py
 	$(PY) -m mypy.stubtest kvcache._core --allowlist python/stubtest-allowlist.txt
 
 fmt: install ## format Rust and Python, apply ruff's fixes
 	cargo fmt --all
-	$(VENV)/bin/ruff format python tests bench gpu
-	$(VENV)/bin/ruff check --fix python tests bench gpu
+	$(VENV)/bin/ruff format python tests bench gpu scripts
+	$(VENV)/bin/ruff check --fix python tests bench gpu scripts
 
 # --- benchmarks and deeper checks -------------------------------------------------------------
 

@@ -8,7 +8,7 @@ the worker returns before either has finished.
 This script measures, on the machine it runs on:
 
 - the prefault rate of a fresh pool with 1 thread and with N threads (``HostChunkPool.populate``);
-- with the fake CUDA runtime of ``tests/fakecuda`` (registration accepted at once: no driver
+- with the fake CUDA runtime of ``tests/support/fakecuda`` (registration accepted at once: no driver
   here), how long
   ``register_background`` takes to return, and how long the whole prefault + registration
   takes for the same pool, i.e. the part of pinning that no longer blocks start-up.
@@ -16,7 +16,7 @@ This script measures, on the machine it runs on:
 The driver's own registration time needs a GPU: ``gpu/worker_check.py`` reports "worker
 returned in X s, pool pinned after Y s" there.
 
-Run: ``python bench/pin_startup.py [GiB]`` (default 4).
+Run from the repository root: ``python -m bench.pin_startup [GiB]`` (default 4).
 """
 
 from __future__ import annotations
@@ -24,13 +24,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's tests/
-
-from tests.fakecuda.shim import fake, runtime
 
 from kvcache.transfer import HostChunkPool, _cuda
+from tests.support.fakecuda.shim import fake, runtime
 
 
 def main(argv: list[str] | None = None) -> int:

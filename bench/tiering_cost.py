@@ -11,7 +11,8 @@ memory per resident chunk of each primary tier's bookkeeping (tracemalloc for vL
 objects, the Rust manager's own count for kvcache's; the chunk bytes themselves are vLLM's
 shared region in both).
 
-Run: ``python bench/tiering_cost.py [--tier fs|example] [--conversations N] [--repeat R]``
+Run from the repository root:
+``python -m bench.tiering_cost [--tier fs|example] [--conversations N] [--repeat R]``
 (needs vLLM 0.34.0 or 0.33.0; the figures in docs/benchmarks.md are 0.34.0's; the fs tier
 writes to a temporary directory).
 """
@@ -25,13 +26,10 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.manager_driver import multi_turn_workload
-from tests.tiering_driver import Options, build, drive
+from tests.support.manager_driver import multi_turn_workload
+from tests.support.tiering_driver import Options, build, drive
 
 SCHEDULER_CALLS = (
     "lookup", "prepare_load", "complete_load", "prepare_store", "complete_store",
@@ -102,8 +100,9 @@ def run(side: str, tier: str, requests: list[list[int]], root: str) -> dict[str,
 
 def bookkeeping_bytes(side: str, chunks: int) -> float:
     """Host bytes per resident chunk of the primary tier's bookkeeping, its cache full."""
-    from tests.conftest import make_key
     from vllm.v1.kv_offload.base import ReqContext
+
+    from tests.support.keys import make_key
 
     keys = [make_key(b, 0) for b in range(chunks)]  # the caller's, not the tier's
     gc.collect()

@@ -9,8 +9,8 @@ the job's block ids (``resolve_device_pointers``) before it calls either worker,
 in the ``submit`` figures; its CPU per job is the ``resolve`` column (next to nothing under
 0.33.0, where the spec is passed as is). vLLM's worker runs as its spec builds it, on CPU
 tensors with its CUDA edges faked and its batch copy stubbed out
-(``tests/vllm_worker_oracle.py``): what remains is its Python/numpy descriptor building and job
-bookkeeping. Ours runs as ``kvcache.vllm.CPUOffloadingSpec.get_worker`` builds it, with the
+(``tests/support/vllm_worker_oracle.py``): what remains is its Python/numpy descriptor building and
+job bookkeeping. Ours runs as ``kvcache.vllm.CPUOffloadingSpec.get_worker`` builds it, with the
 copy stubbed the same way (its queue threads build every job's runs and copy nothing): on the
 submitting thread remain spec decoding, validation of every id (O(blocks)) and the hand-off
 (under 0.34.0 also the check of every device pointer against the KV tensors, which turns them
@@ -35,11 +35,11 @@ Ids: ``fresh`` = consecutive blocks and chunks (a new request on an empty block 
 coalesces each layer's pages of a chunk into one run); ``churned`` = random distinct ids (a
 steady-state block pool: nothing coalesces, one run per page on both sides).
 
-Run: ``python bench/worker_submit_cost.py [--quick] [--json PATH]`` (about 30 s). Prints a
-table (median microseconds of CPU per job, both directions, vLLM/ours, the hand-off and
-vLLM's store over it), the smallest ratios and where, the timer floor, and the descriptor
-floor: the CPU to write one (src, dst, size) triple per page with numpy, about the least any
-DMA worker spends per job when nothing coalesces.
+Run from the repository root: ``python -m bench.worker_submit_cost [--quick] [--json PATH]``
+(about 30 s). Prints a table (median microseconds of CPU per job, both directions, vLLM/ours, the
+hand-off and vLLM's store over it), the smallest ratios and where, the timer floor, and the
+descriptor floor: the CPU to write one (src, dst, size) triple per page with numpy, about the least
+any DMA worker spends per job when nothing coalesces.
 """
 
 from __future__ import annotations
@@ -57,9 +57,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.vllm_worker_oracle import (
+from tests.support.vllm_worker_oracle import (
     Geometry,
     canonical,
     device_side,

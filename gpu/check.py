@@ -30,9 +30,9 @@ Paths, each checked byte for byte against torch indexing of the source:
   torch it was built for), so the figures are compared with the large copy, not with vLLM.
 
 ``--device cpu`` runs what needs no GPU (the Rust CPU copier, the worker contracts) and marks
-the rest skipped with why; ``--device fake`` runs the CUDA backend on the fake CUDA runtime of
-``tests/fakecuda`` (DMA, kernel model, pinning, ordering), bandwidth skipped. Both exit 0 when
-nothing failed; ``make test`` runs them. Exit status: 0 every path run passed, 1 a path
+the rest skipped with why; ``--device fake`` runs the CUDA backend on the fake CUDA runtime
+of ``tests/support/fakecuda`` (DMA, kernel model, pinning, ordering), bandwidth skipped. Both
+exit 0 when nothing failed; ``make test`` runs them. Exit status: 0 every path run passed, 1 a path
 failed, 2 ``--device cuda`` without CUDA.
 
 This file is the command (options, the run, the table, the JSON); its parts sit beside it and

@@ -1,5 +1,5 @@
 """Where the GPU check's "GPU" tensors live and how its engines reach them: a CUDA device,
-the fake CUDA runtime of tests/fakecuda (CPU memory declared as device memory), or the CPU
+the fake CUDA runtime of tests/support/fakecuda (CPU memory declared as device memory), or the CPU
 (the Rust copier; what needs CUDA is skipped with why)."""
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class CudaDevice(Device):
 
 
 class FakeDevice(Device):
-    """The CUDA backend on the fake CUDA runtime of tests/fakecuda (CPU memory declared as
+    """The CUDA backend on the fake CUDA runtime of tests/support/fakecuda (CPU memory declared as
     device memory; streams on threads; the kernel's model)."""
 
     kind = "fake"
@@ -153,7 +153,7 @@ class FakeDevice(Device):
     def __init__(self) -> None:
         super().__init__()
         sys.path.insert(0, str(REPO))
-        from tests.fakecuda import shim
+        from tests.support.fakecuda import shim
 
         self.shim = shim
         shim.fake().reset(1)
@@ -209,7 +209,11 @@ class FakeDevice(Device):
         return pool, num - 1, lambda: f.register_gate(False)
 
     def info(self) -> dict[str, Any]:
-        return {"type": "fake", "torch": self.torch.__version__, "runtime": "tests/fakecuda"}
+        return {
+            "type": "fake",
+            "torch": self.torch.__version__,
+            "runtime": "tests/support/fakecuda",
+        }
 
 
 def version(name: str) -> str | None:

@@ -48,7 +48,7 @@ under ``ab_problems`` in the JSON. A missed target is reported in the verdicts, 
 exit status: the figures are the result.
 
 ``--device cpu --quick`` is the dry run CI executes (small sizes, vLLM's worker on CPU tensors
-through ``tests/vllm_worker_oracle.py``), so the script cannot rot.
+through ``tests/support/vllm_worker_oracle.py``), so the script cannot rot.
 
 Run: ``python gpu/worker_check.py`` (needs kvcache importable: an installed abi3 wheel is
 enough; ``bash gpu/run.sh worker`` installs one privately and runs this, see ``gpu/README.md``).
@@ -367,7 +367,7 @@ class Check:
         with contextlib.ExitStack() as stack:
             if not self.cuda:
                 sys.path.insert(0, str(REPO))
-                from tests.vllm_worker_oracle import vllm_on_cpu
+                from tests.support.vllm_worker_oracle import vllm_on_cpu
 
                 stack.enter_context(vllm_on_cpu())
             stack.enter_context(one_rank_barrier(self.barrier_calls))

@@ -264,7 +264,7 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
 #: repository, of a ``gpu/check.py`` JSON whose every path passed on a GPU (see
 #: docs/worker.md, "Which worker runs"). None: no GPU run has passed yet, so vLLM's own worker
 #: moves the bytes unless ``"kvcache_worker": true``. Setting it is the whole switch;
-#: ``tests/test_worker_default.py`` checks that the file it names passed.
+#: ``tests/worker/test_worker_default.py`` checks that the file it names passed.
 WORKER_GPU_EVIDENCE: str | None = None
 
 #: Why the worker is vLLM's when the configuration does not say.

@@ -4,8 +4,8 @@ Why the already-loaded libraries and not any found on disk: error state and cont
 runtime instance, so kvcache must talk to the same one torch uses (``dlopen`` of the file torch
 mapped returns that instance). Rust resolves every entry point by name and types it with
 CUDA's C signature (``crates/kvcache-py/src/transfer/api.rs``); no function address ever
-passes through Python. Tests name a fake runtime built from ``tests/fakecuda/`` instead, which
-goes through the very same declarations. Nothing here is needed on CPU-only machines.
+passes through Python. Tests name a fake runtime built from ``tests/support/fakecuda/`` instead,
+which goes through the very same declarations. Nothing here is needed on CPU-only machines.
 
 ``cuMemcpyBatchAsync`` (one call for a whole job's copies) lives in the driver library and
 exists from CUDA 12.8 drivers on; where it is missing the engine issues one

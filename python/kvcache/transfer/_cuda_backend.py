@@ -138,8 +138,8 @@ class _KernelJob:
 
 class CudaBackend:
     """See the module docs. ``runtime``, ``cuda`` (a ``torch.cuda`` stand-in) and ``launcher``
-    let tests run the backend over the fake CUDA runtime of ``tests/fakecuda``; by default the
-    real ones are used."""
+    let tests run the backend over the fake CUDA runtime of ``tests/support/fakecuda``; by default
+    the real ones are used."""
 
     def __init__(
         self,

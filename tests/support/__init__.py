@@ -1,0 +1,1 @@
+"""What the tests share: drivers, oracles, the fake CUDA runtime and helpers (no tests here)."""
