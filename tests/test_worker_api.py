@@ -267,7 +267,7 @@ def test_a_failed_copy_is_reported_and_logged_never_as_success(
     """A job whose copy fails (here: its queue's copy thread refuses it) comes back with
     success=False, and one error line names the job, its direction and the cause."""
     require_oracle()
-    from kvcache.transfer._engine import JobResult
+    from kvcache.transfer import JobResult
 
     with vllm_on_cpu():
         (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=4)
@@ -491,7 +491,7 @@ def test_a_failed_copy_is_reported_in_the_releases_shape() -> None:
     the same result for a failed copy. vLLM 0.33.0's worker cannot report one (the copy's
     error escapes its submit), and ours reports success=False with the job's size."""
     require_oracle()
-    from kvcache.transfer._engine import JobResult
+    from kvcache.transfer import JobResult
     from tests.vllm_worker_oracle import CLEARED_DEVICE_ERRORS, pointers_release
 
     with vllm_on_cpu(copy=failing_copy):

@@ -12,7 +12,8 @@ Importing this package imports neither torch nor CUDA; torch is imported when a 
 or viewed as a tensor, or when an engine is created.
 """
 
-from kvcache.transfer._engine import JobResult, TransferEngine
+from kvcache.transfer._engine import TransferEngine
+from kvcache.transfer._jobs import JobResult
 from kvcache.transfer._pool import HostChunkPool
 
 __all__ = ["HostChunkPool", "JobResult", "TransferEngine"]
