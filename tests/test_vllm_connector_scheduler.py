@@ -267,7 +267,7 @@ TIMED = ("vllm:kv_offload_lookup_sync_delay_seconds", "vllm:kv_offload_lookup_as
 
 
 def describe_stats(stats: Any, recorder: Recorder) -> Any:
-    from kvcache._vllm_metrics import HINT_METRICS
+    from kvcache.vllm._metrics import HINT_METRICS
 
     if stats is None:
         return None
@@ -676,7 +676,7 @@ def test_scheduler_decisions_match_vllm_with_hints(setting: str) -> None:
     counters, at least once for every request that carried one (a request running at the
     cache reset is recorded again afterwards, and its hint read again)."""
     require_oracle()
-    from kvcache._vllm_metrics import HINTED_REQUESTS, IGNORED_HINTS
+    from kvcache.vllm._metrics import HINTED_REQUESTS, IGNORED_HINTS
     from tests.hint_cases import tally
 
     counts: Counter[str] = Counter()

@@ -156,7 +156,7 @@ def _handler_init_without_device_assert(handler_cls: type) -> Any:
 def pointers_release() -> bool:
     """Whether the installed vLLM hands its worker device pointers (0.34.0) rather than a
     ``GPULoadStoreSpec`` (0.33.0)."""
-    from kvcache._vllm_version import VLLM_SEMANTICS
+    from kvcache.vllm._version import VLLM_SEMANTICS
 
     return VLLM_SEMANTICS != "0.33"
 

@@ -52,10 +52,10 @@ from vllm.v1.kv_offload.tiering.manager import (
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvcache import _vllm_config as settings
-from kvcache._vllm_logging import route_to_vllm
-from kvcache._vllm_metrics import hint_metric_definitions
-from kvcache._vllm_version import VLLM_SEMANTICS
+from kvcache import _extra_config as settings
+from kvcache.vllm._logging import route_to_vllm
+from kvcache.vllm._metrics import hint_metric_definitions
+from kvcache.vllm._version import VLLM_SEMANTICS
 
 logger = logging.getLogger("kvcache.vllm")
 
@@ -164,8 +164,8 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
     def create_worker(self, kv_caches: Any) -> Any:
         """vLLM's worker, or kvcache's over vLLM's shared host region (see the class docs);
         one start-up line says which, and why."""
-        from kvcache._vllm_worker import HostRegionView, build_worker
         from kvcache.vllm import CPUOffloadingSpec
+        from kvcache.vllm._worker import HostRegionView, build_worker
 
         reason = CPUOffloadingSpec.worker_unsupported(self, kv_caches)  # type: ignore[arg-type]
         if reason is not None:

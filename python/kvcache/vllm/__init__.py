@@ -24,7 +24,7 @@ own Python classes *before* looking at the module path::
         "cache_policy_module_path": "kvcache.vllm",  # or "kvcache" (see kvcache.__getattr__)
     }
 
-Every key kvcache's specs read is checked when vLLM builds the spec (``kvcache._vllm_config``);
+Every key kvcache's specs read is checked when vLLM builds the spec (``kvcache._extra_config``);
 ``kvcache check-config`` shows what a configuration builds without a GPU.
 
 Switches (``kv_connector_extra_config``), all optional:
@@ -53,7 +53,7 @@ import sys
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from kvcache._vllm_version import (  # first: refuses an untested vLLM before importing it
+from kvcache.vllm._version import (  # first: refuses an untested vLLM before importing it
     ALLOW_UNTESTED_ENV,
     TESTED_VLLM_VERSIONS,
     VLLM_SEMANTICS,
@@ -82,12 +82,12 @@ from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as _VllmCPUOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcache import _vllm_config as settings
+from kvcache import _extra_config as settings
 from kvcache._core import POLICY_KINDS, InvalidArgumentError, InvalidTypeError
 from kvcache._core import OffloadingManager as _RustManager
-from kvcache._vllm_logging import route_to_vllm
-from kvcache._vllm_metrics import add_hint_counts, hint_metric_definitions
-from kvcache._vllm_worker import CPUOffloadingWorker, build_worker
+from kvcache.vllm._logging import route_to_vllm
+from kvcache.vllm._metrics import add_hint_counts, hint_metric_definitions
+from kvcache.vllm._worker import CPUOffloadingWorker, build_worker
 
 if TYPE_CHECKING:  # at run time served by ``__getattr__`` below
     from kvcache._core import ARCCachePolicy, LRUCachePolicy, TurnCachePolicy
@@ -288,7 +288,7 @@ class CPUOffloadingSpec(_VllmCPUOffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        """vLLM's CPU metrics and kvcache's retention-hint counters (``kvcache._vllm_metrics``),
+        """vLLM's CPU metrics and kvcache's retention-hint counters (``kvcache.vllm._metrics``),
         which vLLM's Prometheus layer refuses unless the spec declares them."""
         return {**super().build_metric_definitions(extra_config), **hint_metric_definitions()}
 
@@ -492,7 +492,7 @@ def build_manager(
 KvCacheOffloadingSpec = CPUOffloadingSpec
 
 
-from kvcache._vllm_tiering import KvCacheTieringOffloadingSpec, primary_tier_class  # noqa: E402
+from kvcache.vllm._tiering import KvCacheTieringOffloadingSpec, primary_tier_class  # noqa: E402
 
 #: The CPU primary tier of vLLM's tiered offloading, on kvcache's Rust manager.
 CPUPrimaryTierOffloadingManager = primary_tier_class()

@@ -62,7 +62,7 @@ def check_vllm_version(version: str, *, allow_untested: bool) -> str:
 def check_installed_vllm() -> str:
     import vllm
 
-    from kvcache._vllm_logging import route_to_vllm
+    from kvcache.vllm._logging import route_to_vllm
 
     route_to_vllm()  # first, so that even the warning below comes out in vLLM's format
     return check_vllm_version(
