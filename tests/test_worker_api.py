@@ -99,6 +99,7 @@ def test_without_a_setting_vllms_worker_runs_until_a_gpu_run_has_passed(
     from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker as VllmWorker
 
     import kvcache.vllm
+    from kvcache.vllm import _worker_settings
 
     with vllm_on_cpu(), caplog.at_level("DEBUG", logger="kvcache"):
         spec = default_spec_for(PLAIN)
@@ -115,7 +116,7 @@ def test_without_a_setting_vllms_worker_runs_until_a_gpu_run_has_passed(
     finally:
         worker.shutdown()
     # The switch itself: with evidence named, the same configuration builds kvcache's worker.
-    monkeypatch.setattr(kvcache.vllm, "WORKER_GPU_EVIDENCE", "docs/gpu/example.json")
+    monkeypatch.setattr(_worker_settings, "WORKER_GPU_EVIDENCE", "docs/gpu/example.json")
     with vllm_on_cpu():
         spec = default_spec_for(PLAIN)
         worker = spec.get_worker(canonical(PLAIN, make_tensors(PLAIN, 0)))
