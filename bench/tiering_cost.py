@@ -12,8 +12,8 @@ objects, the Rust manager's own count for kvcache's; the chunk bytes themselves 
 shared region in both).
 
 Run: ``python bench/tiering_cost.py [--tier fs|example] [--conversations N] [--repeat R]``
-(needs vLLM 0.34.0 or 0.33.0; the README's figures are 0.34.0's; the fs tier writes to a
-temporary directory).
+(needs vLLM 0.34.0 or 0.33.0; the figures in docs/benchmarks.md are 0.34.0's; the fs tier
+writes to a temporary directory).
 """
 
 from __future__ import annotations

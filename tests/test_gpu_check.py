@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import no_oracle
+
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
 PATHS = {
     "dma-batched", "dma-per-run", "expedited", "kernel-load", "kernel-store", "pinning",
@@ -39,6 +41,7 @@ def run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], d
 
 @pytest.mark.parametrize("device", ["cpu", "fake"])
 def test_every_path_runs_or_says_why_not(tmp_path: Path, device: str) -> None:
+    no_oracle.needs("torch")  # the child process imports it
     done, report = run(tmp_path, "--device", device)
     assert done.returncode == 0, done.stdout + done.stderr
     paths = {p["name"]: p for p in report["paths"]}
@@ -60,6 +63,7 @@ def test_every_path_runs_or_says_why_not(tmp_path: Path, device: str) -> None:
 
 
 def test_a_wrong_byte_fails_the_run(tmp_path: Path) -> None:
+    no_oracle.needs("torch")  # the child process imports it
     done, report = run(tmp_path, "--device", "fake", "--corrupt")
     assert done.returncode == 1
     failed = {p["name"] for p in report["paths"] if p["status"] == "failed"}
@@ -68,6 +72,7 @@ def test_a_wrong_byte_fails_the_run(tmp_path: Path) -> None:
 
 
 def test_the_gpu_command_runs_from_the_carried_wheel(tmp_path: Path) -> None:
+    no_oracle.needs("torch")  # the child process imports it
     """``bench/gpu_transfer_check.sh`` as the GPU machine runs it: the wheel from dist/,
     installed privately, default mode (this check); here on the CPU."""
     from tests.test_worker_gpu_script import run_sh_from_wheel

@@ -32,7 +32,7 @@ def command(
     """``kvcache ARGV`` in a fresh interpreter: exit status, stdout, stderr. ``stdout`` and
     ``env``: see ``run_isolated``."""
     script = f"import sys\nfrom kvcache.cli import main\nsys.exit(main({argv!r}))\n"
-    run = run_isolated(script, max_rss=768 << 20, timeout=60, stdout=stdout, env=env)
+    run = run_isolated(script, max_rss=768 << 20, timeout=300, stdout=stdout, env=env)
     assert not run.killed_for_memory, run.describe()
     assert not run.timed_out, run.describe()
     return run.returncode, run.stdout, run.stderr

@@ -392,6 +392,7 @@ class Liar:  # claims 2**40 items
         read += 1
         return 0
 before = (bytes(memoryview(pool)), layer.clone(), engine.poll())
+reset_peak()
 try:
     {call}
     outcome = "returned"
@@ -440,4 +441,5 @@ def test_a_hostile_iterable_to_the_transfer_engine_raises(call: str, expected: s
     assert report["outcome"] == expected, report
     assert report["unchanged"], report
     assert report["read"] == 0, report
-    assert report["rss_peak"] < 640 << 20, report
+    # What the call itself may allocate, above what torch and the engine already hold.
+    assert report["rss_growth"] < 128 << 20, report

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests import no_oracle
 from tests.hostile import run_isolated
 
 SCRIPT = """
@@ -78,6 +79,7 @@ SETUPS = [
 
 @pytest.mark.parametrize("setup", [s[1] for s in SETUPS], ids=[s[0] for s in SETUPS])
 def test_every_use_of_a_closed_pool_raises_pool_closed(setup: str) -> None:
+    no_oracle.needs("torch")  # the child process imports it
     report = run_isolated(SCRIPT.replace("{setup}", setup)).check()
     assert report.pop("closed") is True, report
     assert report.pop("resident") == 0, report  # a status: it still answers

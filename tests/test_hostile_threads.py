@@ -23,7 +23,7 @@ def threaded(target: str, *, serialise: bool = False, seed: int = 0) -> dict:
     from tests.threads_driver import main
     report(**main({target!r}, {seed}, serialise={serialise}))
     """
-    return run_isolated(script, timeout=120).check()
+    return run_isolated(script, timeout=300).check()
 
 
 def assert_serial(report: dict) -> None:

@@ -210,7 +210,7 @@ def test_the_primary_tier_contract_refuses_what_vllm_asserts() -> None:
 
 
 def test_the_tiering_cost_bench_runs(tmp_path: object) -> None:
-    """bench/tiering_cost.py (README figures) on a tiny workload, so that it cannot rot."""
+    """bench/tiering_cost.py (docs/benchmarks.md's figures) on a tiny workload, so it cannot rot."""
     needs_tiering()
     import subprocess
     import sys

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import no_oracle
+
 KERNEL_CHECK = textwrap.dedent(
     """
     import numpy as np, torch
@@ -96,6 +98,7 @@ def test_block_words_stay_within_bounds() -> None:
 
 
 def test_bench_cli_runs_on_cpu_and_writes_json(tmp_path: Path) -> None:
+    no_oracle.needs("torch")  # the child process imports it
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [sys.executable, "-m", "kvcache.transfer", "bench", "--device", "cpu", "--quick",

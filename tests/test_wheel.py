@@ -23,6 +23,9 @@ import pytest
 
 import kvcache
 
+# A release build and a clean venv that pip installs into: not for the quick edit loop.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

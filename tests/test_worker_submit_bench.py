@@ -1,6 +1,6 @@
-"""bench/worker_submit_cost.py at toy sizes, so the README's submit-cost table keeps a script
-that runs: every row has both workers' figures and the in-round hand-off, and the summary
-names the smallest ratios. No figure is compared with another (no timing asserts)."""
+"""bench/worker_submit_cost.py at toy sizes, so the submit-cost table in docs/benchmarks.md
+keeps a script that runs: every row has both workers' figures and the in-round hand-off, and
+the summary names the smallest ratios. No figure is compared with another (no timing asserts)."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use pyo3::PyClass;
 
+use crate::any_manager::AnyManager;
 use crate::chunk::PyChunk;
 use crate::conversion::default_semantics;
-use crate::manager_ops::ManagerOps;
 use crate::policy::BaseCachePolicy;
 
 /// The Python class of a policy: a `BaseCachePolicy` over the core policy `P`.
@@ -119,11 +119,9 @@ macro_rules! policies {
             }
 
             /// A manager over this policy.
-            pub fn new_manager(self, config: ManagerConfig) -> CoreResult<Box<dyn ManagerOps>> {
+            pub fn new_manager(self, config: ManagerConfig) -> CoreResult<AnyManager> {
                 Ok(match self {
-                    $(PolicyKind::$kind => {
-                        Box::new(Manager::<kvcache_core::$policy<ChunkId>>::new(config)?)
-                    }),*
+                    $(PolicyKind::$kind => AnyManager::$kind(Manager::new(config)?)),*
                 })
             }
 

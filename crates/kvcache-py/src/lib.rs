@@ -2,12 +2,15 @@
 //!
 //! Conversions live in `conversion` (keys, counts) and `context` (request contexts), errors in
 //! `errors` and `exceptions`, the policy classes (from the core's list) in `kinds`, the
-//! type-erased manager in `manager_ops`; this file only assembles the
-//! module. The module relies on the GIL (see the `SAFETY` notes in `chunk`), so
-//! it is built for the stable ABI of GIL builds (abi3, CPython ≥ 3.11).
+//! manager over any policy in `any_manager`; this file only assembles the module. The module
+//! relies on the GIL (see the `SAFETY` notes in `chunk`), so it is built for the stable ABI of
+//! GIL builds (abi3, CPython ≥ 3.11).
 
 use pyo3::prelude::*;
 
+// First: its `dispatch!` macro is used by the modules declared after it.
+#[macro_use]
+mod any_manager;
 mod chunk;
 mod context;
 mod conversion;
@@ -17,7 +20,6 @@ mod guard;
 mod hints;
 mod kinds;
 mod manager;
-mod manager_ops;
 mod policy;
 mod request_state;
 mod results;

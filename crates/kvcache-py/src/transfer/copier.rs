@@ -8,15 +8,15 @@
 
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use kvcache_core::host::copy_runs;
 use pyo3::prelude::*;
 
 use super::plan::{Plan, PlanData};
+use super::thread::JobThread;
 use crate::errors::typed;
 
 /// One finished job: id, success, seconds spent copying, and the cause of a failure.
@@ -45,7 +45,7 @@ impl Shared {
     }
 }
 
-fn run_jobs(rx: std::sync::mpsc::Receiver<Job>, shared: Arc<Shared>, execute: bool) {
+fn run_jobs(rx: Receiver<Job>, shared: Arc<Shared>, execute: bool) {
     // Ends when the sender is dropped and every queued job has been run.
     while let Ok(Job { id, plan }) = rx.recv() {
         let started = Instant::now();
@@ -79,8 +79,7 @@ fn run_jobs(rx: std::sync::mpsc::Receiver<Job>, shared: Arc<Shared>, execute: bo
 #[pyclass(module = "kvcache._core", name = "CpuCopier", frozen)]
 pub struct CpuCopier {
     shared: Arc<Shared>,
-    tx: Mutex<Option<Sender<Job>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
+    thread: JobThread<Job>,
 }
 
 #[pymethods]
@@ -96,17 +95,11 @@ impl CpuCopier {
     #[pyo3(signature = (*, execute=true))]
     fn new(execute: bool) -> PyResult<Self> {
         let shared = Arc::new(Shared::default());
-        let (tx, rx) = channel();
         let worker_shared = Arc::clone(&shared);
-        let worker = std::thread::Builder::new()
-            .name("kvcache-copy".into())
-            .spawn(move || run_jobs(rx, worker_shared, execute))
-            .map_err(|e| typed(|e| &e.transfer, format!("cannot start copy thread: {e}")))?;
-        Ok(CpuCopier {
-            shared,
-            tx: Mutex::new(Some(tx)),
-            worker: Mutex::new(Some(worker)),
-        })
+        let thread = JobThread::spawn("kvcache-copy", "copy", move |rx| {
+            run_jobs(rx, worker_shared, execute);
+        })?;
+        Ok(CpuCopier { shared, thread })
     }
 
     /// Queues `plan` (a host-layer plan, not yet executed) as job `job_id` (unique among
@@ -124,7 +117,7 @@ impl CpuCopier {
             ));
         }
         data.check_not_executed()?;
-        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = self.thread.sender();
         let tx = tx
             .as_ref()
             .ok_or_else(|| typed(|e| &e.transfer, "the copier is shut down"))?;
@@ -189,28 +182,14 @@ impl CpuCopier {
     /// Finishes the queued jobs and stops the worker thread (GIL released); later `submit`
     /// calls raise. Results stay available to `poll()`. Idempotent.
     fn shutdown(&self, py: Python<'_>) {
-        drop(self.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
-        let handle = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(h) = handle {
-            py.detach(move || {
-                let _ = h.join();
-            });
-        }
+        self.thread.shutdown(py);
     }
 }
 
 impl Drop for CpuCopier {
     fn drop(&mut self) {
-        // Closing the channel lets the worker finish the queued jobs and exit; the worker
-        // never needs the GIL, so joining here (possibly under the GIL) cannot deadlock.
-        drop(self.tx.get_mut().unwrap_or_else(|e| e.into_inner()).take());
-        if let Some(h) = self
-            .worker
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            let _ = h.join();
-        }
+        // The worker finishes the queued jobs and exits before `shared` drops: the last
+        // reference to the finished plans goes here, never on the worker.
+        self.thread.stop();
     }
 }

@@ -7,7 +7,7 @@
 //! name a fake one; no entry point takes a function address from Python.
 //!
 //! Module dependencies run one way: `api` <- `registrar` <- `pool` <- `plan` <- {`copier`,
-//! `cuda`} and `cuda` <- `queue`.
+//! `cuda`} and `cuda` <- `queue`; `copier` and `queue` run their threads through `thread`.
 
 use pyo3::prelude::*;
 
@@ -19,6 +19,7 @@ mod plan;
 mod pool;
 mod queue;
 mod registrar;
+mod thread;
 
 pub use api::PyCudaApi;
 pub use copier::CpuCopier;

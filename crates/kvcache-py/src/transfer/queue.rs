@@ -24,9 +24,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_float, c_int, c_uint};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 
 use pyo3::prelude::*;
 
@@ -35,6 +34,7 @@ use kvcache_core::host::PinStatus;
 use super::api::{is_sticky, CudaApi, Event, PyCudaApi, Stream};
 use super::cuda::{batch_copy, memcpy_each_run, BatchFailure, RunFailure};
 use super::plan::{Plan, PlanData};
+use super::thread::JobThread;
 use crate::errors::typed;
 
 /// cudaErrorNotReady: an event or stream has work still pending.
@@ -307,8 +307,7 @@ type Done = (u64, bool, Option<f64>, Option<String>);
 #[pyclass(module = "kvcache._core", name = "CudaQueue", frozen)]
 pub struct CudaQueue {
     shared: Arc<Shared>,
-    tx: Mutex<Option<Sender<QueuedJob>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
+    thread: JobThread<QueuedJob>,
 }
 
 #[pymethods]
@@ -342,17 +341,11 @@ impl CudaQueue {
             jobs_batched: AtomicU64::new(0),
             jobs_per_run: AtomicU64::new(0),
         });
-        let (tx, rx) = channel();
         let thread_shared = Arc::clone(&shared);
-        let worker = std::thread::Builder::new()
-            .name("kvcache-dma".into())
-            .spawn(move || run_queue(rx, thread_shared))
-            .map_err(|e| typed(|e| &e.transfer, format!("cannot start DMA thread: {e}")))?;
-        Ok(CudaQueue {
-            shared,
-            tx: Mutex::new(Some(tx)),
-            worker: Mutex::new(Some(worker)),
-        })
+        let thread = JobThread::spawn("kvcache-dma", "DMA", move |rx| {
+            run_queue(rx, thread_shared);
+        })?;
+        Ok(CudaQueue { shared, thread })
     }
 
     /// Whether jobs go through the driver's batched call (False without one, and after a
@@ -422,7 +415,7 @@ impl CudaQueue {
         if let Some(lost) = self.shared.lost() {
             return Err(typed(|e| &e.transfer, lost));
         }
-        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = self.thread.sender();
         let tx = tx
             .as_ref()
             .ok_or_else(|| typed(|e| &e.transfer, "the queue is shut down"))?;
@@ -613,28 +606,15 @@ impl CudaQueue {
     /// Lets the thread enqueue what is queued, stops it, and waits for the device to finish
     /// every job (GIL released). Results stay available to `poll()`. Idempotent.
     fn shutdown(&self, py: Python<'_>) {
-        drop(self.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
-        let handle = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(h) = handle {
-            py.detach(move || {
-                let _ = h.join();
-            });
-        }
+        self.thread.shutdown(py);
         self.wait(py, None);
     }
 }
 
 impl Drop for CudaQueue {
     fn drop(&mut self) {
-        drop(self.tx.get_mut().unwrap_or_else(|e| e.into_inner()).take());
-        if let Some(h) = self
-            .worker
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            let _ = h.join();
-        }
+        // Nothing more reaches the stream once the thread has stopped.
+        self.thread.stop();
         let api = Arc::clone(&self.shared.api);
         let _bound = api.on_device(self.shared.device);
         let mut st = self.shared.lock();

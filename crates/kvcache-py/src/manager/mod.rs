@@ -6,78 +6,43 @@
 //! in `_result_types`: kvcache's own (`kvcache.OffloadingManager`) or vLLM's
 //! (`kvcache.vllm.CPUOffloadingManager`), so each caller gets objects of the types it expects.
 //! Calls are serialised by the object's lock (see `guard`).
+//!
+//! This file is the Python surface; what the bindings keep beside the Rust manager, and the
+//! steps its methods share, are in `state`; the chunk table's buffer export in `table_view`.
 
-use std::ffi::c_int;
-use std::ptr;
+mod state;
+mod table_view;
 
 use kvcache_core::manager::{
-    ChunkId, ChunkRecord, Event, Manager, ManagerConfig, StoreOutput, VllmSemantics, FREE,
+    ChunkId, ChunkRecord, Manager, ManagerConfig, StoreOutput, VllmSemantics,
 };
-use kvcache_core::{BeladyPolicy, CoreError, Key, KeyHasher, RequestToken};
-use pyo3::exceptions::PyBufferError;
-use pyo3::ffi;
+use kvcache_core::{CoreError, Key, KeyHasher, Policy};
 use pyo3::gc::{PyTraverseError, PyVisit};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
-use crate::chunk::{fill_record_view, release_record_view};
+use crate::any_manager::AnyManager;
 use crate::context::{require_context, ContextTypeCache, PositionWalk, Positions};
 use crate::conversion::{
-    bounded_ints, collect_keys, count, default_semantics, int_in_range, key_bytes, semantics_arg,
-    text, with_core_keys, Flag, PyKey,
+    bounded_ints, collect_keys, count, default_semantics, int_in_range, semantics_arg, text, Flag,
+    PyKey,
 };
 use crate::errors::IntoPyResult;
 use crate::exceptions::{exceptions, new_err};
 use crate::guard::Guarded;
-use crate::hints::{read_hint, HintRead};
 use crate::kinds::PolicyKind;
-use crate::manager_ops::ManagerOps;
 use crate::policy::inspection_dict;
 use crate::request_state::Owner;
 use crate::results::ResultTypes;
-
-/// A request call's keys, their token positions, where the walk over the position dict
-/// stopped, and the request's state.
-type RequestCall<'py> = (
-    Vec<Bound<'py, PyBytes>>,
-    Vec<Option<i64>>,
-    isize,
-    RequestToken,
-);
-
-/// What the bindings keep per live request.
-#[derive(Default)]
-struct Observed {
-    /// The key objects the request observed, in the order the core recorded them, so
-    /// finishing reads their positions without building new bytes objects.
-    keys: Vec<Py<PyBytes>>,
-    /// Where the last walk over the request's position dict stopped ([`PositionWalk`]): the
-    /// next call's keys usually come next.
-    cursor: isize,
-}
+use state::State;
+pub use table_view::ChunkTableView;
 
 /// The replay's offline bound: a manager over [`BeladyPolicy`], not a vLLM policy.
 const BELADY: &str = "belady";
 
 /// vLLM's default bound of the `store_threshold` access tracker.
 const DEFAULT_MAX_TRACKER_SIZE: usize = 64_000;
-
-/// The manager and what the bindings keep beside it.
-struct State {
-    ops: Box<dyn ManagerOps>,
-    /// The policy's short name (`"lru"`, `"arc"`, or the replay's `"belady"`).
-    policy_name: &'static str,
-    types: ResultTypes,
-    owner: Owner,
-    contexts: ContextTypeCache,
-    hasher: KeyHasher,
-    /// Per live request (by token id): its key objects and position-walk cursor.
-    observed: hashbrown::HashMap<u64, Observed, foldhash::fast::RandomState>,
-    /// The request context of every stored event not yet taken, oldest first (vLLM 0.34
-    /// semantics with events on: a stored event carries its request's context).
-    stored_contexts: std::collections::VecDeque<Option<Py<PyAny>>>,
-}
 
 /// Offloading manager for host-memory KV chunks: vLLM 0.33.0's `CPUOffloadingManager`
 /// decisions, in Rust. Subclassed by `kvcache.OffloadingManager` and
@@ -93,169 +58,6 @@ pub struct PyManager {
     inner: Guarded<State>,
     /// vLLM's `OffloadingManager.lock`, made on first use.
     lock: PyOnceLock<Py<PyAny>>,
-}
-
-impl State {
-    fn bury_dead(&mut self) {
-        let (observed, ops) = (&mut self.observed, &mut self.ops);
-        self.owner.bury_dead(|token| {
-            observed.remove(&token.id);
-            ops.release_request(token);
-        });
-    }
-
-    /// Remembers the key objects a call showed the request for the first time, and where its
-    /// position walk stopped.
-    fn remember(
-        &mut self,
-        token: RequestToken,
-        keys: &[Bound<'_, PyBytes>],
-        observed: &[usize],
-        cursor: isize,
-    ) {
-        // Nothing new and no walk (ARC never walks while a request runs): no entry to touch.
-        if observed.is_empty() && cursor == 0 {
-            return;
-        }
-        let seen = self.observed.entry(token.id).or_default();
-        seen.keys
-            .extend(observed.iter().map(|&i| keys[i].clone().unbind()));
-        seen.cursor = cursor;
-    }
-
-    fn keys<'a>(&self, keys: &'a [Bound<'_, PyBytes>]) -> Vec<Key<'a>> {
-        keys.iter()
-            .map(|k| Key::new(&self.hasher, key_bytes(k)))
-            .collect()
-    }
-
-    /// Runs a core call on `keys` (an iterable of bytes); see [`with_core_keys`].
-    fn with_keys<R>(
-        &mut self,
-        keys: &Bound<'_, PyAny>,
-        call: fn(&mut Box<dyn ManagerOps>, &[Key<'_>]) -> R,
-    ) -> PyResult<R> {
-        with_core_keys(&mut self.ops, keys, &self.hasher, call)
-    }
-
-    /// Token positions of `keys` (only policies that read them get them), and where the walk
-    /// over the position dict stopped. The walk resumes where the request's previous call
-    /// left it, found without side effects (a context not seen recently starts over).
-    fn positions(
-        &mut self,
-        ctx: &Bound<'_, PyAny>,
-        keys: &[Bound<'_, PyBytes>],
-    ) -> PyResult<(Vec<Option<i64>>, isize)> {
-        if !self.ops.reads_positions() {
-            return Ok((vec![None; keys.len()], 0));
-        }
-        let start = self
-            .owner
-            .cached(ctx)
-            .and_then(|token| self.observed.get(&token.id))
-            .map_or(0, |o| o.cursor);
-        let mut walk = PositionWalk::new(Positions::new(Some(ctx), &mut self.contexts)?, start);
-        let positions = keys.iter().map(|k| walk.get(k)).collect::<PyResult<_>>()?;
-        Ok((positions, walk.cursor()))
-    }
-
-    /// What `prepare_load` (`load`) and `prepare_store` start with: the keys (checked), their
-    /// token positions, and the request's state (in that order: the checks come before any
-    /// change). A request seen for the first time gets its state only once the call is known
-    /// not to be refused (vLLM checks before it records anything), and its retention hint,
-    /// read before anything changes.
-    fn request_call<'py>(
-        &mut self,
-        req_context: &Bound<'py, PyAny>,
-        keys: &Bound<'py, PyAny>,
-        load: bool,
-    ) -> PyResult<RequestCall<'py>> {
-        let ctx = require_context(Some(req_context))?;
-        let keys = collect_keys(keys)?;
-        let (positions, cursor) = self.positions(ctx, &keys)?;
-        self.bury_dead();
-        let ops = &self.ops;
-        if let Some(token) = self.owner.cached_live(ctx, |t| ops.is_live_request(t)) {
-            let hint = self.pending_hint(ctx, Some(token))?;
-            self.give_hint(token, hint);
-            return Ok((keys, positions, cursor, token));
-        }
-        let live = self
-            .owner
-            .existing_token(ctx)?
-            .filter(|&t| self.ops.is_live_request(t));
-        if live.is_none() {
-            let ks = self.keys(&keys);
-            self.ops.check_request_call(&ks, load).py_err()?;
-        }
-        let hint = self.pending_hint(ctx, live)?;
-        let ops = &mut self.ops;
-        let token = self.owner.token(ctx, |current| ops.request(current))?;
-        self.give_hint(token, hint);
-        Ok((keys, positions, cursor, token))
-    }
-
-    /// The manager's request state for `ctx` (created on first sight, as vLLM does), with its
-    /// retention hint.
-    fn request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<RequestToken> {
-        self.bury_dead();
-        // A context not seen recently is read (vLLM calls this once, for a new request):
-        // looking its state up first would cost a `get_state` call on every request.
-        let ops = &self.ops;
-        let live = self.owner.cached_live(ctx, |t| ops.is_live_request(t));
-        let hint = self.pending_hint(ctx, live)?;
-        let token = self.owner.live_token(
-            ctx,
-            &mut *self.ops,
-            |ops, token| ops.is_live_request(token),
-            |ops, current| ops.request(current),
-        )?;
-        self.give_hint(token, hint);
-        Ok(token)
-    }
-
-    /// The retention hint of `ctx`'s request, read unless its live state (`live`) already has
-    /// one: read before anything changes, since reading runs the context's Python code (a
-    /// `BaseException` it raises then propagates with the manager untouched).
-    fn pending_hint(
-        &self,
-        ctx: &Bound<'_, PyAny>,
-        live: Option<RequestToken>,
-    ) -> PyResult<Option<HintRead>> {
-        if live.is_some_and(|token| !self.ops.wants_retention_hint(token)) {
-            return Ok(None);
-        }
-        read_hint(ctx).map(Some)
-    }
-
-    /// Gives the request its hint if it still waits for one (a state made just now, or one
-    /// made after a reset), and counts a hint that could not be read.
-    fn give_hint(&mut self, token: RequestToken, found: Option<HintRead>) {
-        let Some(found) = found else { return };
-        if !self.ops.wants_retention_hint(token) {
-            return;
-        }
-        if found == HintRead::Ignored {
-            self.ops.note_ignored_hint();
-        }
-        self.ops.set_retention_hint(token, found.hint());
-    }
-
-    fn event<'py>(
-        &self,
-        py: Python<'py>,
-        e: &Event,
-        req_context: Option<&Py<PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k.as_slice())))?;
-        self.types.event(py, keys, e, req_context)
-    }
-
-    /// Whether stored events carry their request's context.
-    fn stored_events_carry_context(&self) -> bool {
-        let config = self.ops.config();
-        config.enable_events && config.semantics.stored_events_expect_removal()
-    }
 }
 
 #[pymethods]
@@ -321,18 +123,14 @@ impl PyManager {
                 None => default_semantics(py)?,
             },
         };
-        let (ops, policy_name) = match kind {
+        let (manager, policy_name) = match kind {
             Some(kind) => (kind.new_manager(config).py_err()?, kind.name()),
-            None => {
-                let ops: Box<dyn ManagerOps> =
-                    Box::new(Manager::<BeladyPolicy<ChunkId>>::new(config).py_err()?);
-                (ops, BELADY)
-            }
+            None => (AnyManager::Belady(Manager::new(config).py_err()?), BELADY),
         };
         Ok(PyManager {
             inner: Guarded::new(
                 State {
-                    ops,
+                    manager,
                     policy_name,
                     types: ResultTypes::from_class(cls)?,
                     owner: Owner::default(),
@@ -364,7 +162,7 @@ impl PyManager {
     /// Chunk slots in the cache.
     #[getter]
     fn num_chunks(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.inner.lock(py)?.ops.config().num_chunks)
+        Ok(self.inner.lock(py)?.manager.config().num_chunks)
     }
 
     /// The policy's short name ("lru", "arc", "turn").
@@ -375,13 +173,13 @@ impl PyManager {
 
     #[getter]
     fn store_threshold(&self, py: Python<'_>) -> PyResult<i64> {
-        Ok(self.inner.lock(py)?.ops.config().store_threshold)
+        Ok(self.inner.lock(py)?.manager.config().store_threshold)
     }
 
     /// The vLLM release whose decisions this manager reproduces (`"0.33"` or `"0.34"`).
     #[getter]
     fn vllm_semantics(&self, py: Python<'_>) -> PyResult<&'static str> {
-        Ok(self.inner.lock(py)?.ops.config().semantics.name())
+        Ok(self.inner.lock(py)?.manager.config().semantics.name())
     }
 
     /// Always true: an empty manager is still a manager (vLLM tests `if not self._manager`).
@@ -391,17 +189,17 @@ impl PyManager {
 
     /// Resident chunks (ready or pending).
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.inner.lock(py)?.ops.len())
+        Ok(dispatch!(&self.inner.lock(py)?.manager, |m| m.len()))
     }
 
     #[getter]
     fn num_evictable(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.inner.lock(py)?.ops.num_evictable())
+        Ok(dispatch!(&self.inner.lock(py)?.manager, |m| m.num_evictable()))
     }
 
     #[getter]
     fn num_write_pending(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.inner.lock(py)?.ops.num_write_pending())
+        Ok(dispatch!(&self.inner.lock(py)?.manager, |m| m.num_write_pending()))
     }
 
     /// Live per-request states (requests whose context is still alive).
@@ -409,7 +207,7 @@ impl PyManager {
     fn num_requests(&self, py: Python<'_>) -> PyResult<usize> {
         let mut state = self.inner.lock(py)?;
         state.bury_dead();
-        Ok(state.ops.num_requests())
+        Ok(dispatch!(&state.manager, |m| m.num_requests()))
     }
 
     /// HIT if the key's chunk is ready, HIT_PENDING if its store is in flight, else MISS.
@@ -422,7 +220,8 @@ impl PyManager {
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = req_context;
         let state = self.inner.lock(py)?;
-        let result = state.ops.lookup(Key::new(&state.hasher, key.bytes()));
+        let key = Key::new(&state.hasher, key.bytes());
+        let result = dispatch!(&state.manager, |m| m.lookup(key));
         Ok(state.types.lookup(py, result))
     }
 
@@ -440,17 +239,17 @@ impl PyManager {
         let ks = state.keys(&keys);
         let shell = state.types.spec_shell(py)?;
         let mut observed = Vec::new();
-        let ids = state
-            .ops
-            .prepare_load(token, &ks, &positions, &mut observed)
-            .py_err()?;
+        let ids = dispatch!(&mut state.manager, |m| {
+            m.prepare_load(token, &ks, &positions, &mut observed)
+        })
+        .py_err()?;
         state.remember(token, &keys, &observed, cursor);
         // The pins are taken: a result that cannot be built (a MemoryError, a
         // KeyboardInterrupt in Python code) gives them back, or no caller could ever unpin
         // them.
         state.types.spec(py, shell, &ids).inspect_err(|_| {
             // Pinned just now, under the same lock: the unpin cannot fail.
-            let _ = state.ops.complete_load(&ks);
+            let _ = dispatch!(&mut state.manager, |m| m.complete_load(&ks));
         })
     }
 
@@ -469,10 +268,10 @@ impl PyManager {
         let keys = collect_keys(&keys)?;
         let ks = state.keys(&keys);
         let shell = state.types.spec_shell(py)?;
-        let ids = state.ops.prepare_read(&ks).py_err()?;
+        let ids = dispatch!(&mut state.manager, |m| m.prepare_read(&ks)).py_err()?;
         state.types.spec(py, shell, &ids).inspect_err(|_| {
             // Pinned just now, under the same lock: the unpin cannot fail.
-            let _ = state.ops.complete_load(&ks);
+            let _ = dispatch!(&mut state.manager, |m| m.complete_load(&ks));
         })
     }
 
@@ -485,7 +284,9 @@ impl PyManager {
     fn defer_write_release(&self, py: Python<'_>, keys: Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         self.inner
             .lock(py)?
-            .with_keys(&keys, |ops, ks| ops.defer_write_release(ks))?
+            .with_keys(&keys, |manager, ks| {
+                dispatch!(manager, |m| m.defer_write_release(ks))
+            })?
             .py_err()
     }
 
@@ -495,14 +296,18 @@ impl PyManager {
     fn release_deferred_write(&self, py: Python<'_>, chunk_ids: Bound<'_, PyAny>) -> PyResult<()> {
         let mut state = self.inner.lock(py)?;
         // At most the deferred chunks: a longer iterable is refused before it is drained.
-        let ids = bounded_ints(&chunk_ids, "chunk_ids", state.ops.num_deferred())?;
-        state.ops.release_deferred_write(&ids).py_err()
+        let ids = bounded_ints(
+            &chunk_ids,
+            "chunk_ids",
+            dispatch!(&state.manager, |m| m.num_deferred()),
+        )?;
+        dispatch!(&mut state.manager, |m| m.release_deferred_write(&ids)).py_err()
     }
 
     /// Chunks whose release is deferred (`defer_write_release`).
     #[getter]
     fn num_deferred_release_chunks(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.inner.lock(py)?.ops.num_deferred())
+        Ok(dispatch!(&self.inner.lock(py)?.manager, |m| m.num_deferred()))
     }
 
     /// Marks keys recently used (vLLM 0.33 semantics; under 0.34, which has no `touch`, it
@@ -517,7 +322,7 @@ impl PyManager {
         let _ = req_context;
         self.inner
             .lock(py)?
-            .with_keys(&keys, |ops, ks| ops.touch(ks))?
+            .with_keys(&keys, |manager, ks| dispatch!(manager, |m| m.touch(ks)))?
             .py_err()
     }
 
@@ -540,7 +345,7 @@ impl PyManager {
             ));
         }
         let ks = state.keys(&keys);
-        state.ops.hint_next_uses(&ks, &next_uses);
+        dispatch!(&mut state.manager, |m| m.hint_next_uses(&ks, &next_uses));
         Ok(())
     }
 
@@ -555,7 +360,9 @@ impl PyManager {
         let _ = req_context;
         self.inner
             .lock(py)?
-            .with_keys(&keys, |ops, ks| ops.complete_load(ks))?
+            .with_keys(&keys, |manager, ks| {
+                dispatch!(manager, |m| m.complete_load(ks))
+            })?
             .py_err()
     }
 
@@ -574,10 +381,10 @@ impl PyManager {
         let ks = state.keys(&keys);
         let shell = state.types.spec_shell(py)?;
         let mut observed = Vec::new();
-        let out = state
-            .ops
-            .prepare_store(token, &ks, &positions, &mut observed)
-            .py_err()?;
+        let out = dispatch!(&mut state.manager, |m| {
+            m.prepare_store(token, &ks, &positions, &mut observed)
+        })
+        .py_err()?;
         state.remember(token, &keys, &observed, cursor);
         let Some(out) = out else { return Ok(None) };
         let StoreOutput {
@@ -593,7 +400,7 @@ impl PyManager {
             // The new chunks are pending and nobody will ever hear of them: drop them as a
             // failed store would (evictions made for them stay, and their events too).
             let new: Vec<Key<'_>> = stored.iter().map(|&i| ks[i]).collect();
-            state.ops.complete_store(&new, false);
+            dispatch!(&mut state.manager, |m| m.complete_store(&new, false));
         })
     }
 
@@ -610,10 +417,10 @@ impl PyManager {
         req_context: Option<Bound<'_, PyAny>>,
         success: Flag,
     ) -> PyResult<()> {
-        let complete: fn(&mut Box<dyn ManagerOps>, &[Key<'_>]) -> usize = if success.0 {
-            |ops, ks| ops.complete_store(ks, true)
+        let complete: fn(&mut AnyManager, &[Key<'_>]) -> usize = if success.0 {
+            |manager, ks| dispatch!(manager, |m| m.complete_store(ks, true))
         } else {
-            |ops, ks| ops.complete_store(ks, false)
+            |manager, ks| dispatch!(manager, |m| m.complete_store(ks, false))
         };
         let mut state = self.inner.lock(py)?;
         let completed = state.with_keys(&keys, complete)?;
@@ -646,7 +453,7 @@ impl PyManager {
         let Some(token) = state.owner.existing_token(ctx)? else {
             return Ok(());
         };
-        let Some(n) = state.ops.unfinished_request_len(token) else {
+        let Some(n) = dispatch!(&state.manager, |m| m.unfinished_request_len(token)) else {
             return Ok(());
         };
         // Every position is read before anything changes (a failing read changes nothing).
@@ -663,7 +470,8 @@ impl PyManager {
             }
         } else {
             // Key objects not kept (a context the bindings lost track of): make them.
-            let keys = state.ops.unfinished_request_keys(token).unwrap_or_default();
+            let keys =
+                dispatch!(&state.manager, |m| m.unfinished_request_keys(token)).unwrap_or_default();
             for (i, key) in keys.iter().enumerate() {
                 positions.push(match seen.get(i) {
                     Some(object) => walk.get(object.bind(py))?,
@@ -671,7 +479,7 @@ impl PyManager {
                 });
             }
         }
-        state.ops.finish_request(token, &positions);
+        dispatch!(&mut state.manager, |m| m.finish_request(token, &positions));
         // A finished request observes no new key: its key objects are no longer needed.
         state.observed.remove(&token.id);
         Ok(())
@@ -680,7 +488,7 @@ impl PyManager {
     /// Events (stored / removed keys) since the last call.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut state = self.inner.lock(py)?;
-        let events = state.ops.take_events();
+        let events = dispatch!(&mut state.manager, |m| m.take_events());
         // All or nothing: every event is built before any is handed out; if one cannot be,
         // they all go back to the manager for the next call (and the contexts stay queued).
         let mut contexts = 0;
@@ -701,7 +509,7 @@ impl PyManager {
             .collect::<PyResult<Vec<_>>>()
             .and_then(|objects| PyList::new(py, objects));
         if built.is_err() {
-            state.ops.requeue_events(events);
+            dispatch!(&mut state.manager, |m| m.requeue_events(events));
         } else {
             let used = contexts.min(state.stored_contexts.len());
             state.stored_contexts.drain(..used);
@@ -713,7 +521,7 @@ impl PyManager {
     /// while chunks of failed writes are deferred (`defer_write_release`).
     fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
         let mut state = self.inner.lock(py)?;
-        state.ops.try_reset().py_err()?;
+        dispatch!(&mut state.manager, |m| m.try_reset()).py_err()?;
         state.owner.graveyard.take();
         state.observed.clear();
         Ok(())
@@ -723,7 +531,7 @@ impl PyManager {
     /// ignored_hints, hint_kept_hits))` since the last call; `stores_skipped` is None unless
     /// `store_threshold >= 2`.
     fn _take_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let s = self.inner.lock(py)?.ops.take_stats();
+        let s = dispatch!(&mut self.inner.lock(py)?.manager, |m| m.take_stats());
         (
             s.usage,
             s.write_usage,
@@ -738,14 +546,14 @@ impl PyManager {
     /// Heap bytes by structure, and per resident chunk.
     fn memory_usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let state = self.inner.lock(py)?;
-        let usage = state.ops.memory_usage();
+        let usage = dispatch!(&state.manager, |m| m.memory_usage());
         let d = PyDict::new(py);
         d.set_item("policy", usage.policy)?;
         d.set_item("table", usage.table)?;
         d.set_item("tracker", usage.tracker)?;
         d.set_item("requests", usage.requests)?;
         d.set_item("total", usage.total())?;
-        d.set_item("resident_chunks", state.ops.len())?;
+        d.set_item("resident_chunks", dispatch!(&state.manager, |m| m.len()))?;
         Ok(d)
     }
 
@@ -754,7 +562,7 @@ impl PyManager {
     /// free). `numpy.asarray(manager.chunk_table())` views it as a structured array.
     fn chunk_table(&self, py: Python<'_>) -> PyResult<ChunkTableView> {
         let state = self.inner.lock(py)?;
-        let live = state.ops.table().records();
+        let live = dispatch!(&state.manager, |m| m.table()).records();
         let mut records = Vec::new();
         records
             .try_reserve_exact(live.len())
@@ -777,36 +585,13 @@ impl PyManager {
     /// is on) and the stores it skipped since the last `get_stats`.
     fn _debug_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let state = self.inner.lock(py)?;
-        let ops = &state.ops;
-        let debug = inspection_dict(py, &ops.inspect())?;
-        let chunks = PyDict::new(py);
-        for (key, id) in ops.chunks() {
-            let ref_cnt = ops.table().record(id).ref_cnt();
-            chunks.set_item(PyBytes::new(py, key), (id, ref_cnt))?;
-        }
-        debug.set_item("chunks", chunks)?;
-        debug.set_item("free_list", ops.table().free_list().to_vec())?;
-        debug.set_item("num_allocated", ops.table().num_allocated())?;
-        debug.set_item("num_evictable", ops.num_evictable())?;
-        debug.set_item("num_write_pending", ops.num_write_pending())?;
-        if let Some(offers) = ops.tracked_offers() {
-            let tracked = PyList::empty(py);
-            for (key, count) in offers {
-                tracked.append((PyBytes::new(py, key), count))?;
-            }
-            debug.set_item("tracked_offers", tracked)?;
-        }
-        debug.set_item("stores_skipped", ops.stores_skipped())?;
-        Ok(debug)
+        dispatch!(&state.manager, |m| debug_state(py, m))
     }
 
     /// Checks the manager's and its policy's invariants; raises AssertionError if one is broken.
     #[cfg(feature = "validate")]
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner
-            .lock(py)?
-            .ops
-            .validate()
+        dispatch!(&self.inner.lock(py)?.manager, |m| m.validate())
             .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 
@@ -836,6 +621,33 @@ impl PyManager {
             }
         }
     }
+}
+
+/// `_debug_state` of one manager (see there).
+fn debug_state<'py, P: Policy<ChunkId>>(
+    py: Python<'py>,
+    m: &Manager<P>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let debug = inspection_dict(py, &m.policy().inspect())?;
+    let chunks = PyDict::new(py);
+    for (key, &id) in m.policy().resident() {
+        let ref_cnt = m.table().record(id).ref_cnt();
+        chunks.set_item(PyBytes::new(py, key), (id, ref_cnt))?;
+    }
+    debug.set_item("chunks", chunks)?;
+    debug.set_item("free_list", m.table().free_list().to_vec())?;
+    debug.set_item("num_allocated", m.table().num_allocated())?;
+    debug.set_item("num_evictable", m.num_evictable())?;
+    debug.set_item("num_write_pending", m.num_write_pending())?;
+    if let Some(offers) = m.tracked_offers() {
+        let tracked = PyList::empty(py);
+        for (key, count) in offers {
+            tracked.append((PyBytes::new(py, key), count))?;
+        }
+        debug.set_item("tracked_offers", tracked)?;
+    }
+    debug.set_item("stores_skipped", m.stores_skipped())?;
+    Ok(debug)
 }
 
 fn num_chunks_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -873,80 +685,3 @@ fn names(name: fn(PolicyKind) -> &'static str) -> String {
         .collect();
     all.join(", ")
 }
-
-/// A copy of a manager's chunk table, exported read-only through the buffer protocol.
-#[pyclass(name = "ChunkTableView", module = "kvcache._core", frozen)]
-pub struct ChunkTableView {
-    records: Box<[ChunkRecord]>,
-}
-
-#[pymethods]
-impl ChunkTableView {
-    /// Pickling and copying are refused with `kvcache.InvalidTypeError` (a `TypeError`).
-    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
-        Err(crate::errors::not_picklable(slf.as_any()))
-    }
-
-    fn __len__(&self) -> usize {
-        self.records.len()
-    }
-
-    /// # Safety
-    /// Called by CPython with a valid `view` to fill.
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut ffi::Py_buffer,
-        flags: c_int,
-    ) -> PyResult<()> {
-        if flags & ffi::PyBUF_WRITABLE != 0 {
-            return Err(PyBufferError::new_err("the chunk table is read-only"));
-        }
-        let records = &slf.get().records;
-        let (buf, len) = (records.as_ptr().cast_mut().cast(), records.len());
-        if len == 0 {
-            // An empty table: export zero bytes (a valid, non-null pointer still).
-            // SAFETY: `view` is valid (CPython's contract).
-            unsafe { fill_empty_view(view, flags, slf.into_any()) };
-            return Ok(());
-        }
-        // SAFETY: `buf` points at `len` records in a boxed slice that never changes and lives
-        // as long as `slf`, which the view's owner reference keeps alive; the export is
-        // read-only.
-        unsafe {
-            fill_record_view(view, flags, buf, len, slf.into_any());
-            (*view).readonly = 1;
-        }
-        Ok(())
-    }
-
-    /// # Safety
-    /// Called by CPython with the view it got from `__getbuffer__`.
-    unsafe fn __releasebuffer__(&self, view: *mut ffi::Py_buffer) {
-        // SAFETY: `view` was filled by `__getbuffer__` above and is released once.
-        unsafe { release_record_view(view) }
-    }
-}
-
-/// Fills `view` with an empty 1-d buffer.
-///
-/// # Safety
-/// `view` must be a valid `Py_buffer` to fill.
-unsafe fn fill_empty_view(view: *mut ffi::Py_buffer, flags: c_int, owner: Bound<'_, PyAny>) {
-    static EMPTY: [u8; 16] = [0; 16];
-    // SAFETY: the caller passes a valid view; the buffer is a static with zero length exported.
-    unsafe {
-        fill_record_view(
-            view,
-            flags,
-            ptr::addr_of!(EMPTY).cast_mut().cast(),
-            1,
-            owner,
-        );
-        (*view).len = 0;
-        (*view).readonly = 1;
-        *(*view).shape = 0;
-    }
-}
-
-/// Free slots read −2: kept in sync with the core's constant.
-const _: () = assert!(FREE == -2);
