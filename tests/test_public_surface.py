@@ -24,7 +24,8 @@ KVCACHE_ALL = (
     "TurnCachePolicy", "UnsupportedOperationError", "__version__", "order_request_keys",
 )  # fmt: skip
 VLLM_ALL = (
-    "ALLOW_UNTESTED_ENV", "TESTED_VLLM_VERSIONS", "VLLM_SEMANTICS", "ARCCachePolicy",
+    "ALLOW_UNTESTED_ENV", "RUNNING_VLLM_SEMANTICS", "TESTED_VLLM_VERSIONS", "VLLM_SEMANTICS",
+    "ARCCachePolicy",
     "CPUOffloadingManager", "CPUOffloadingSpec", "CPUOffloadingWorker", "KvCacheOffloadingSpec",
     "KvCacheTieringOffloadingSpec", "LRUCachePolicy", "TurnCachePolicy",
     "UnsupportedVersionError", "rust_policy",
@@ -92,6 +93,9 @@ def test_kvcache_vllm_names() -> None:
     import kvcache.vllm
 
     assert kvcache.vllm.KvCacheOffloadingSpec is kvcache.vllm.CPUOffloadingSpec
+    # VLLM_SEMANTICS names the running release here (a string), the supported ones in kvcache.
+    assert kvcache.vllm.VLLM_SEMANTICS is kvcache.vllm.RUNNING_VLLM_SEMANTICS
+    assert kvcache.vllm.RUNNING_VLLM_SEMANTICS in kvcache.VLLM_SEMANTICS
     assert issubclass(
         kvcache.vllm.CPUPrimaryTierOffloadingManager, kvcache.vllm.CPUOffloadingManager
     )
@@ -118,3 +122,16 @@ def test_cache_policy_module_path(module: str, name: str) -> None:
     import kvcache
 
     assert CachePolicyFactory.get_cache_policy_cls(name, module) is getattr(kvcache, name)
+
+
+@pytest.mark.parametrize("name", ["ReplayError", "TraceError", "ConfigError", "BackendUnavailable"])
+def test_replay_errors_are_kvcache_errors(name: str) -> None:
+    import kvcache
+    import kvcache.replay
+
+    cls = getattr(kvcache.replay, name)
+    assert issubclass(cls, kvcache.replay.ReplayError)
+    assert issubclass(cls, kvcache.KvCacheError)
+    # Caught as before by ``except Exception``, and by ``except KvCacheError`` with the rest.
+    with pytest.raises(kvcache.KvCacheError, match="one line"):
+        raise cls("one line")

@@ -1,4 +1,4 @@
-"""The adapter vLLM 0.33.0 loads by configuration.
+"""The adapter vLLM 0.33.0 and 0.34.0 load by configuration.
 
 kvcache's manager and policies, with vLLM's own worker moving the bytes (kvcache's worker is
 one setting away, ``"kvcache_worker": True``; it becomes the default once it has passed a GPU
@@ -37,7 +37,7 @@ Switches (``kv_connector_extra_config``), all optional:
 - ``"kvcache_kernel_max_run_bytes"``: the kernel/DMA cut-off for loads in bytes (0: DMA only);
   default: calibrated per device at start-up.
 
-Importing this module imports vLLM (and refuses a release other than 0.33.0 unless
+Importing this module imports vLLM (and refuses a release other than 0.33.0 and 0.34.0 unless
 ``KVCACHE_ALLOW_UNTESTED_VLLM=1``); ``import kvcache`` does not. vLLM's ``CachePolicyFactory``
 asserts a policy class subclasses its ``CachePolicy``: the Rust classes are registered as
 *virtual* subclasses (``CachePolicy.register``). ``CPUOffloadingManager`` subclasses both the
@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcache.vllm._version import (  # first: refuses an untested vLLM before importing it
     ALLOW_UNTESTED_ENV,
+    RUNNING_VLLM_SEMANTICS,
     TESTED_VLLM_VERSIONS,
     VLLM_SEMANTICS,
     UnsupportedVersionError,
@@ -80,6 +81,7 @@ if TYPE_CHECKING:  # at run time served by ``__getattr__`` below
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
+    "RUNNING_VLLM_SEMANTICS",
     "TESTED_VLLM_VERSIONS",
     "VLLM_SEMANTICS",
     "ARCCachePolicy",

@@ -30,7 +30,7 @@ from kvcache import _extra_config as settings
 from kvcache._core import InvalidArgumentError
 from kvcache._core import OffloadingManager as _RustManager
 from kvcache.vllm._metrics import add_hint_counts
-from kvcache.vllm._version import VLLM_SEMANTICS
+from kvcache.vllm._version import RUNNING_VLLM_SEMANTICS
 
 logger = logging.getLogger("kvcache.vllm")
 
@@ -45,7 +45,7 @@ class _NotInThisRelease:
     def __get__(self, obj: object, objtype: type | None = None) -> Any:
         raise AttributeError(
             f"{(objtype or type(obj)).__name__!r} has no attribute {self.name!r} under vLLM "
-            f"{VLLM_SEMANTICS} (vLLM {VLLM_SEMANTICS}'s manager has no {self.name})"
+            f"{RUNNING_VLLM_SEMANTICS} (vLLM {RUNNING_VLLM_SEMANTICS}'s manager has no {self.name})"
         )
 
 
@@ -91,7 +91,7 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
             enable_events=enable_events,
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
-            vllm_semantics=VLLM_SEMANTICS,
+            vllm_semantics=RUNNING_VLLM_SEMANTICS,
         )
 
     def __init__(

@@ -15,7 +15,7 @@ from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 
 from kvcache import _extra_config as settings
 from kvcache._core import POLICY_KINDS
-from kvcache.vllm._version import VLLM_SEMANTICS
+from kvcache.vllm._version import RUNNING_VLLM_SEMANTICS
 
 logger = logging.getLogger("kvcache.vllm")
 
@@ -41,14 +41,14 @@ def policy_for_vllm_factory(name: str, module: str) -> type:
         "kvcache policy ready: manager=vLLM's policy=%s (kvcache, Rust, vLLM %s protocol) "
         "worker=vLLM's (loaded by vLLM's CachePolicyFactory from %s)",
         name,
-        VLLM_SEMANTICS,
+        RUNNING_VLLM_SEMANTICS,
         module,
     )
     return POLICY_CLASSES[name]
 
 
 def rust_policy(name: str, module_path: str | None) -> str | None:
-    """``"lru"``/``"arc"`` when kvcache's Rust manager runs policy ``name`` from
+    """``"lru"``/``"arc"``/``"turn"`` when kvcache's Rust manager runs policy ``name`` from
     ``module_path``; None for an out-of-tree Python policy (vLLM's manager must run it).
 
     Broader than ``OffloadingManager(cache_policy=...)``, which follows vLLM's factory: with

@@ -18,7 +18,7 @@ from kvcache.vllm._logging import route_to_vllm
 from kvcache.vllm._manager import CPUOffloadingManager, build_manager
 from kvcache.vllm._metrics import hint_metric_definitions
 from kvcache.vllm._policies import OUR_MODULES
-from kvcache.vllm._version import VLLM_SEMANTICS
+from kvcache.vllm._version import RUNNING_VLLM_SEMANTICS
 from kvcache.vllm._worker import CPUOffloadingWorker, build_worker
 from kvcache.vllm._worker_settings import WORKER_DEFAULT_REASON, WorkerSettings
 
@@ -157,7 +157,7 @@ class CPUOffloadingSpec(WorkerSettings, _VllmCPUOffloadingSpec):
             "kvcache %s ready: vllm=%s manager=%s policy=%s worker=%s pool=%s pinned=%s "
             "load kernel/DMA cut-off=%s",
             built,
-            VLLM_SEMANTICS,
+            RUNNING_VLLM_SEMANTICS,
             self.manager_description(),
             self.policy_kind or self.eviction_policy,
             worker_text,

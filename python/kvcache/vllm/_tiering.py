@@ -56,7 +56,7 @@ from kvcache import _extra_config as settings
 from kvcache.vllm._logging import route_to_vllm
 from kvcache.vllm._manager import CPUOffloadingManager, build_manager
 from kvcache.vllm._metrics import hint_metric_definitions
-from kvcache.vllm._version import VLLM_SEMANTICS
+from kvcache.vllm._version import RUNNING_VLLM_SEMANTICS
 from kvcache.vllm._worker import HostRegionView, build_worker
 from kvcache.vllm._worker_settings import WorkerSettings
 
@@ -185,7 +185,7 @@ class KvCacheTieringOffloadingSpec(WorkerSettings, TieringOffloadingSpec):
     def _log_worker(self, text: str) -> None:
         logger.info(
             "kvcache worker ready: vllm=%s tiering=vLLM's primary=%s worker=%s chunks=%d",
-            VLLM_SEMANTICS,
+            RUNNING_VLLM_SEMANTICS,
             "kvcache (Rust)" if self.policy_kind is not None else "vLLM's",
             text,
             self.num_chunks,
@@ -235,7 +235,7 @@ class KvCacheTieringOffloadingSpec(WorkerSettings, TieringOffloadingSpec):
         logger.info(
             "kvcache manager ready: vllm=%s tiering=vLLM's primary=%s policy=%s "
             "secondary_tiers=[%s] chunks=%d",
-            VLLM_SEMANTICS,
+            RUNNING_VLLM_SEMANTICS,
             "kvcache (Rust)" if self.policy_kind is not None else "vLLM's",
             self.policy_kind or self.eviction_policy,
             ", ".join(t.tier_type for t in tiers),

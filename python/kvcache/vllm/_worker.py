@@ -50,7 +50,7 @@ from kvcache._core import (
 from kvcache.transfer import HostChunkPool, TransferEngine
 from kvcache.transfer._checks import as_ids, bounded_list
 from kvcache.vllm._fronts import Front, front_for
-from kvcache.vllm._version import VLLM_SEMANTICS
+from kvcache.vllm._version import RUNNING_VLLM_SEMANTICS
 
 if TYPE_CHECKING:
     import torch
@@ -219,7 +219,7 @@ class CPUOffloadingWorker(OffloadingWorker):
     """
 
     #: How this vLLM release hands over a job's device side (chosen once, at import).
-    front: Front = front_for(VLLM_SEMANTICS)
+    front: Front = front_for(RUNNING_VLLM_SEMANTICS)
 
     def __reduce__(self) -> Any:
         # Its engine and host pool live in this process only (as vLLM's worker's do).
