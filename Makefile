@@ -167,12 +167,13 @@ stress: install build ## the waiting tests pinned to one core, then beside CPU b
 	  taskset -c 0 $(STRESS_PYTEST); \
 	done
 
-lint: install build ## rustfmt, clippy, ruff, stubtest
+lint: install build ## rustfmt, clippy, ruff, mypy, stubtest
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -q -- -D warnings
 	cargo clippy --workspace --all-targets -q --features kvcache-py/validate -- -D warnings
 	$(VENV)/bin/ruff check python tests bench
 	$(VENV)/bin/ruff format --check python tests bench
+	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest kvcache._core --allowlist python/stubtest-allowlist.txt
 
 fmt: install ## format Rust and Python, apply ruff's fixes

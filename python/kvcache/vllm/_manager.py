@@ -8,8 +8,9 @@ semantics.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Self
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -78,7 +79,7 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
         info: Any = None,
-    ) -> CPUOffloadingManager:
+    ) -> Self:
         if cache_policy == settings.OFFLINE_POLICY:
             # The Rust manager runs it for the replay, which tells it the future.
             raise InvalidArgumentError(settings.offline_policy_refusal("cache_policy"))
@@ -129,7 +130,11 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
 
 
 def build_manager(
-    spec: Any, ours: type, theirs: type, what: str, kwargs: dict[str, Any]
+    spec: Any,
+    ours: Callable[..., OffloadingManager],
+    theirs: Callable[..., OffloadingManager],
+    what: str,
+    kwargs: dict[str, Any],
 ) -> OffloadingManager:
     """``ours`` (kvcache's Rust ``what``) running the spec's policy, or, for a policy kvcache
     does not have (``spec.policy_kind`` None: an out-of-tree Python class), ``theirs`` (vLLM's)

@@ -39,9 +39,9 @@ events), as everywhere in ``kvcache.vllm``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Self
 
-from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.base import OffloadingManager, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -75,7 +75,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         cache_policy_module_path: str | None = None,
         enable_events: bool = False,
         info: Any = None,
-    ) -> CPUPrimaryTierOffloadingManager:
+    ) -> Self:
         return super().__new__(
             cls, num_chunks, cache_policy, cache_policy_module_path, enable_events, info=info
         )
@@ -93,7 +93,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
             num_chunks, cache_policy, cache_policy_module_path, enable_events, info=info
         )
         self._mmap_region = mmap_region
-        self._kv_memoryview = mmap_region.create_kv_memoryview()
+        self._kv_memoryview: memoryview = mmap_region.create_kv_memoryview()
 
     # The secondary tier's view of the same operations (vLLM's aliases).
     complete_read = CPUOffloadingManager.complete_load
@@ -150,7 +150,7 @@ class KvCacheTieringOffloadingSpec(WorkerSettings, TieringOffloadingSpec):
         one start-up line says which, and why."""
         reason = self.worker_unsupported(kv_caches)
         if reason is not None:
-            worker = super().create_worker(kv_caches)
+            worker: OffloadingWorker = super().create_worker(kv_caches)
             self._log_worker(f"vLLM's ({reason})")
             return worker
         rank = 0 if self.replicated_layout else self.config.parallel.rank
@@ -162,7 +162,8 @@ class KvCacheTieringOffloadingSpec(WorkerSettings, TieringOffloadingSpec):
             cpu_page_size=self.cpu_page_size_per_worker,
         )
         view = HostRegionView(
-            buffer=memoryview(region.mmap_obj),
+            # vLLM types it Optional; the constructor has just mapped it.
+            buffer=memoryview(region.mmap_obj),  # type: ignore[arg-type]
             row_bytes=self.kv_bytes_per_chunk,
             slot_offset=rank * self.cpu_page_size_per_worker,
             release=region.cleanup,
