@@ -171,15 +171,15 @@ lint: install build ## rustfmt, clippy, ruff, mypy, stubtest
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -q -- -D warnings
 	cargo clippy --workspace --all-targets -q --features kvcache-py/validate -- -D warnings
-	$(VENV)/bin/ruff check python tests bench
-	$(VENV)/bin/ruff format --check python tests bench
+	$(VENV)/bin/ruff check python tests bench gpu
+	$(VENV)/bin/ruff format --check python tests bench gpu
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest kvcache._core --allowlist python/stubtest-allowlist.txt
 
 fmt: install ## format Rust and Python, apply ruff's fixes
 	cargo fmt --all
-	$(VENV)/bin/ruff format python tests bench
-	$(VENV)/bin/ruff check --fix python tests bench
+	$(VENV)/bin/ruff format python tests bench gpu
+	$(VENV)/bin/ruff check --fix python tests bench gpu
 
 # --- benchmarks and deeper checks -------------------------------------------------------------
 

@@ -13,7 +13,7 @@ This script measures, on the machine it runs on:
   ``register_background`` takes to return, and how long the whole prefault + registration
   takes for the same pool, i.e. the part of pinning that no longer blocks start-up.
 
-The driver's own registration time needs a GPU: ``bench/gpu_worker_check.py`` reports "worker
+The driver's own registration time needs a GPU: ``gpu/worker_check.py`` reports "worker
 returned in X s, pool pinned after Y s" there.
 
 Run: ``python bench/pin_startup.py [GiB]`` (default 4).

@@ -133,9 +133,10 @@ def status(field):
                 return int(line.split()[1]) * 1024
     raise KeyError(field)
 
-# The resident size when `reset_peak()` last ran: `report` says how far the peak rose above it,
-# so that a bound on what a call allocates does not also count what the imports cost.
-_rss_at_reset = 0
+# The resident size when `reset_peak()` last ran, if it ran: `report` then says how far the
+# peak rose above it, so that a bound on what a call allocates does not also count what the
+# imports cost.
+_rss_at_reset = None
 
 def reset_peak():
     global _rss_at_reset
@@ -146,7 +147,8 @@ def reset_peak():
 def report(**values):
     values["vm_peak"] = status("VmPeak")
     values["rss_peak"] = status("VmHWM")
-    values["rss_growth"] = values["rss_peak"] - _rss_at_reset
+    if _rss_at_reset is not None:
+        values["peak_growth"] = values["rss_peak"] - _rss_at_reset
     print("RESULT " + json.dumps(values), flush=True)
 
 # Runs `run()` with the address space limited to `headroom` bytes above its size now. Large

@@ -1,4 +1,4 @@
-"""``bench/gpu_check.py``, the one GPU command, in the modes that need no GPU: ``--device cpu``
+"""``gpu/check.py``, the one GPU command, in the modes that need no GPU: ``--device cpu``
 (the Rust CPU copier, the worker contracts) and ``--device fake`` (the CUDA backend on the fake
 CUDA runtime of tests/fakecuda). Every path must be listed, run or skipped with why; nothing may
 fail; and a corrupted copy must make the run fail (the byte checks can fail)."""
@@ -14,7 +14,8 @@ import pytest
 
 from tests import no_oracle
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "gpu" / "check.py"
 PATHS = {
     "dma-batched", "dma-per-run", "expedited", "kernel-load", "kernel-store", "pinning",
     "ordering", "two-groups", "odd-chunks", "three-queues", "self-check", "worker-0.33",
@@ -73,12 +74,14 @@ def test_a_wrong_byte_fails_the_run(tmp_path: Path) -> None:
 
 def test_the_gpu_command_runs_from_the_carried_wheel(tmp_path: Path) -> None:
     no_oracle.needs("torch")  # the child process imports it
-    """``bench/gpu_transfer_check.sh`` as the GPU machine runs it: the wheel from dist/,
-    installed privately, default mode (this check); here on the CPU."""
+    """``bench/gpu_transfer_check.sh``, the command operators' runbooks name, as the GPU
+    machine runs it: it forwards to ``gpu/run.sh``, which installs the wheel from dist/
+    privately and runs the default mode (this check); here on the CPU."""
     from tests.test_worker_gpu_script import run_sh_from_wheel
 
-    done, out = run_sh_from_wheel(tmp_path, "--device", "cpu")
+    shim = REPO / "bench" / "gpu_transfer_check.sh"
+    done, out = run_sh_from_wheel(tmp_path, "--device", "cpu", command=shim)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "gpu_check.json").read_text())
     assert {p["name"] for p in report["paths"]} == PATHS
-    assert not report["kvcache_path"].startswith(str(SCRIPT.parent.parent))
+    assert not report["kvcache_path"].startswith(str(REPO))

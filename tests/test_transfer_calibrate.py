@@ -1,4 +1,4 @@
-"""The kernel/DMA cut-off rule (the GPU measurement itself runs in bench/gpu_worker_check.py)."""
+"""The kernel/DMA cut-off rule (the GPU measurement itself runs in gpu/worker_check.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ every byte moved is compared with torch indexing.
 
 What stays untested here: real streams, DMA engines and the Triton kernel on a GPU (the
 kernel's own arithmetic runs under Triton's interpreter in test_worker_kernel_conformance.py;
-``bench/gpu_check.py`` covers the GPU).
+``gpu/check.py`` covers the GPU).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ through our CUDA backend's DMA path (Rust queues, events, batched or per-run cop
 fake CUDA runtime of tests/fakecuda (streams that run later, enforced events), and (fewer of
 them, see tests/test_worker_kernel_conformance.py) through its Triton copy kernel under
 Triton's interpreter. Not covered here: real streams, DMA and the kernel on a GPU
-(bench/gpu_worker_check.py).
+(gpu/worker_check.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The spec's default worker follows the GPU evidence: kvcache's worker is the default only
-while ``kvcache.vllm.WORKER_GPU_EVIDENCE`` names a committed ``bench/gpu_check.py`` JSON that
+while ``kvcache.vllm.WORKER_GPU_EVIDENCE`` names a committed ``gpu/check.py`` JSON that
 ran on a GPU with every path passed (none skipped, none failed)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def evidence_problems(report: dict) -> list[str]:
-    """Why a ``bench/gpu_check.py`` report does not make kvcache's worker the default."""
+    """Why a ``gpu/check.py`` report does not make kvcache's worker the default."""
     problems = []
     if report.get("device", {}).get("type") != "cuda":
         problems.append("it did not run on a CUDA device")

@@ -1,4 +1,4 @@
-"""bench/gpu_worker_check.py, the GPU A/B of the two workers, as a CPU dry run: small sizes, CPU
+"""gpu/worker_check.py, the GPU A/B of the two workers, as a CPU dry run: small sizes, CPU
 tensors, vLLM's worker through tests/vllm_worker_oracle.py. It keeps the script runnable (and
 its byte checks honest) on machines without a GPU; the bandwidth figures need the GPU."""
 
@@ -17,7 +17,8 @@ from tests.conftest import require_oracle
 
 pytestmark = pytest.mark.oracle
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_worker_check.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "gpu" / "worker_check.py"
+RUN_SH = SCRIPT.parent / "run.sh"
 
 
 @pytest.mark.parametrize("ab", [True, False], ids=["vllm-ab", "without-vllm"])
@@ -254,10 +255,12 @@ def stand_in_wheel(dist: Path) -> Path:
     return path
 
 
-def run_sh_from_wheel(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``bench/gpu_transfer_check.sh`` as a GPU machine runs it: the wheel in ``dist/`` (the
-    real one from ``KVCACHE_WHEEL``, else a stand-in), installed privately, ``OUT`` set;
-    returns the run and the ``OUT`` folder."""
+def run_sh_from_wheel(
+    tmp_path: Path, *args: str, command: Path = RUN_SH
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``gpu/run.sh`` (or ``command``, a script that forwards to it) as a GPU machine runs it:
+    the wheel in ``dist/`` (the real one from ``KVCACHE_WHEEL``, else a stand-in), installed
+    privately, ``OUT`` set; returns the run and the ``OUT`` folder."""
     import os
     import shutil
 
@@ -273,7 +276,7 @@ def run_sh_from_wheel(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedP
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHON=sys.executable, OUT=str(out))
     done = subprocess.run(
-        ["bash", str(SCRIPT.parent / "gpu_transfer_check.sh"), *args],
+        ["bash", str(command), *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -283,9 +286,9 @@ def run_sh_from_wheel(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedP
     return done, out
 
 
-def test_gpu_transfer_check_sh_dry_run_on_cpu(tmp_path: Path) -> None:
-    """bench/gpu_transfer_check.sh as the GPU machine runs it (default wheel glob in dist/,
-    private install, worker mode), here as the CPU dry run."""
+def test_gpu_run_sh_dry_run_on_cpu(tmp_path: Path) -> None:
+    """gpu/run.sh as the GPU machine runs it (default wheel glob in dist/, private install,
+    worker mode), here as the CPU dry run."""
     require_oracle()
     done, out = run_sh_from_wheel(tmp_path, "worker", "--device", "cpu", "--quick")
     assert done.returncode == 0, done.stdout + done.stderr

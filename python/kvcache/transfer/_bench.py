@@ -38,6 +38,7 @@ from kvcache.transfer._engine import TransferEngine
 if TYPE_CHECKING:
     from kvcache.transfer._jobs import CopyMode
 from kvcache.transfer._pool import HostChunkPool
+from kvcache.transfer._timing import Budget, device_sync, gb_per_s, repeat, time_job
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -89,8 +90,8 @@ class Bench:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.quick = quick
-        self.budget_s = budget_s
-        self.start = time.perf_counter()
+        self.budget = Budget(budget_s)
+        self.sync = device_sync(torch, self.device)
         self.rng = np.random.default_rng(1234)
         self.job_bytes = (4 if quick else 64) * MiB
         self.reps = 1 if quick else 3
@@ -103,14 +104,10 @@ class Bench:
                 _out("WARNING: host memory could not be pinned; only pageable pools measured")
 
     def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+        return self.budget.elapsed()
 
     def over_budget(self) -> bool:
-        return self.elapsed() > self.budget_s
-
-    def sync(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize(self.device)
+        return self.budget.over()
 
     def pool_kinds(self) -> list[str]:
         return ["pinned", "pageable"] if self.can_pin else ["pageable"]
@@ -136,16 +133,11 @@ class Bench:
         submits: list[float] = []
         ok = True
         for rep in range(self.reps + 1):
-            self.sync()
-            t0 = time.perf_counter()
-            job = fn()
-            t1 = time.perf_counter()
-            engine.wait([job])
-            t2 = time.perf_counter()
+            job = time_job(fn, lambda j: engine.wait([j]), sync=self.sync)
             ok &= all(success for _, success in engine.poll())
             if rep:  # the first run warms up (kernel compilation, page faults)
-                walls.append(t2 - t0)
-                submits.append(t1 - t0)
+                walls.append(job.wall_s)
+                submits.append(job.submit_s)
         return statistics.median(walls), statistics.median(submits), ok
 
     # --- correctness ----------------------------------------------------------------------
@@ -300,18 +292,15 @@ class Bench:
                 host.fill_(1)
                 dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 for direction, (dst, src) in (("store", (host, dev)), ("load", (dev, host))):
-                    times = []
-                    for rep in range(self.reps + 2):
-                        self.sync()
-                        t0 = time.perf_counter()
+
+                    def copy(dst: Any = dst, src: Any = src) -> None:
                         if self.cuda:
                             dst.copy_(src, non_blocking=True)
                         else:  # numpy: a plain memcpy, like the Rust worker (torch's is slower)
                             np.copyto(dst.numpy(), src.numpy())
-                        self.sync()
-                        if rep:
-                            times.append(time.perf_counter() - t0)
-                    out[f"{kind}_{direction}_gbps"] = nbytes / statistics.median(times) / 1e9
+
+                    times = repeat(copy, self.reps + 1, warmup=1, sync=self.sync)
+                    out[f"{kind}_{direction}_gbps"] = gb_per_s(nbytes, statistics.median(times))
                 del host, dev
         return out
 
@@ -347,7 +336,7 @@ class Bench:
                                     )
                                 )
                                 wall, submit, ok = self.timed(fn, eng)
-                                gbps = self.job_bytes / wall / 1e9
+                                gbps = gb_per_s(self.job_bytes, wall)
                                 ref = baseline.get(f"pinned_{direction}_gbps") or baseline.get(
                                     f"pageable_{direction}_gbps"
                                 )
@@ -387,7 +376,7 @@ class Bench:
                         continue
                     runs = len(eng.plan(store=direction == "store", gpu_block_ids=g, chunk_ids=c))
                     wall, submit, ok = self.timed(_job(eng, direction, g, c), eng)
-                    gbps = n * chunk_bytes / wall / 1e9
+                    gbps = gb_per_s(n * chunk_bytes, wall)
                     ref = baseline[f"{kind}_{direction}_gbps"]
                     rows.append(
                         _row(page, "model", direction, kind, method, runs, gbps, ref)
@@ -416,7 +405,7 @@ class Bench:
                 for direction in ("store", "load"):
                     fn = _job(eng, direction, g, c)
                     wall, _, ok = self.timed(fn, eng)
-                    gbps = self.job_bytes / wall / 1e9
+                    gbps = gb_per_s(self.job_bytes, wall)
                     rows.append(
                         {
                             "programs": programs,

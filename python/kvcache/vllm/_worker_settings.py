@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import CanonicalKVCaches
 
 #: The GPU run that made kvcache's worker the specs' default: the path, relative to the
-#: repository, of a ``bench/gpu_check.py`` JSON whose every path passed on a GPU (see
+#: repository, of a ``gpu/check.py`` JSON whose every path passed on a GPU (see
 #: docs/worker.md, "Which worker runs"). None: no GPU run has passed yet, so vLLM's own worker
 #: moves the bytes unless ``"kvcache_worker": true``. Setting it is the whole switch;
 #: ``tests/test_worker_default.py`` checks that the file it names passed.

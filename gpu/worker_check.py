@@ -50,8 +50,8 @@ exit status: the figures are the result.
 ``--device cpu --quick`` is the dry run CI executes (small sizes, vLLM's worker on CPU tensors
 through ``tests/vllm_worker_oracle.py``), so the script cannot rot.
 
-Run: ``python bench/gpu_worker_check.py`` (needs kvcache importable: an installed abi3 wheel is
-enough, see ``bench/gpu_transfer_check.sh``).
+Run: ``python gpu/worker_check.py`` (needs kvcache importable: an installed abi3 wheel is
+enough; ``bash gpu/run.sh worker`` installs one privately and runs this, see ``gpu/README.md``).
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvcache.transfer._timing import Budget, device_sync, gb_per_s, repeat, time_job
 
 KiB = 1024
 REPO = Path(__file__).resolve().parent.parent
@@ -224,8 +226,8 @@ class Check:
         self.device = torch.device(args.device)
         self.cuda = self.device.type == "cuda"
         self.quick = args.quick
-        self.budget_s = args.budget_s
-        self.start = time.perf_counter()
+        self.budget = Budget(args.budget_s)
+        self.sync = device_sync(torch, self.device)
         self.rng = np.random.default_rng(7)
         self.skipped = 0
         self.barrier_calls = [0]
@@ -275,14 +277,10 @@ class Check:
         return None
 
     def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+        return self.budget.elapsed()
 
     def over_budget(self) -> bool:
-        return self.elapsed() > self.budget_s
-
-    def sync(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize(self.device)
+        return self.budget.over()
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -467,18 +465,18 @@ class Check:
         job_id = int(self.rng.integers(1 << 40))
         job = runner.job(blocks, chunks)
         before = runner.jobs_by_method()
-        self.sync()
-        t0 = time.perf_counter()
-        c0 = time.thread_time()
-        p0 = time.process_time()
-        runner.submit(job_id, store, job)
-        submit_cpu = time.thread_time() - c0
-        submit_process = time.process_time() - p0
-        ok = runner.finish(job_id)
-        wall = time.perf_counter() - t0
+        timing = time_job(
+            lambda: runner.submit(job_id, store, job),
+            lambda _: runner.finish(job_id),
+            sync=self.sync,
+            cpu=True,
+        )
         after = runner.jobs_by_method()
         methods = {m for m, n in after.items() if n > before.get(m, 0)}
-        return wall, submit_cpu, submit_process, ok, methods
+        thread_s, process_s = timing.submit_thread_s, timing.submit_process_s
+        assert thread_s is not None  # cpu=True measured both
+        assert process_s is not None
+        return timing.wall_s, thread_s, process_s, timing.result, methods
 
     def expected_chunk(self, tensors: list[Any], blocks: list[int], k: int, page: int) -> Any:
         """Chunk ``k`` of a store of ``blocks`` from ``tensors``, built with torch indexing."""
@@ -535,14 +533,12 @@ class Check:
         dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         result = {}
         for name, (dst, src) in (("store", (host, dev)), ("load", (dev, host))):
-            times = []
-            for _ in range(4):
-                self.sync()
-                t0 = time.perf_counter()
+
+            def copy(dst: Any = dst, src: Any = src) -> None:
                 dst.copy_(src, non_blocking=True)
-                self.sync()
-                times.append(time.perf_counter() - t0)
-            result[f"{name}_gbps"] = nbytes / min(times[1:]) / 1e9
+
+            times = repeat(copy, 3, warmup=1, sync=self.sync)
+            result[f"{name}_gbps"] = gb_per_s(nbytes, min(times))
         return result
 
     def grid(
@@ -610,7 +606,7 @@ class Check:
                         if who == "ours":
                             # Several methods: the repetitions did not all take the same one.
                             row["ours_method"] = "+".join(sorted(methods)) or "?"
-                        row[f"{who}_gbps"] = nbytes / statistics.median(walls) / 1e9
+                        row[f"{who}_gbps"] = gb_per_s(nbytes, statistics.median(walls))
                         row[f"{who}_submit_us"] = statistics.median(submits) * 1e6
                         row[f"{who}_submit_process_us"] = statistics.median(processes) * 1e6
                     ref = baseline[f"{row['direction']}_gbps"]
