@@ -170,13 +170,14 @@ stress: install build ## the waiting tests pinned to one core, then beside CPU b
 	  taskset -c 0 $(STRESS_PYTEST); \
 	done
 
-lint: install build ## rustfmt, clippy, ruff, stubtest, file lengths
+lint: install build ## rustfmt, clippy, ruff, mypy, stubtest, file lengths
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -q -- -D warnings
 	cargo clippy --workspace --all-targets -q --features kvcache-py/validate -- -D warnings
 	$(VENV)/bin/ruff check python tests bench gpu scripts
 	$(VENV)/bin/ruff format --check python tests bench gpu scripts
 	$(PY) scripts/check_file_lengths.py
+	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest kvcache._core --allowlist python/stubtest-allowlist.txt
 
 fmt: install ## format Rust and Python, apply ruff's fixes

@@ -95,7 +95,7 @@ def build(layers: int, page: int, num_chunks: int) -> tuple[Any, Any, list[Any],
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VllmSpec
 
     import kvcache.vllm
-    from kvcache.transfer._engine import _CpuBackend
+    from kvcache.transfer._cpu_backend import CpuBackend
 
     geometry = Geometry(
         tensors=((page, page),) * layers,
@@ -116,7 +116,7 @@ def build(layers: int, page: int, num_chunks: int) -> tuple[Any, Any, list[Any],
     vllm_worker = VllmSpec(config).get_worker(caches)
     ours = kvcache.vllm.CPUOffloadingSpec(config).get_worker(caches)
     ours.engine._backend.close()
-    ours.engine._backend = _CpuBackend(execute=False)
+    ours.engine._backend = CpuBackend(execute=False)
     return vllm_worker, ours, tensors, caches
 
 

@@ -50,7 +50,7 @@ def worker_child(device_kind: str, contract: str) -> int:
     )
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    from kvcache._vllm_worker import CPUOffloadingWorker
+    CPUOffloadingWorker = vllm_standins.import_worker().CPUOffloadingWorker
 
     device = make_device(device_kind)
     torch = device.torch

@@ -3,7 +3,7 @@
 A GPU machine that has torch and Triton but not vLLM (vLLM's compiled ops are built for
 another torch) can still run kvcache's worker under either release's contract:
 :func:`install` puts a minimal ``vllm`` package into ``sys.modules`` with the version asked
-for and the types ``kvcache._vllm_worker`` imports, with vLLM's field names and meanings
+for and the types ``kvcache.vllm._worker`` imports, with vLLM's field names and meanings
 (``vllm/v1/kv_offload/base.py`` and ``cpu/common.py`` of 0.33.0 and 0.34.0):
 
 - ``CanonicalKVCacheTensor(tensor, page_size_bytes)``, ``CanonicalKVCacheRef(tensor_idx,
@@ -20,6 +20,8 @@ Only for a process that has not imported vLLM: when a real vLLM is importable, u
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
 import types
 from abc import ABC
@@ -141,3 +143,15 @@ def install(version: str) -> None:
     module("vllm.v1.kv_offload.cpu.common", CPULoadStoreSpec=CPULoadStoreSpec)
     if version.startswith("0.34"):
         module("vllm.v1.kv_offload.pointer_utils", resolve_device_pointers=resolve_device_pointers)
+
+
+def import_worker() -> types.ModuleType:
+    """kvcache's worker module, ``kvcache.vllm._worker``, under the stand-ins (call
+    :func:`install` first). The package ``kvcache.vllm`` is registered without running its
+    ``__init__``, which imports vLLM's spec, manager and tiering modules (the adapter's other
+    half, not stood in here); the worker and the modules it imports (fronts, version, logging)
+    import only the types above."""
+    spec = importlib.util.find_spec("kvcache.vllm")
+    assert spec is not None
+    sys.modules["kvcache.vllm"] = importlib.util.module_from_spec(spec)
+    return importlib.import_module("kvcache.vllm._worker")

@@ -296,39 +296,22 @@ class Check:
         ]  # fmt: skip
 
     def config(self, page: int, **extra: Any) -> Any:
-        from vllm.v1.kv_offload.config import (
-            OffloadingCacheConfig,
-            OffloadingConfig,
-            OffloadingGroupConfig,
-            OffloadingModelConfig,
-            OffloadingParallelConfig,
-        )
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
+        from tests.support.vllm_configs import offloading_config
 
         chunk = self.layers * page * self.bpc
-        return OffloadingConfig(
-            groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("g",), group_id=0),),
-            worker_kv_bytes_per_block=self.layers * page,
-            enable_kv_cache_events=False,
-            extra_config={
+        return offloading_config(
+            {
                 "cpu_bytes_to_use": self.num_chunks * self.aligned(chunk),
                 "kvcache_worker": True,  # opt-in until a GPU run has passed
                 **extra,
             },
+            worker_kv_bytes_per_block=self.layers * page,
+            group_layers=("g",),
+            blocks_per_chunk=self.bpc,
             engine_id=f"kvcache-gpu-check-{uuid.uuid4().hex}",
-            model=OffloadingModelConfig(name="m", dtype="bfloat16", max_model_len=4096),
-            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=self.bpc),
-            parallel=OffloadingParallelConfig(
-                rank=0,
-                world_size=1,
-                tp_size=1,
-                pp_size=1,
-                pcp_size=1,
-                dcp_size=1,
-                data_parallel_index=0,
-                data_parallel_size=1,
-                data_parallel_rank_local=None,
-                is_parallelism_agnostic=True,
-            ),
+            dtype="bfloat16",
         )
 
     def aligned(self, chunk: int) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar, cast
 
-from kvcache import _vllm_config as settings
+from kvcache import _extra_config as settings
 from kvcache._core import KvCacheError
 from kvcache.replay.capacity import DTYPE_BYTES, format_bytes
 from kvcache.replay.trace import nests_deeper

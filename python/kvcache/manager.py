@@ -32,11 +32,11 @@ class ManagerStats:
 
 
 class OffloadingManager(_RustManager):
-    """Tracks offloaded chunks and decides loads, stores and evictions (LRU or ARC).
+    """Tracks offloaded chunks and decides loads, stores and evictions (LRU, ARC or turn).
 
     Args:
         num_chunks: chunk slots in host memory.
-        cache_policy: ``"lru"`` or ``"arc"``.
+        cache_policy: ``"lru"``, ``"arc"`` or ``"turn"`` (or the class name).
         enable_events: collect stored/removed events for ``take_events()``.
         store_threshold: offers a key needs before it is stored (< 2: store at once).
         max_tracker_size: keys the ``store_threshold`` tracker remembers.

@@ -324,7 +324,7 @@ except BaseException as exc:
 reserved = status("VmPeak") - peak  # measured before vLLM's import, which reserves plenty
 if {with_vllm}:
     import kvcache.vllm
-    from kvcache._vllm_metrics import HINTED_REQUESTS, IGNORED_HINTS
+    from kvcache.vllm._metrics import HINTED_REQUESTS, IGNORED_HINTS
     from vllm.v1.kv_offload.base import ReqContext
     manager = kvcache.vllm.CPUOffloadingManager(64, "turn")
     pulled[0] = 0

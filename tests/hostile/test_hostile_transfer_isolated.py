@@ -294,7 +294,7 @@ def test_hostile_pointer_arrays_raise_under_an_address_space_limit(
 # The same arrays through vLLM 0.34's worker front, which hands `DevicePointers` to the engine.
 FRONT = """
 from vllm.v1.kv_offload.base import DevicePointers
-from kvcache._vllm_fronts import PointerFront
+from kvcache.vllm._fronts import PointerFront
 
 p = {array}
 job = DevicePointers(ptrs=p, sizes=p, group_block_counts=(1, 0), group_data_ref_counts=(2, 0),

@@ -83,7 +83,7 @@ def test_a_missing_oracle_package_is_found_through_the_exception_chain(
     missing = ModuleNotFoundError("No module named 'vllm.v1'", name="vllm.v1")
     assert no_oracle.missing_oracle_package(missing) == "vllm"
     assert no_oracle.missing_oracle_package(_raised_under(missing)) == "vllm"
-    adapter = ModuleNotFoundError("x", name="kvcache._vllm_worker")
+    adapter = ModuleNotFoundError("x", name="kvcache.vllm._worker")
     assert no_oracle.missing_oracle_package(adapter) == "vllm"
     # Not an oracle package, or not a missing module at all: a failure to report.
     other = ModuleNotFoundError("No module named 'numpy'", name="numpy")

@@ -5,36 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.support import vllm_configs
+
 
 def offloading_config(**extra: Any) -> Any:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+    """One group of one 4096-byte layer, 64 chunks of one block, events on."""
+    return vllm_configs.offloading_config(
+        {"cpu_bytes_to_use": 64 * 4096, **extra},
         worker_kv_bytes_per_block=4096,
         enable_kv_cache_events=True,
-        extra_config={"cpu_bytes_to_use": 64 * 4096, **extra},
-        engine_id="test",
-        model=OffloadingModelConfig(name="m", dtype="float16", max_model_len=1024),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
+        max_model_len=1024,
     )
 
 

@@ -240,7 +240,7 @@ class ManagerPair:
         assert [normalize_event(e) for e in ours] == [normalize_event(e) for e in ref]
 
     def stats(self) -> None:
-        from kvcache._vllm_metrics import HINT_METRICS, HINTED_REQUESTS, IGNORED_HINTS
+        from kvcache.vllm._metrics import HINT_METRICS, HINTED_REQUESTS, IGNORED_HINTS
 
         ref, ours = self.both("get_stats")
         # kvcache's hint counters: exactly the hints its manager read since the last stats.

@@ -24,7 +24,7 @@ from pathlib import Path
 ORACLE_PACKAGES = ("vllm", "torch", "triton")
 
 #: kvcache's own modules that import one of them when imported (the vLLM adapter).
-NEEDS_ORACLE = {"kvcache.vllm": "vllm", "kvcache._vllm": "vllm"}
+NEEDS_ORACLE = {"kvcache.vllm": "vllm"}
 
 
 def _oracle_package(name: str) -> str | None:

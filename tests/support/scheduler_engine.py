@@ -194,7 +194,7 @@ TIMED = ("vllm:kv_offload_lookup_sync_delay_seconds", "vllm:kv_offload_lookup_as
 
 
 def describe_stats(stats: Any, recorder: Recorder) -> Any:
-    from kvcache._vllm_metrics import HINT_METRICS
+    from kvcache.vllm._metrics import HINT_METRICS
 
     if stats is None:
         return None

@@ -125,7 +125,7 @@ def _stats(manager: Any, hint_counts: Counter[str]) -> tuple:
     """Every metric, with durations (which differ run to run) reduced to how many there were;
     kvcache's retention-hint counters (which vLLM's primary tier has not) are added up in
     ``hint_counts`` instead."""
-    from kvcache._vllm_metrics import HINT_METRICS
+    from kvcache.vllm._metrics import HINT_METRICS
 
     stats = manager.get_stats()
     if stats is None:

@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.support import vllm_configs
+
 
 class _FakeStream:
     def wait_stream(self, other: object) -> None:
@@ -156,7 +158,7 @@ def _handler_init_without_device_assert(handler_cls: type) -> Any:
 def pointers_release() -> bool:
     """Whether the installed vLLM hands its worker device pointers (0.34.0) rather than a
     ``GPULoadStoreSpec`` (0.33.0)."""
-    from kvcache._vllm_version import VLLM_SEMANTICS
+    from kvcache.vllm._version import VLLM_SEMANTICS
 
     return VLLM_SEMANTICS != "0.33"
 
@@ -304,39 +306,18 @@ def canonical(geometry: Geometry, tensors: list[torch.Tensor]) -> Any:
 def offloading_config(
     geometry: Geometry, *, rank: int, cpu_bytes_to_use: int, engine_id: str, **extra: Any
 ) -> Any:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    return OffloadingConfig(
-        groups=tuple(
-            OffloadingGroupConfig(tokens_per_block=16, layer_names=(f"g{g}",), group_id=g)
-            for g in range(len(geometry.groups))
-        ),
-        worker_kv_bytes_per_block=geometry.worker_kv_bytes_per_block,
-        enable_kv_cache_events=False,
+    return vllm_configs.offloading_config(
         # kvcache's worker is opt-in (vLLM's is the default until a GPU run has passed); vLLM's
         # own spec ignores the key.
-        extra_config={"cpu_bytes_to_use": cpu_bytes_to_use, "kvcache_worker": True, **extra},
+        {"cpu_bytes_to_use": cpu_bytes_to_use, "kvcache_worker": True, **extra},
+        worker_kv_bytes_per_block=geometry.worker_kv_bytes_per_block,
+        group_layers=[f"g{g}" for g in range(len(geometry.groups))],
+        blocks_per_chunk=geometry.blocks_per_chunk,
         engine_id=engine_id,
-        model=OffloadingModelConfig(name="m", dtype="float16", max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=geometry.blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=geometry.world_size,
-            tp_size=geometry.world_size // geometry.pp_size,
-            pp_size=geometry.pp_size,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        rank=rank,
+        world_size=geometry.world_size,
+        pp_size=geometry.pp_size,
+        is_parallelism_agnostic=False,
     )
 
 

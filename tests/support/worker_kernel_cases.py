@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcache.transfer import HostChunkPool, TransferEngine
-from kvcache.transfer._cuda_backend import CopyMode, CudaBackend, Queue
+from kvcache.transfer._cuda_backend import CudaBackend
+from kvcache.transfer._jobs import CopyMode, Queue
 from tests.support.fakecuda.shim import (
     InterpretedLauncher,
     TorchCuda,

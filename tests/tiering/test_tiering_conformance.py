@@ -271,7 +271,7 @@ def test_tiering_with_hints_decides_as_over_vllms(policy: str) -> None:
     (kvcache's policy loaded by name) and over kvcache's alike. Only kvcache's primary tier
     counts them, and its counters reach the tiering manager's stats."""
     needs_tiering()
-    from kvcache._vllm_metrics import HINTED_REQUESTS, IGNORED_HINTS
+    from kvcache.vllm._metrics import HINTED_REQUESTS, IGNORED_HINTS
     from tests.support.manager_driver import assert_same_decisions
     from tests.support.tiering_driver import Options, run_both
 
@@ -295,7 +295,7 @@ def test_the_primary_tier_counts_and_learns_from_every_hinted_request(hints: boo
     records the request; the counts in the tiering manager's stats are exactly those of the
     requests it saw."""
     needs_tiering()
-    from kvcache._vllm_metrics import HINTED_REQUESTS, IGNORED_HINTS
+    from kvcache.vllm._metrics import HINTED_REQUESTS, IGNORED_HINTS
     from tests.support.hint_cases import tally
     from tests.support.manager_driver import multi_turn_workload
     from tests.support.tiering_driver import Options, build, drive, request_hint

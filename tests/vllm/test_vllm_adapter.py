@@ -264,8 +264,8 @@ def test_bad_kvcache_settings_raise_typed_errors(extra: dict[str, Any], exc: typ
 def test_vllm_version_is_checked() -> None:
     require_oracle()
     import kvcache
-    from kvcache._vllm_version import TESTED_VLLM_VERSIONS, check_vllm_version
     from kvcache.vllm import UnsupportedVersionError
+    from kvcache.vllm._version import TESTED_VLLM_VERSIONS, check_vllm_version
 
     assert TESTED_VLLM_VERSIONS == ("0.33.0", "0.34.0")
     assert [check_vllm_version(v, allow_untested=False) for v in TESTED_VLLM_VERSIONS] == [
@@ -307,7 +307,7 @@ def test_the_adapter_follows_the_running_release() -> None:
 )
 def test_vllm_builds_of_the_tested_release_are_accepted(version: str) -> None:
     require_oracle()
-    from kvcache._vllm_version import check_vllm_version
+    from kvcache.vllm._version import check_vllm_version
 
     assert check_vllm_version(version, allow_untested=False) == version[:4]
 
@@ -318,7 +318,7 @@ def test_vllm_builds_of_the_tested_release_are_accepted(version: str) -> None:
 )
 def test_other_vllm_releases_are_refused(version: str) -> None:
     require_oracle()
-    from kvcache._vllm_version import UnsupportedVersionError, check_vllm_version
+    from kvcache.vllm._version import UnsupportedVersionError, check_vllm_version
 
     with pytest.raises(UnsupportedVersionError, match=re.escape(f"vLLM {version} is installed")):
         check_vllm_version(version, allow_untested=False)
@@ -338,7 +338,8 @@ from tests.support.adapter_spec import our_spec
 our_spec(eviction_policy="arc", cache_policy_module_path="kvcache.vllm").get_manager()
 """
 
-VLLM_LINE = r"^\(MainProcess pid=\d+\) {level} \d\d-\d\d \d\d:\d\d:\d\d \[vllm\.py:\d+\] "
+# vLLM's format names the file (and line) that logged: one of kvcache.vllm's modules.
+VLLM_LINE = r"^\(MainProcess pid=\d+\) {level} \d\d-\d\d \d\d:\d\d:\d\d \[\w+\.py:\d+\] "
 
 
 def run_vllm_process(**env: str) -> str:
@@ -389,13 +390,13 @@ _LOGGER_IDS = itertools.count()
 @pytest.fixture
 def log_names(monkeypatch: pytest.MonkeyPatch) -> tuple[logging.Logger, logging.Logger]:
     """Routing between two private loggers standing for ``kvcache`` and ``vllm``."""
-    from kvcache import _vllm_logging
+    from kvcache.vllm import _logging as vllm_logging
 
     n = next(_LOGGER_IDS)
     ours = logging.getLogger(f"kvcache-test-{n}")
     vllm = logging.getLogger(f"vllm-test-{n}")
-    monkeypatch.setattr(_vllm_logging, "KVCACHE_LOGGER", ours.name)
-    monkeypatch.setattr(_vllm_logging, "VLLM_LOGGER", vllm.name)
+    monkeypatch.setattr(vllm_logging, "KVCACHE_LOGGER", ours.name)
+    monkeypatch.setattr(vllm_logging, "VLLM_LOGGER", vllm.name)
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
     # (Both propagate when the test starts: pytest attaches its capture handlers to every
     # logger that does not.)
@@ -406,7 +407,7 @@ def log_names(monkeypatch: pytest.MonkeyPatch) -> tuple[logging.Logger, logging.
 def test_log_routing_follows_vllms_handlers_and_level(
     log_names: tuple[logging.Logger, logging.Logger],
 ) -> None:
-    from kvcache._vllm_logging import route_to_vllm
+    from kvcache.vllm._logging import route_to_vllm
 
     ours, vllm = log_names
     assert not route_to_vllm()  # vLLM has no handler yet: nothing to route to
@@ -434,7 +435,7 @@ def test_log_routing_follows_vllms_handlers_and_level(
 def test_log_routing_leaves_a_user_configured_kvcache_logger_alone(
     log_names: tuple[logging.Logger, logging.Logger],
 ) -> None:
-    from kvcache._vllm_logging import route_to_vllm
+    from kvcache.vllm._logging import route_to_vllm
 
     ours, vllm = log_names
     vllm_out, user_out = io.StringIO(), io.StringIO()
@@ -453,7 +454,7 @@ def test_log_routing_leaves_a_user_configured_kvcache_logger_alone(
 def test_log_routing_off_when_vllm_logging_is_disabled(
     log_names: tuple[logging.Logger, logging.Logger], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvcache._vllm_logging import route_to_vllm
+    from kvcache.vllm._logging import route_to_vllm
 
     ours, vllm = log_names
     vllm.addHandler(logging.StreamHandler(io.StringIO()))

@@ -261,7 +261,7 @@ def test_scheduler_decisions_match_vllm_with_hints(setting: str) -> None:
     counters, at least once for every request that carried one (a request running at the
     cache reset is recorded again afterwards, and its hint read again)."""
     require_oracle()
-    from kvcache._vllm_metrics import HINTED_REQUESTS, IGNORED_HINTS
+    from kvcache.vllm._metrics import HINTED_REQUESTS, IGNORED_HINTS
     from tests.support.hint_cases import tally
 
     counts: Counter[str] = Counter()

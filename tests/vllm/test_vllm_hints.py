@@ -47,7 +47,7 @@ LABELS = {"model_name": "kvcache-test", "engine": "0"}
 
 
 def hint_metrics() -> tuple[str, str, str]:
-    from kvcache._vllm_metrics import HINT_METRICS
+    from kvcache.vllm._metrics import HINT_METRICS
 
     return HINT_METRICS
 
@@ -284,7 +284,7 @@ def test_the_counters_need_the_declaration_and_survive_a_new_prometheus_logger()
         OffloadingConnectorStats,
     )
 
-    from kvcache._vllm_metrics import add_hint_counts
+    from kvcache.vllm._metrics import add_hint_counts
 
     stats = OffloadingConnectorStats()
     add_hint_counts(stats, (3, 2, 1))

@@ -60,6 +60,7 @@ def test_without_a_setting_vllms_worker_runs_until_a_gpu_run_has_passed(
     from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker as VllmWorker
 
     import kvcache.vllm
+    from kvcache.vllm import _worker_settings
 
     with vllm_on_cpu(), caplog.at_level("DEBUG", logger="kvcache"):
         spec = default_spec_for(PLAIN)
@@ -76,7 +77,7 @@ def test_without_a_setting_vllms_worker_runs_until_a_gpu_run_has_passed(
     finally:
         worker.shutdown()
     # The switch itself: with evidence named, the same configuration builds kvcache's worker.
-    monkeypatch.setattr(kvcache.vllm, "WORKER_GPU_EVIDENCE", "docs/gpu/example.json")
+    monkeypatch.setattr(_worker_settings, "WORKER_GPU_EVIDENCE", "docs/gpu/example.json")
     with vllm_on_cpu():
         spec = default_spec_for(PLAIN)
         worker = spec.get_worker(canonical(PLAIN, make_tensors(PLAIN, 0)))
@@ -228,7 +229,7 @@ def test_a_failed_copy_is_reported_and_logged_never_as_success(
     """A job whose copy fails (here: its queue's copy thread refuses it) comes back with
     success=False, and one error line names the job, its direction and the cause."""
     require_oracle()
-    from kvcache.transfer._engine import JobResult
+    from kvcache.transfer import JobResult
 
     with vllm_on_cpu():
         (pair,) = build_pairs(PLAIN, cpu_bytes_to_use=1 << 20, seed=4)
@@ -452,7 +453,7 @@ def test_a_failed_copy_is_reported_in_the_releases_shape() -> None:
     the same result for a failed copy. vLLM 0.33.0's worker cannot report one (the copy's
     error escapes its submit), and ours reports success=False with the job's size."""
     require_oracle()
-    from kvcache.transfer._engine import JobResult
+    from kvcache.transfer import JobResult
     from tests.support.vllm_worker_oracle import CLEARED_DEVICE_ERRORS, pointers_release
 
     with vllm_on_cpu(copy=failing_copy):

@@ -3,12 +3,16 @@
 Everything that is the user's fault (a missing or malformed trace, an unknown policy, a bad
 capacity, a backend that is not installed) raises a subclass of :class:`ReplayError`; the CLI
 prints ``str(error)`` and exits non-zero. Anything else is a bug and keeps its traceback.
+:class:`ReplayError` is a :class:`kvcache.KvCacheError`, like every error kvcache raises for bad
+input, so ``except KvCacheError`` covers the replay too.
 """
 
 from __future__ import annotations
 
+from kvcache._core import KvCacheError
 
-class ReplayError(Exception):
+
+class ReplayError(KvCacheError):
     """A user-facing error: the message is complete on one line."""
 
 

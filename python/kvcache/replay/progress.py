@@ -31,7 +31,7 @@ class GridProgress:
     def __init__(self, *, runs: int, requests: int, stream: TextIO) -> None:
         from tqdm import tqdm
 
-        class _Bar(tqdm):  # type: ignore[misc,type-arg]
+        class _Bar(tqdm):  # type: ignore[misc]
             monitor_interval = 0  # no monitor thread: it would take the GIL from timed replays
 
         self._runs = runs

@@ -138,7 +138,7 @@ def _calibrate(
                 tensors,
                 pool,
                 blocks_per_chunk=bpc,
-                copy=method,  # type: ignore[arg-type]
+                copy=method,
                 groups=[[(i, page) for i in range(layers)]],
                 offsets=[i * page_max for i in range(layers)],
                 kernel_max_run_bytes=page_max,

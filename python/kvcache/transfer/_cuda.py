@@ -40,8 +40,11 @@ DRIVER_LIBRARY = "libcuda.so.1"
 class Registrable(Protocol):
     """The pool as registration sees it (``kvcache.transfer.HostChunkPool``)."""
 
-    address: int
-    nbytes: int
+    @property
+    def address(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
     device_can_use_host_pointer: bool
     # The runtime that registered it, and whether a background registration's outcome has
     # been seen (and logged) yet.
@@ -126,7 +129,7 @@ def runtime() -> CudaRuntime | None:
         return None
     if not torch.cuda.is_available():
         return None
-    torch.cuda.init()
+    torch.cuda.init()  # type: ignore[no-untyped-call]  # unannotated in torch
     candidates = [*_loaded_cudart_paths(), "libcudart.so.13", "libcudart.so.12", "libcudart.so"]
     for name in candidates:
         try:

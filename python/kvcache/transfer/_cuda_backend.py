@@ -24,26 +24,22 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kvcache import _core
 from kvcache._core import InvalidArgumentError, TransferError
 from kvcache.transfer._cuda import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
+from kvcache.transfer._jobs import QUEUES, CopyMode, JobResult, Queue
 
 if TYPE_CHECKING:
     import torch
 
     from kvcache.transfer._calibrate import Calibration
     from kvcache.transfer._cuda import CudaRuntime
-    from kvcache.transfer._engine import JobResult
 
 logger = logging.getLogger("kvcache.transfer._engine")
-
-CopyMode = Literal["auto", "kernel", "dma"]
-Queue = Literal["store", "load", "expedited"]
-QUEUES: tuple[Queue, ...] = ("store", "load", "expedited")
 
 # The kernel/DMA cut-off for loads when it is not calibrated: vLLM 0.33.0's fixed threshold,
 # tuned on one H100. It is compared with the job's average bytes per DMA run after coalescing
@@ -138,8 +134,10 @@ class _KernelJob:
 
 class CudaBackend:
     """See the module docs. ``runtime``, ``cuda`` (a ``torch.cuda`` stand-in) and ``launcher``
-    let tests run the backend over the fake CUDA runtime of ``tests/support/fakecuda``; by default
-    the real ones are used."""
+    let tests run the backend over the fake CUDA runtime of ``tests/support/fakecuda``; by
+    default the real ones are used. ``calibrate(device)`` measures the load cut-off when none
+    is given (``TransferEngine`` passes its own, which builds scratch engines; None: the
+    default)."""
 
     def __init__(
         self,
@@ -154,6 +152,7 @@ class CudaBackend:
         runtime: CudaRuntime | None = None,
         cuda: Any = None,
         launcher: KernelLauncher | None = None,
+        calibrate: Callable[[torch.device], Calibration | None] | None = None,
     ) -> None:
         import torch
 
@@ -201,11 +200,9 @@ class CudaBackend:
         self.calibration: Calibration | None = None
         if kernel_max_run_bytes is None:
             kernel_max_run_bytes = DEFAULT_KERNEL_MAX_RUN_BYTES
-            if copy == "auto" and self._kernel_off is None and cuda is None:
-                from kvcache.transfer._calibrate import calibrate
-                from kvcache.transfer._engine import TransferEngine
-
-                self.calibration = calibrate(device, TransferEngine)
+            measurable = copy == "auto" and self._kernel_off is None and cuda is None
+            if measurable and calibrate is not None:
+                self.calibration = calibrate(device)
                 if self.calibration is not None:
                     kernel_max_run_bytes = self.calibration.kernel_max_run_bytes
         self.kernel_max_run_bytes = kernel_max_run_bytes
@@ -412,8 +409,6 @@ class CudaBackend:
     # --- completion ----------------------------------------------------------------------
 
     def _finish_kernel(self, job: _KernelJob, error: str | None) -> JobResult:
-        from kvcache.transfer._engine import JobResult
-
         job.plan.release()
         ok = job.ok and error is None
         seconds = None
@@ -443,8 +438,6 @@ class CudaBackend:
                 logger.debug("%s while the pool is being pinned; that job went run by run", what)
 
     def collect(self) -> list[JobResult]:
-        from kvcache.transfer._engine import JobResult
-
         done: list[JobResult] = []
         for queue in QUEUES:
             dma = self._dma[queue]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from kvcache import _core
 from kvcache._core import (
@@ -13,15 +13,15 @@ from kvcache._core import (
     InvalidTypeError,
     PoolClosedError,
 )
+from kvcache.transfer._calibrate import Calibration, calibrate, round_trip
 from kvcache.transfer._checks import bounded_list, check_count
+from kvcache.transfer._cpu_backend import CpuBackend
 from kvcache.transfer._cuda_backend import (
     DEFAULT_KERNEL_MIN_RUNS,
     DEFAULT_KERNEL_PROGRAMS,
-    QUEUES,
-    CopyMode,
     CudaBackend,
-    Queue,
 )
+from kvcache.transfer._jobs import Backend, CopyMode, JobResult, Queue
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -30,20 +30,6 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger(__name__)
-
-
-class JobResult(NamedTuple):
-    """One finished job."""
-
-    job_id: int
-    success: bool
-    #: Bytes as vLLM's worker reports them (a padded page counts its payload only).
-    nbytes: int
-    #: Seconds the copies took (device time on CUDA, copy-thread time on CPU); None if unknown.
-    seconds: float | None
-    store: bool
-    #: Why the job failed (None on success).
-    error: str | None
 
 
 def _reusable(value: Any, depth: int, name: str) -> Any:
@@ -85,68 +71,6 @@ def _layer_spec(t: torch.Tensor, index: int, *, host: bool) -> tuple[Any, ...]:
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     pages = flat.as_strided((num_blocks, page), (stride, 1), t.storage_offset() * item)
     return (pages.numpy(), segment)
-
-
-class _Backend(Protocol):
-    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None: ...
-
-    def collect(self) -> list[JobResult]: ...
-
-    def wait(self, job_ids: set[int] | None) -> None: ...
-
-    def in_flight(self) -> int: ...
-
-    def close(self) -> None: ...
-
-    def describe(self) -> dict[str, Any]: ...
-
-    def check_methods(self) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
-
-    #: Jobs each copy method ran so far (see TransferEngine.jobs_by_method).
-    @property
-    def jobs_by_method(self) -> dict[str, int]: ...
-
-
-class _CpuBackend:
-    """Copies in Rust on one worker thread per queue (GIL released), each in submission order."""
-
-    def __init__(self, *, execute: bool = True) -> None:
-        """``execute=False`` builds every job's runs (on the copy threads) without copying:
-        the planning cost alone, for benchmarks."""
-        self._copiers = {q: _core.CpuCopier(execute=execute) for q in QUEUES}
-        self._plans: dict[int, tuple[int, bool]] = {}
-        self.jobs_by_method = {"cpu": 0}
-
-    def submit(self, job_id: int, plan: _core.Plan, queue: Queue) -> None:
-        self._copiers[queue].submit(job_id, plan)
-        self._plans[job_id] = (plan.logical_nbytes, queue == "store")
-        self.jobs_by_method["cpu"] += 1
-
-    def collect(self) -> list[JobResult]:
-        out = []
-        for copier in self._copiers.values():
-            for job_id, ok, seconds, error in copier.poll():
-                nbytes, store = self._plans.pop(job_id)
-                out.append(JobResult(job_id, ok, nbytes, seconds, store, error))
-        return out
-
-    def wait(self, job_ids: set[int] | None) -> None:
-        ids = None if job_ids is None else list(job_ids)
-        for copier in self._copiers.values():
-            copier.wait(ids)
-
-    def in_flight(self) -> int:
-        return sum(c.in_flight() for c in self._copiers.values())
-
-    def close(self) -> None:
-        for copier in self._copiers.values():
-            copier.shutdown()
-
-    def describe(self) -> dict[str, Any]:
-        return {"backend": "cpu"}
-
-    def check_methods(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return ("cpu",), ("cpu",)
 
 
 class TransferEngine:
@@ -264,9 +188,9 @@ class TransferEngine:
             else [blocks_per_chunk * sum(self._pages[:i]) for i in range(len(layers))]
         )
         self._copy = copy
-        self._backend: _Backend
+        self._backend: Backend
         if host:
-            self._backend = _CpuBackend()
+            self._backend = CpuBackend()
         else:
             self._backend = CudaBackend(
                 device,
@@ -276,6 +200,7 @@ class TransferEngine:
                 kernel_max_run_bytes=kernel_max_run_bytes,
                 kernel_min_runs=kernel_min_runs,
                 kernel_programs=kernel_programs,
+                calibrate=_calibrate,
             )
         self._layers = layers  # keeps device memory alive while jobs may use it
         self._pool = pool
@@ -336,8 +261,6 @@ class TransferEngine:
         when the kernel is enabled), each byte compared; live KV blocks and the pool are not
         touched. Returns None when every byte came back, else the cause (a copy raised,
         failed or moved wrong bytes). See ``kvcache.transfer._calibrate.round_trip``."""
-        from kvcache.transfer._calibrate import round_trip
-
         self._check_open()
         try:
             return round_trip(self)
@@ -526,3 +449,8 @@ class TransferEngine:
                 self.close()
             except Exception:
                 logger.exception("closing a collected transfer engine failed")
+
+
+def _calibrate(device: torch.device) -> Calibration | None:
+    """The load cut-off measured on ``device`` with scratch engines (cached per device)."""
+    return calibrate(device, TransferEngine)

@@ -172,7 +172,8 @@ class HostChunkPool(_core.HostChunkPool):
 
         # Going through a memoryview keeps a buffer export open for the tensor's lifetime
         # (torch.frombuffer on the pool itself would only hold a reference).
-        flat = torch.frombuffer(memoryview(self), dtype=torch.uint8)
+        # (Before Python 3.12 a native buffer exporter has no __buffer__ a type checker sees.)
+        flat = torch.frombuffer(memoryview(self), dtype=torch.uint8)  # type: ignore[arg-type]
         return flat.view(self.num_chunks, self.chunk_bytes)
 
     def __enter__(self) -> Self:

@@ -2,8 +2,8 @@
 
 The adapter subclasses vLLM's spec, manager and worker interfaces and matches vLLM's private
 layouts (chunk bytes, descriptor accounting) byte for byte. It supports vLLM 0.33.0 and
-0.34.0, each with that release's own contracts and decisions (:data:`VLLM_SEMANTICS` is the
-running release's); a different vLLM release may change any of them without an error, so
+0.34.0, each with that release's own contracts and decisions (:data:`RUNNING_VLLM_SEMANTICS`
+is the running release's); a different vLLM release may change any of them without an error, so
 importing ``kvcache.vllm`` under another release raises :class:`UnsupportedVersionError`. Set
 ``KVCACHE_ALLOW_UNTESTED_VLLM=1`` to import it anyway (a warning is logged; kvcache then
 follows the newest supported release not newer than the installed one): the conformance
@@ -62,7 +62,7 @@ def check_vllm_version(version: str, *, allow_untested: bool) -> str:
 def check_installed_vllm() -> str:
     import vllm
 
-    from kvcache._vllm_logging import route_to_vllm
+    from kvcache.vllm._logging import route_to_vllm
 
     route_to_vllm()  # first, so that even the warning below comes out in vLLM's format
     return check_vllm_version(
@@ -71,5 +71,8 @@ def check_installed_vllm() -> str:
     )
 
 
-#: The semantics of the running vLLM: ``"0.33"`` or ``"0.34"``.
-VLLM_SEMANTICS: str = check_installed_vllm()
+#: The semantics of the running vLLM: ``"0.33"`` or ``"0.34"`` (one release; the releases
+#: kvcache supports are ``kvcache.VLLM_SEMANTICS``, a tuple).
+RUNNING_VLLM_SEMANTICS: str = check_installed_vllm()
+#: The same string by its older name, which ``kvcache.vllm`` still exports.
+VLLM_SEMANTICS: str = RUNNING_VLLM_SEMANTICS

@@ -39,9 +39,9 @@ events), as everywhere in ``kvcache.vllm``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Self
 
-from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.base import OffloadingManager, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -52,84 +52,70 @@ from vllm.v1.kv_offload.tiering.manager import (
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvcache import _vllm_config as settings
-from kvcache._vllm_logging import route_to_vllm
-from kvcache._vllm_metrics import hint_metric_definitions
-from kvcache._vllm_version import VLLM_SEMANTICS
+from kvcache import _extra_config as settings
+from kvcache.vllm._logging import route_to_vllm
+from kvcache.vllm._manager import CPUOffloadingManager, build_manager
+from kvcache.vllm._metrics import hint_metric_definitions
+from kvcache.vllm._version import RUNNING_VLLM_SEMANTICS
+from kvcache.vllm._worker import HostRegionView, build_worker
+from kvcache.vllm._worker_settings import WorkerSettings
 
 logger = logging.getLogger("kvcache.vllm")
 
 
-def primary_tier_class() -> type:
-    """kvcache's primary tier, defined on first use (it subclasses ``kvcache.vllm``'s manager,
-    which imports this module)."""
-    global _PRIMARY
-    if _PRIMARY is None:
-        _PRIMARY = _define_primary_tier()
-    return _PRIMARY
+class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
+    """vLLM's CPU primary tier on kvcache's Rust manager (see the module docs): the
+    constructor and methods of vLLM's ``CPUPrimaryTierOffloadingManager``."""
+
+    def __new__(
+        cls,
+        num_chunks: int,
+        mmap_region: Any,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        info: Any = None,
+    ) -> Self:
+        return super().__new__(
+            cls, num_chunks, cache_policy, cache_policy_module_path, enable_events, info=info
+        )
+
+    def __init__(
+        self,
+        num_chunks: int,
+        mmap_region: Any,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        info: Any = None,
+    ) -> None:
+        super().__init__(
+            num_chunks, cache_policy, cache_policy_module_path, enable_events, info=info
+        )
+        self._mmap_region = mmap_region
+        self._kv_memoryview: memoryview = mmap_region.create_kv_memoryview()
+
+    # The secondary tier's view of the same operations (vLLM's aliases).
+    complete_read = CPUOffloadingManager.complete_load
+    prepare_write = CPUOffloadingManager.prepare_store
+    complete_write = CPUOffloadingManager.complete_store
+
+    @property
+    def _num_chunks(self) -> int:
+        return int(self.num_chunks)
+
+    def get_kv_memoryview(self) -> memoryview:
+        """The shared host region as ``(num_chunks, row bytes)``: chunk ``c`` is
+        ``view[c]``."""
+        return self._kv_memoryview
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._kv_memoryview.release()
+        self._mmap_region.cleanup()
 
 
-_PRIMARY: type | None = None
-
-
-def _define_primary_tier() -> type:
-    from kvcache.vllm import CPUOffloadingManager
-
-    class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
-        """vLLM's CPU primary tier on kvcache's Rust manager (see the module docs): the
-        constructor and methods of vLLM's ``CPUPrimaryTierOffloadingManager``."""
-
-        def __new__(
-            cls,
-            num_chunks: int,
-            mmap_region: Any,
-            cache_policy: str = "lru",
-            cache_policy_module_path: str | None = None,
-            enable_events: bool = False,
-            info: Any = None,
-        ) -> CPUPrimaryTierOffloadingManager:
-            return super().__new__(
-                cls, num_chunks, cache_policy, cache_policy_module_path, enable_events, info=info
-            )
-
-        def __init__(
-            self,
-            num_chunks: int,
-            mmap_region: Any,
-            cache_policy: str = "lru",
-            cache_policy_module_path: str | None = None,
-            enable_events: bool = False,
-            info: Any = None,
-        ) -> None:
-            super().__init__(
-                num_chunks, cache_policy, cache_policy_module_path, enable_events, info=info
-            )
-            self._mmap_region = mmap_region
-            self._kv_memoryview = mmap_region.create_kv_memoryview()
-
-        # The secondary tier's view of the same operations (vLLM's aliases).
-        complete_read = CPUOffloadingManager.complete_load
-        prepare_write = CPUOffloadingManager.prepare_store
-        complete_write = CPUOffloadingManager.complete_store
-
-        @property
-        def _num_chunks(self) -> int:
-            return int(self.num_chunks)
-
-        def get_kv_memoryview(self) -> memoryview:
-            """The shared host region as ``(num_chunks, row bytes)``: chunk ``c`` is
-            ``view[c]``."""
-            return self._kv_memoryview
-
-        def shutdown(self) -> None:
-            super().shutdown()
-            self._kv_memoryview.release()
-            self._mmap_region.cleanup()
-
-    return CPUPrimaryTierOffloadingManager
-
-
-class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
+class KvCacheTieringOffloadingSpec(WorkerSettings, TieringOffloadingSpec):
     """vLLM's ``TieringOffloadingSpec`` (same keys: ``secondary_tiers``,
     ``tier_poll_interval_s``, ``backpressure``, ``cpu_bytes_to_use``, ``eviction_policy``)
     with kvcache's Rust manager as the CPU primary tier; every secondary tier and the tiering
@@ -145,8 +131,6 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
         return {**super().build_metric_definitions(extra_config), **hint_metric_definitions()}
 
     def __init__(self, config: OffloadingConfig) -> None:
-        from kvcache.vllm import CPUOffloadingSpec
-
         route_to_vllm()
         # As kvcache's CPU spec: checked before vLLM's spec reads them.
         settings.check_kvcache_keys(config.extra_config)
@@ -156,7 +140,7 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
         self.store_threshold = settings.store_threshold(config.extra_config, tiering=True)
         super().__init__(config)
         # The worker settings and the policy are read exactly as kvcache's CPU spec reads them.
-        CPUOffloadingSpec._read_worker_settings(self, self.extra_config)
+        self.read_worker_settings(self.extra_config)
         self.policy_kind = settings.policy_kind(
             self.eviction_policy, self.cache_policy_module_path, CachePolicyFactory._registry
         )
@@ -164,12 +148,9 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
     def create_worker(self, kv_caches: Any) -> Any:
         """vLLM's worker, or kvcache's over vLLM's shared host region (see the class docs);
         one start-up line says which, and why."""
-        from kvcache._vllm_worker import HostRegionView, build_worker
-        from kvcache.vllm import CPUOffloadingSpec
-
-        reason = CPUOffloadingSpec.worker_unsupported(self, kv_caches)  # type: ignore[arg-type]
+        reason = self.worker_unsupported(kv_caches)
         if reason is not None:
-            worker = super().create_worker(kv_caches)
+            worker: OffloadingWorker = super().create_worker(kv_caches)
             self._log_worker(f"vLLM's ({reason})")
             return worker
         rank = 0 if self.replicated_layout else self.config.parallel.rank
@@ -181,7 +162,8 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
             cpu_page_size=self.cpu_page_size_per_worker,
         )
         view = HostRegionView(
-            buffer=memoryview(region.mmap_obj),
+            # vLLM types it Optional; the constructor has just mapped it.
+            buffer=memoryview(region.mmap_obj),  # type: ignore[arg-type]
             row_bytes=self.kv_bytes_per_chunk,
             slot_offset=rank * self.cpu_page_size_per_worker,
             release=region.cleanup,
@@ -190,12 +172,8 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
             worker, why = build_worker(
                 kv_caches,
                 lambda: TieringOffloadingSpec.create_worker(self, kv_caches),
-                blocks_per_chunk=self.blocks_per_chunk,
-                num_chunks=self.num_chunks,
-                pin=self.pin_setting,
-                copy=self.copy_setting,
-                kernel_max_run_bytes=self.kernel_max_run_bytes,
                 host_region=view,
+                **self.worker_options(),
             )
         except BaseException:
             del view
@@ -208,22 +186,22 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
     def _log_worker(self, text: str) -> None:
         logger.info(
             "kvcache worker ready: vllm=%s tiering=vLLM's primary=%s worker=%s chunks=%d",
-            VLLM_SEMANTICS,
+            RUNNING_VLLM_SEMANTICS,
             "kvcache (Rust)" if self.policy_kind is not None else "vLLM's",
             text,
             self.num_chunks,
         )
 
     def _primary_tier(self, region: SharedOffloadRegion) -> Any:
-        from kvcache.vllm import build_manager
-
         kwargs = dict(
             num_chunks=self.num_chunks,
             enable_events=self.kv_events_config.enable_kv_cache_events,
             mmap_region=region,
             info=self.cpu_info,
         )
-        return build_manager(self, primary_tier_class(), _VllmPrimaryTier, "primary tier", kwargs)
+        return build_manager(
+            self, CPUPrimaryTierOffloadingManager, _VllmPrimaryTier, "primary tier", kwargs
+        )
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is not None:
@@ -258,7 +236,7 @@ class KvCacheTieringOffloadingSpec(TieringOffloadingSpec):
         logger.info(
             "kvcache manager ready: vllm=%s tiering=vLLM's primary=%s policy=%s "
             "secondary_tiers=[%s] chunks=%d",
-            VLLM_SEMANTICS,
+            RUNNING_VLLM_SEMANTICS,
             "kvcache (Rust)" if self.policy_kind is not None else "vLLM's",
             self.policy_kind or self.eviction_policy,
             ", ".join(t.tier_type for t in tiers),

@@ -3,7 +3,7 @@
 One class serves both supported releases, each with its own contract: under vLLM 0.33 a
 job's device side is a ``GPULoadStoreSpec`` (block ids), under vLLM 0.34 ``DevicePointers``
 (one device address per group, data reference and block, resolved by the connector). A small
-per-release front (``kvcache._vllm_fronts``), picked once at import from the running vLLM,
+per-release front (``kvcache.vllm._fronts``), picked once at import from the running vLLM,
 reads that side; everything after it is the same for both.
 
 Under 0.34 the worker recovers validated block ids from the pointers (in Rust, one pass:
@@ -47,10 +47,10 @@ from kvcache._core import (
     TransferError,
     _refuse_pickling,
 )
-from kvcache._vllm_fronts import Front, front_for
-from kvcache._vllm_version import VLLM_SEMANTICS
 from kvcache.transfer import HostChunkPool, TransferEngine
 from kvcache.transfer._checks import as_ids, bounded_list
+from kvcache.vllm._fronts import Front, front_for
+from kvcache.vllm._version import RUNNING_VLLM_SEMANTICS
 
 if TYPE_CHECKING:
     import torch
@@ -219,7 +219,7 @@ class CPUOffloadingWorker(OffloadingWorker):
     """
 
     #: How this vLLM release hands over a job's device side (chosen once, at import).
-    front: Front = front_for(VLLM_SEMANTICS)
+    front: Front = front_for(RUNNING_VLLM_SEMANTICS)
 
     def __reduce__(self) -> Any:
         # Its engine and host pool live in this process only (as vLLM's worker's do).

@@ -57,7 +57,7 @@ class SpecFront:
     def __init__(self) -> None:
         from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-        self.takes = GPULoadStoreSpec
+        self.takes: type = GPULoadStoreSpec
 
     def device_job(self, engine: TransferEngine, device: object) -> DeviceJob:
         _check_type(device, self.takes)
@@ -77,7 +77,7 @@ class PointerFront:
     def __init__(self) -> None:
         from vllm.v1.kv_offload.base import DevicePointers
 
-        self.takes = DevicePointers
+        self.takes: type = DevicePointers
 
     def device_job(self, engine: TransferEngine, device: object) -> DeviceJob:
         _check_type(device, self.takes)
