@@ -224,14 +224,17 @@ def _rss(pid: int) -> int:
 def run_isolated(
     script: str,
     *,
-    max_rss: int = 768 << 20,
+    max_rss: int = 2 << 30,
     timeout: float = 300,
     stdout: int | IO[Any] = subprocess.PIPE,
     env: dict[str, str] | None = None,
 ) -> Isolated:
     """Runs ``script`` in a fresh interpreter (repository root as cwd, ``report(...)``,
     ``limited(...)`` and ``limit_address_space(...)`` available) and stops it when its
-    resident memory exceeds ``max_rss``. ``stdout``: where its output goes (a pipe read back
+    resident memory exceeds ``max_rss`` (by default 2 GiB: a runaway allocation is stopped long
+    before it hurts the machine, while a child that imports torch, which alone is 0.5-0.7 GiB
+    resident depending on the build, is not; a test that bounds what a call allocates passes
+    its own limit or asserts ``peak_growth``). ``stdout``: where its output goes (a pipe read back
     by default; a closed pipe or ``/dev/full`` for output that fails); ``env``: variables set
     on top of this process's."""
     code = _PRELUDE + textwrap.dedent(script)
