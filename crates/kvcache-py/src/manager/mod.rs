@@ -235,22 +235,24 @@ impl PyManager {
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let mut state = self.inner.lock(py)?;
-        let (keys, positions, cursor, token) = state.request_call(&req_context, &keys, true)?;
-        let ks = state.keys(&keys);
         let shell = state.types.spec_shell(py)?;
-        let mut observed = Vec::new();
-        let ids = dispatch!(&mut state.manager, |m| {
-            m.prepare_load(token, &ks, &positions, &mut observed)
-        })
-        .py_err()?;
-        state.remember(token, &keys, &observed, cursor);
-        // The pins are taken: a result that cannot be built (a MemoryError, a
-        // KeyboardInterrupt in Python code) gives them back, or no caller could ever unpin
-        // them.
-        state.types.spec(py, shell, &ids).inspect_err(|_| {
-            // Pinned just now, under the same lock: the unpin cannot fail.
-            let _ = dispatch!(&mut state.manager, |m| m.complete_load(&ks));
-        })
+        state.request_op(
+            &req_context,
+            &keys,
+            true,
+            |manager, token, ks, positions, observed| {
+                dispatch!(manager, |m| m.prepare_load(token, ks, positions, observed))
+            },
+            |state, _, ks, ids| {
+                // The pins are taken: a result that cannot be built (a MemoryError, a
+                // KeyboardInterrupt in Python code) gives them back, or no caller could ever
+                // unpin them.
+                state.types.spec(py, shell, &ids).inspect_err(|_| {
+                    // Pinned just now, under the same lock: the unpin cannot fail.
+                    let _ = dispatch!(&mut state.manager, |m| m.complete_load(ks));
+                })
+            },
+        )
     }
 
     /// vLLM 0.34's CPU primary tier: pins the keys' ready chunks for a secondary tier to read
@@ -377,31 +379,37 @@ impl PyManager {
         req_context: Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let mut state = self.inner.lock(py)?;
-        let (keys, positions, cursor, token) = state.request_call(&req_context, &keys, false)?;
-        let ks = state.keys(&keys);
         let shell = state.types.spec_shell(py)?;
-        let mut observed = Vec::new();
-        let out = dispatch!(&mut state.manager, |m| {
-            m.prepare_store(token, &ks, &positions, &mut observed)
-        })
-        .py_err()?;
-        state.remember(token, &keys, &observed, cursor);
-        let Some(out) = out else { return Ok(None) };
-        let StoreOutput {
-            stored,
-            chunk_ids,
-            evicted,
-        } = out;
-        let built = PyList::new(py, stored.iter().map(|&i| &keys[i])).and_then(|to_store| {
-            let spec = state.types.spec(py, shell, &chunk_ids)?;
-            state.types.store_output(py, to_store, spec, evicted)
-        });
-        built.map(Some).inspect_err(|_| {
-            // The new chunks are pending and nobody will ever hear of them: drop them as a
-            // failed store would (evictions made for them stay, and their events too).
-            let new: Vec<Key<'_>> = stored.iter().map(|&i| ks[i]).collect();
-            dispatch!(&mut state.manager, |m| m.complete_store(&new, false));
-        })
+        state.request_op(
+            &req_context,
+            &keys,
+            false,
+            |manager, token, ks, positions, observed| {
+                dispatch!(manager, |m| m.prepare_store(token, ks, positions, observed))
+            },
+            |state, keys, ks, out| {
+                let Some(StoreOutput {
+                    stored,
+                    chunk_ids,
+                    evicted,
+                }) = out
+                else {
+                    return Ok(None);
+                };
+                let built =
+                    PyList::new(py, stored.iter().map(|&i| &keys[i])).and_then(|to_store| {
+                        let spec = state.types.spec(py, shell, &chunk_ids)?;
+                        state.types.store_output(py, to_store, spec, evicted)
+                    });
+                built.map(Some).inspect_err(|_| {
+                    // The new chunks are pending and nobody will ever hear of them: drop them
+                    // as a failed store would (evictions made for them stay, and their events
+                    // too).
+                    let new: Vec<Key<'_>> = stored.iter().map(|&i| ks[i]).collect();
+                    dispatch!(&mut state.manager, |m| m.complete_store(&new, false));
+                })
+            },
+        )
     }
 
     /// Completes stores: on success the chunks become readable and evictable; on failure the

@@ -3,7 +3,7 @@
 //! keys, positions and state, and its retention hint.
 
 use kvcache_core::manager::Event;
-use kvcache_core::{Key, KeyHasher, RequestToken};
+use kvcache_core::{CoreResult, Key, KeyHasher, RequestToken};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
@@ -14,15 +14,6 @@ use crate::errors::IntoPyResult;
 use crate::hints::{read_hint, HintRead};
 use crate::request_state::Owner;
 use crate::results::ResultTypes;
-
-/// A request call's keys, their token positions, where the walk over the position dict
-/// stopped, and the request's state.
-pub(super) type RequestCall<'py> = (
-    Vec<Bound<'py, PyBytes>>,
-    Vec<Option<i64>>,
-    isize,
-    RequestToken,
-);
 
 /// What the bindings keep per live request.
 #[derive(Default)]
@@ -115,20 +106,45 @@ impl State {
         Ok((positions, walk.cursor()))
     }
 
-    /// What `prepare_load` (`load`) and `prepare_store` start with: the keys (checked), their
-    /// token positions, and the request's state (in that order: the checks come before any
-    /// change). A request seen for the first time gets its state only once the call is known
-    /// not to be refused (vLLM checks before it records anything), and its retention hint,
-    /// read before anything changes.
-    pub(super) fn request_call<'py>(
+    /// A request's `prepare_load` (`load`) or `prepare_store` on the core manager, with what
+    /// both do around it. First the keys (checked, then hashed once for every step), their
+    /// token positions and the request's state, in that order: the checks come before any
+    /// change. Then `core`; then the keys the request observed for the first time are
+    /// remembered, and `finish` builds the result from `core`'s output and the keys.
+    pub(super) fn request_op<'py, R, T>(
         &mut self,
         req_context: &Bound<'py, PyAny>,
         keys: &Bound<'py, PyAny>,
         load: bool,
-    ) -> PyResult<RequestCall<'py>> {
+        core: impl FnOnce(
+            &mut AnyManager,
+            RequestToken,
+            &[Key<'_>],
+            &[Option<i64>],
+            &mut Vec<usize>,
+        ) -> CoreResult<R>,
+        finish: impl FnOnce(&mut Self, &[Bound<'py, PyBytes>], &[Key<'_>], R) -> PyResult<T>,
+    ) -> PyResult<T> {
         let ctx = require_context(Some(req_context))?;
         let keys = collect_keys(keys)?;
         let (positions, cursor) = self.positions(ctx, &keys)?;
+        let ks = self.keys(&keys);
+        let token = self.call_token(ctx, &ks, load)?;
+        let mut observed = Vec::new();
+        let out = core(&mut self.manager, token, &ks, &positions, &mut observed).py_err()?;
+        self.remember(token, &keys, &observed, cursor);
+        finish(self, &keys, &ks, out)
+    }
+
+    /// The request state a load or store call on `keys` runs under. A request seen for the
+    /// first time gets its state only once the call is known not to be refused (vLLM checks
+    /// before it records anything), and its retention hint, read before anything changes.
+    fn call_token(
+        &mut self,
+        ctx: &Bound<'_, PyAny>,
+        ks: &[Key<'_>],
+        load: bool,
+    ) -> PyResult<RequestToken> {
         self.bury_dead();
         let manager = &self.manager;
         if let Some(token) = self
@@ -137,15 +153,14 @@ impl State {
         {
             let hint = self.pending_hint(ctx, Some(token))?;
             self.give_hint(token, hint);
-            return Ok((keys, positions, cursor, token));
+            return Ok(token);
         }
         let live = self
             .owner
             .existing_token(ctx)?
             .filter(|&t| dispatch!(&self.manager, |m| m.is_live_request(t)));
         if live.is_none() {
-            let ks = self.keys(&keys);
-            dispatch!(&self.manager, |m| m.check_request_call(&ks, load)).py_err()?;
+            dispatch!(&self.manager, |m| m.check_request_call(ks, load)).py_err()?;
         }
         let hint = self.pending_hint(ctx, live)?;
         let manager = &mut self.manager;
@@ -153,7 +168,7 @@ impl State {
             .owner
             .token(ctx, |current| dispatch!(manager, |m| m.request(current)))?;
         self.give_hint(token, hint);
-        Ok((keys, positions, cursor, token))
+        Ok(token)
     }
 
     /// The manager's request state for `ctx` (created on first sight, as vLLM does), with its
