@@ -23,13 +23,15 @@ test that builds a CPU manager or a primary tier, directly or through a spec, bu
 ``KVCACHE_UPSTREAM_REPORT`` names a file that receives one JSON line as each test starts
 (outcome ``hung``) and one as it ends: its outcome, how many of the swapped classes it built,
 and the failure's text; the last line of a test is its record. A test that runs past
-``HANG_S`` ends the child, its record left at ``hung``.
+``HANG_S`` ends the child, its record left at ``hung``. Worker processes a failed test left
+behind are ended once every record is written.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import json
+import multiprocessing
 import os
 from collections import OrderedDict
 from typing import Any
@@ -277,3 +279,13 @@ def pytest_runtest_logreport(report: Any) -> None:
 def pytest_runtest_logfinish(nodeid: str, location: Any) -> None:
     faulthandler.cancel_dump_traceback_later()
     _write(_REPORT[nodeid])
+
+
+def pytest_unconfigure(config: Any) -> None:
+    # A vLLM test that fails half-way (a worker that did not report within its timeout on a
+    # busy machine) can leave the processes it spawned waiting on a queue for ever; Python
+    # joins them at exit, so the child would wait out the caller's whole timeout. Every
+    # record is written by now: end them.
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(10)
