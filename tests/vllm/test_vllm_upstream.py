@@ -21,6 +21,7 @@ both.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,41 @@ def test_vllms_offloading_tests_catch_a_defective_manager_and_primary_tier(
     assert any(node.startswith(MANAGER) for node in caught), sorted(caught)
     if release == "0.34":  # 0.33 has no deferred release to get wrong
         assert f"{TIERING}::test_deferred_release_misses_but_holds_chunks_until_released" in caught
+
+
+LEAKS_A_WORKER = """
+import multiprocessing as mp
+import os
+
+
+def _wait(queue):
+    queue.get()  # nobody puts: waits for ever
+
+
+def test_leaves_a_waiting_worker():
+    queue = mp.get_context("spawn").Queue()
+    worker = mp.get_context("spawn").Process(target=_wait, args=(queue,))
+    worker.start()
+    with open(os.environ["LEAK_PID_FILE"], "w") as out:
+        out.write(str(worker.pid))
+    raise AssertionError("gave up on its worker, as a test that timed out does")
+"""
+
+
+def test_a_worker_a_failed_test_leaves_behind_does_not_hold_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test of vLLM's that fails half-way can leave a spawned worker waiting for ever, and
+    Python joins workers at exit: the run must still end (well within the timeout that only
+    bounds a hang) with the test's record, and the worker must be gone."""
+    (tmp_path / "test_leak.py").write_text(LEAKS_A_WORKER)
+    pid_file = tmp_path / "worker.pid"
+    monkeypatch.setenv("LEAK_PID_FILE", str(pid_file))
+    records = vllm_upstream.run(
+        tmp_path, "vllm", ["test_leak.py"], tmp_path / "r.jsonl", timeout=300
+    )
+    (record,) = records.values()
+    assert record["outcome"] == "failed"
+    assert "gave up on its worker" in record["longrepr"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
