@@ -287,8 +287,9 @@ def test_a_sticky_fault_fails_the_job_and_the_engine_refuses_every_later_one(
     # One job first: the store queue's thread binds its device when it starts, and a fault
     # that beats it there marks the queue lost before any submission (then the store below
     # is refused, not failed); on a busy machine that start can come late.
-    engine.wait([engine.store([0], [0])])
-    assert [ok for _, ok in results(engine)] == [True]
+    first = engine.store([0], [0])
+    engine.wait([first])
+    assert results(engine) == [(first, True)]
     ok_before = fake().count("batch_ok")
     with caplog.at_level(logging.ERROR):
         fake().fault(ILLEGAL_ADDRESS)  # something on the device faulted: the context is gone

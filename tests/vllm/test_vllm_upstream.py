@@ -204,8 +204,9 @@ def _wait(queue):
 
 
 def test_leaves_a_waiting_worker():
-    queue = mp.get_context("spawn").Queue()
-    worker = mp.get_context("spawn").Process(target=_wait, args=(queue,))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    worker = ctx.Process(target=_wait, args=(queue,))
     worker.start()
     with open(os.environ["LEAK_PID_FILE"], "w") as out:
         out.write(str(worker.pid))
