@@ -1,8 +1,9 @@
 """A fake libcudart + libcuda for testing the transfer engine without a GPU.
 
-``fakecuda.c`` exports the real CUDA entry points (same names, same C signatures), backed by
-host memory that a test declares as device memory, with streams that run later on threads of
-their own. This module compiles it once per source version and wraps its test controls.
+The C library in this folder (``fakecuda.h`` says what it models and which file holds what)
+exports the real CUDA entry points (same names, same C signatures), backed by host memory that
+a test declares as device memory, with streams that run later on threads of their own. This
+module compiles it once per source version and wraps its test controls.
 
 The engine must ``dlopen`` the very path :func:`library_path` returns: ``dlopen`` of one path
 gives one copy of the library, so the engine and :class:`FakeCuda` share its state.
@@ -20,7 +21,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-SOURCE = Path(__file__).with_name("fakecuda.c")
+HERE = Path(__file__).resolve().parent
+#: The library's C files, compiled and linked as one shared library; the header is part of the
+#: source version too.
+SOURCES = tuple(sorted(HERE.glob("*.c")))
+HEADERS = tuple(sorted(HERE.glob("*.h")))
 CFLAGS = ("-O1", "-g", "-shared", "-fPIC", "-pthread", "-Wall", "-Werror")
 REPO = Path(__file__).resolve().parents[3]
 CACHE = REPO / ".pytest_cache" / "fakecuda"
@@ -50,9 +55,10 @@ _build_lock = threading.Lock()
 
 def library_path() -> Path:
     """The compiled library for the current source, building it on first use."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = CACHE / digest / "libfakecuda.so"
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for path in (*HEADERS, *SOURCES):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    target = CACHE / digest.hexdigest()[:16] / "libfakecuda.so"
     with _build_lock:
         if target.exists():
             return target
@@ -66,13 +72,13 @@ def library_path() -> Path:
         os.close(fd)
         try:
             result = subprocess.run(
-                [compiler, *CFLAGS, "-o", tmp, str(SOURCE)],
+                [compiler, *CFLAGS, "-o", tmp, *map(str, SOURCES)],
                 capture_output=True,
                 text=True,
                 check=False,
             )
             if result.returncode != 0:
-                raise RuntimeError(f"compiling {SOURCE} failed:\n{result.stderr}")
+                raise RuntimeError(f"compiling the fake CUDA in {HERE} failed:\n{result.stderr}")
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
