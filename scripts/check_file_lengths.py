@@ -1,6 +1,7 @@
-"""Fail when a source file is too long to read in one sitting: every *.py and *.rs file under
-python/, crates/, tests/, bench/ and fuzz/ must be at most MAX_LINES lines (split a longer one
-by concern). Lists every file over the limit, longest first, and exits 1; `make lint` runs it.
+"""Fail when a source file is too long to read in one sitting: every Python, Rust and C file
+(*.py, *.rs, *.c, *.h) under python/, crates/, tests/, bench/, gpu/, fuzz/ and scripts/ must be
+at most MAX_LINES lines (split a longer one by concern). Lists every file over the limit,
+longest first, and exits 1; `make lint` runs it.
 
 Usage: python scripts/check_file_lengths.py [ROOT]   (default: the repository root)
 """
@@ -11,8 +12,8 @@ import sys
 from pathlib import Path
 
 MAX_LINES = 900
-FOLDERS = ("python", "crates", "tests", "bench", "fuzz")
-SUFFIXES = (".py", ".rs")
+FOLDERS = ("python", "crates", "tests", "bench", "gpu", "fuzz", "scripts")
+SUFFIXES = (".py", ".rs", ".c", ".h")
 #: Build outputs and caches, never source.
 SKIPPED = {"target", ".venv", "__pycache__", ".pytest_cache", ".hypothesis"}
 

@@ -6,7 +6,9 @@ tests/support, never from another test module; a bench script imports the suppor
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,3 +103,37 @@ def test_bench_scripts_do_not_edit_sys_path() -> None:
     assert scripts
     edits = {str(p.relative_to(ROOT)): sys_path_edits(p) for p in scripts}
     assert {path: lines for path, lines in edits.items() if lines} == {}
+
+
+def _file_lengths_check() -> ModuleType:
+    """scripts/check_file_lengths.py, loaded by path (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "check_file_lengths", ROOT / "scripts" / "check_file_lengths.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_length_check_finds_a_long_file_of_each_language(tmp_path: Path) -> None:
+    """A Python, Rust, C or header file one line over the limit is reported in every folder
+    the check names (each kind in some folder); one at the limit, or a prose file, is not."""
+    check = _file_lengths_check()
+    limit = check.MAX_LINES
+    assert set(check.SUFFIXES) == {".py", ".rs", ".c", ".h"}
+    expected = []
+    for i, folder in enumerate(check.FOLDERS):
+        suffix = check.SUFFIXES[i % len(check.SUFFIXES)]
+        (tmp_path / folder / "sub").mkdir(parents=True)
+        (tmp_path / folder / "sub" / f"long{suffix}").write_text("x\n" * (limit + 1))
+        (tmp_path / folder / "sub" / f"fits{suffix}").write_text("x\n" * limit)
+        (tmp_path / folder / "sub" / "notes.md").write_text("x\n" * (limit + 1))
+        expected.append((limit + 1, Path(folder, "sub", f"long{suffix}")))
+    assert sorted(check.too_long(tmp_path)) == sorted(expected)
+
+
+def test_no_source_file_is_over_the_limit() -> None:
+    """The tree itself passes the check `make lint` runs."""
+    assert _file_lengths_check().too_long(ROOT) == []
