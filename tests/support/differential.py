@@ -20,7 +20,7 @@ from typing import Any
 
 import kvcache
 from tests.support.hint_cases import HINT_KINDS, hint_fields
-from tests.support.keys import make_key
+from tests.support.keys import make_key, request_keys
 
 CHUNK_MODES = ("shared", "native")
 CONTEXT_KINDS = ("vllm", "kvcache", "duck")
@@ -127,16 +127,10 @@ class Differential:
         return DuckContext(params, kv_hints)
 
     def new_request(self, blocks: list[int], groups: list[int], hint: str = "none") -> Request:
-        """A request over ``blocks`` (prefix order); block i ends at token 16 * (i + 1), the
-        same position in every KV-cache group (so equal positions tie on key bytes). It carries
-        a retention hint of kind ``hint``."""
+        """A request over ``blocks`` (prefix order) in every group of ``groups``, keys placed
+        as :func:`request_keys` places them, carrying a retention hint of kind ``hint``."""
         ctx = self.new_context(hint)
-        keys = []
-        for i, b in enumerate(blocks):
-            for g in groups:
-                key = make_key(b, g)
-                ctx.set_offload_key_position(key, 16 * (i + 1))
-                keys.append(key)
+        keys = request_keys(ctx, blocks, groups)
         request = Request(ctx, keys)
         self.requests.append(request)
         return request

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.support.hint_cases import HINT_KINDS, hint_fields
-from tests.support.keys import make_key
+from tests.support.keys import make_key, request_keys
 
 OPS = (
     "new_request", "lookup", "load", "complete_load", "touch", "store", "complete_store",
@@ -149,12 +149,7 @@ class ManagerPair:
         ctx = ReqContext(
             req_id=f"r{len(self.requests)}", kv_transfer_params=params, kv_hints=kv_hints
         )
-        keys = []
-        for i, b in enumerate(blocks):
-            for g in groups:
-                key = make_key(b, g)
-                ctx.set_offload_key_position(key, 16 * (i + 1))
-                keys.append(key)
+        keys = request_keys(ctx, blocks, groups)
         ref, ours = self.both("on_new_request", ctx)
         assert ref == ours
         request = Request(ctx, keys, hint=hint)
