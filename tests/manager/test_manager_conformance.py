@@ -43,21 +43,24 @@ POLICIES = list(POLICY_KINDS)
 RANDOM_OPS = int(os.environ.get("KVCACHE_MANAGER_CONFORMANCE_OPS", "40000"))
 
 
-@pytest.mark.parametrize("threshold", [1, 2])
-@pytest.mark.parametrize("policy", POLICIES)
-def test_seeded_random_operations_match_vllm(policy: str, threshold: int) -> None:
-    require_oracle()
-    rng = random.Random(f"manager-{policy}-{threshold}")
+def random_pairs(
+    policy: str, rng: random.Random, ops: int, *, threshold: int | None = None, hints: bool = False
+) -> dict[str, int]:
+    """Runs ``ops`` random operations on fresh manager pairs of random shapes (1,500 each),
+    comparing the two managers after every one, their events and stats after each pair.
+    ``threshold``: the store threshold (None: a random one per pair); ``hints``: requests
+    carry random retention hints. Returns how often each operation ran."""
     counts: dict[str, int] = {}
     done = 0
-    while done < RANDOM_OPS:
+    while done < ops:
         pair = ManagerPair(
             policy,
             num_chunks=rng.choice([1, 3, 6, 12, 24]),
-            store_threshold=threshold,
+            store_threshold=threshold if threshold is not None else rng.choice([1, 2]),
             max_tracker_size=rng.choice([4, 64]),
             num_blocks=rng.choice([6, 16]),
             num_groups=rng.choice([1, 2]),
+            hints=hints,
         )
         for _ in range(1500):
             op = pair.random_step(rng)
@@ -66,6 +69,15 @@ def test_seeded_random_operations_match_vllm(policy: str, threshold: int) -> Non
             done += 1
         pair.events()
         pair.stats()
+    return counts
+
+
+@pytest.mark.parametrize("threshold", [1, 2])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_seeded_random_operations_match_vllm(policy: str, threshold: int) -> None:
+    require_oracle()
+    rng = random.Random(f"manager-{policy}-{threshold}")
+    counts = random_pairs(policy, rng, RANDOM_OPS, threshold=threshold)
     for op in ("lookup", "load", "complete_load", "store", "complete_store", "finish", "reset"):
         assert counts.get(op, 0) > 0, f"no {op} operations were generated"
 
@@ -211,25 +223,7 @@ def test_seeded_random_operations_with_hints_match_vllm(policy: str) -> None:
     hints it read (``ManagerPair.stats``)."""
     require_oracle()
     rng = random.Random(f"manager-hints-{policy}")
-    counts: dict[str, int] = {}
-    done = 0
-    while done < HINT_OPS:
-        pair = ManagerPair(
-            policy,
-            num_chunks=rng.choice([1, 3, 6, 12, 24]),
-            store_threshold=rng.choice([1, 2]),
-            max_tracker_size=rng.choice([4, 64]),
-            num_blocks=rng.choice([6, 16]),
-            num_groups=rng.choice([1, 2]),
-            hints=True,
-        )
-        for _ in range(1500):
-            op = pair.random_step(rng)
-            counts[op] = counts.get(op, 0) + 1
-            pair.check()
-            done += 1
-        pair.events()
-        pair.stats()
+    counts = random_pairs(policy, rng, HINT_OPS, hints=True)
     for op in ("new_request", "load", "store", "finish", "stats", "reset"):
         assert counts.get(op, 0) > 0, f"no {op} operations were generated"
 
