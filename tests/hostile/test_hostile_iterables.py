@@ -241,8 +241,9 @@ def test_a_hostile_iterable_raises_and_changes_nothing(setup: str, item: str, ca
 # What an argument says it holds is checked against the bound before anything is read: a
 # sequence whose `__len__` claims 2**40 items once sized pyo3's vectors ("memory allocation of
 # 8796093022208 bytes failed") and then was read item by item, and `range(2**25)` as transfer
-# ids was converted whole (+1.5 GiB, 3.8 s) before it was refused. Each is refused now with
-# no item read; a length that claims a few items and never ends stops one past the bound.
+# ids was converted whole (+1.5 GiB, 3.8 s) before it was refused, and a negative `__len__`
+# surfaced as a bare ValueError. Each is refused now with no item read; a length that claims a
+# few items and never ends stops one past the bound.
 LENGTHS = (
     HEADER
     + """
@@ -252,6 +253,7 @@ for name, make in [
     ("liar", lambda: Liar([ITEM] * 3)),
     ("range", lambda: range(1 << 25)),
     ("range-past-an-index", lambda: range(1 << 70)),
+    ("negative-length", lambda: Liar([ITEM] * 3, -1)),
 ]:
     Liar.read = 0
     results[name] = attempt(make())
@@ -274,6 +276,13 @@ def test_a_length_is_checked_before_anything_is_read(setup: str, item: str, call
         assert "most kvcache reads" in report[mode]["message"], (mode, report[mode])
         assert report[mode]["read"] == 0, (mode, report[mode])
         assert report[mode]["unchanged"], (mode, report[mode])
+    # A negative `__len__` is Python's ValueError inside len(): a length that cannot be true,
+    # refused as the argument's, with nothing read.
+    negative = report["negative-length"]
+    assert negative["outcome"] == "InvalidArgumentError", negative
+    assert "length cannot be read" in negative["message"], negative
+    assert negative["read"] == 0, negative
+    assert negative["unchanged"], negative
     endless = report["endless"]
     assert endless["outcome"] == "InvalidArgumentError", endless
     assert endless["read"] <= (1 << 22) + 1, endless

@@ -7,7 +7,7 @@
 
 use kvcache_core::{Key, KeyHasher, VllmSemantics};
 
-use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyIterator, PyList, PyString, PyTuple};
@@ -70,7 +70,7 @@ impl<'py> Drain<'py> {
     /// Refuses `obj` when what it says it holds (see [`declared_len`]) is more than this call
     /// may still read; reads nothing. Returns that length when it passed.
     pub fn check_len(&self, obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Option<usize>> {
-        match declared_len(obj)? {
+        match declared_len(obj, what)? {
             Some(n) if n > MAX_ITEMS - self.read => Err(too_many_items(what, MAX_ITEMS)),
             len => Ok(len),
         }
@@ -169,14 +169,27 @@ impl<'py> Drain<'py> {
 /// How many items `obj` says it holds (`len(obj)`), which kvcache checks against its bounds
 /// before reading it: None when it has no length (a generator; `__len__` raising `TypeError`,
 /// as `operator.length_hint` reads it), `usize::MAX` when the length is beyond a Python index
-/// (`OverflowError`: `range(2**70)`). Any other error `__len__` raises (a `KeyboardInterrupt`)
-/// is the caller's.
-pub fn declared_len(obj: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+/// (`OverflowError`: `range(2**70)`). A `ValueError` (Python's answer to a negative `__len__`)
+/// is a length that cannot be true: `InvalidArgumentError` naming `what`, the original as its
+/// cause. Any other error `__len__` raises (a `KeyboardInterrupt`) is the caller's.
+pub fn declared_len(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<usize>> {
     let py = obj.py();
     match obj.len() {
         Ok(n) => Ok(Some(n)),
         Err(e) if e.is_instance_of::<PyOverflowError>(py) => Ok(Some(usize::MAX)),
         Err(e) if e.is_instance_of::<PyTypeError>(py) => Ok(None),
+        Err(e)
+            if e.is_instance_of::<PyValueError>(py)
+                && !e.is_instance(py, exceptions(py).base.bind(py)) =>
+        {
+            let err = new_err(
+                py,
+                &exceptions(py).invalid_argument,
+                format!("{what}: its length cannot be read ({e})"),
+            );
+            err.set_cause(py, Some(e));
+            Err(err)
+        }
         Err(e) => Err(e),
     }
 }
@@ -657,7 +670,7 @@ pub fn default_semantics(py: Python<'_>) -> PyResult<VllmSemantics> {
 /// after `max + 1` items. `what` names the argument in messages.
 pub fn bounded_ints(obj: &Bound<'_, PyAny>, what: &str, max: usize) -> PyResult<Vec<i64>> {
     let py = obj.py();
-    if declared_len(obj)?.is_some_and(|n| n > max) {
+    if declared_len(obj, what)?.is_some_and(|n| n > max) {
         return Err(more_than(py, what, max));
     }
     let mut at = 0usize;

@@ -116,7 +116,7 @@ pub(crate) fn small_ints(what: &str, obj: &Bound<'_, PyAny>, max: usize) -> PyRe
         )
     };
     // What it says it holds first; a length that lies ends the read one item past `max`.
-    if declared_len(obj)?.is_some_and(|n| n > max) {
+    if declared_len(obj, what)?.is_some_and(|n| n > max) {
         return Err(too_many());
     }
     let iter = obj.try_iter().map_err(|_| {
