@@ -111,3 +111,39 @@ def test_a_pool_waits_for_transfers_over_a_pool_inside_it() -> None:
     assert report["while_planned"] == "TransferError", report
     assert report["after"] is True, report
     assert report["inner"] is True, report
+
+
+VIEWS_TAKEN_BEFORE_CLOSE = """
+import numpy as np
+from kvcache.transfer import HostChunkPool
+
+def outcome(call):
+    try:
+        return "returned a pool, closed=%s" % call().closed
+    except BaseException as exc:
+        return type(exc).__name__
+
+outer = HostChunkPool(4, 4096, pin=False)
+inner = HostChunkPool(2, 4096, pin=False, buffer=outer)
+views = {
+    "memoryview": memoryview(outer),
+    "memoryview-slice": memoryview(outer)[4096:8192],
+    "numpy": np.frombuffer(outer, dtype=np.uint8),
+    "numpy-of-a-memoryview": np.asarray(memoryview(outer))[:4096],
+    "view-of-an-inner-pool": memoryview(inner),
+}
+outer.close()
+report(**{name: outcome(lambda v=v: HostChunkPool(1, 4096, pin=False, buffer=v))
+          for name, v in views.items()})
+"""
+
+
+def test_a_view_taken_before_its_pool_closed_builds_no_pool() -> None:
+    """A memoryview or numpy array taken while the pool was open still exports its memory
+    after ``close()``; a pool built over it would be closed from birth, so it is refused with
+    ``PoolClosedError`` like a pool over the closed pool itself."""
+    no_oracle.needs("torch")  # the child process imports it
+    report = run_isolated(VIEWS_TAKEN_BEFORE_CLOSE).check()
+    del report["vm_peak"], report["rss_peak"]
+    assert report == dict.fromkeys(report, "PoolClosedError"), report
+    assert len(report) == 5, report

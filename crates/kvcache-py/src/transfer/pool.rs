@@ -444,7 +444,8 @@ impl Drop for HeldBuffer {
 /// A region over `obj`'s memory (the first `len` bytes of a writable, C-contiguous buffer of
 /// at least `len` bytes), keeping the export alive; inside the region of the pool `obj` is,
 /// or views (a memoryview or numpy array over a pool), so that closing that pool closes this
-/// one's use of its memory. A closed pool refuses to export: `PoolClosedError`.
+/// one's use of its memory. A closed pool refuses to export, and a view of one taken before it
+/// closed is refused too: `PoolClosedError`.
 fn borrowed_region(obj: &Bound<'_, PyAny>, len: usize) -> PyResult<(HostRegion, Arc<HeldBuffer>)> {
     let py = obj.py();
     let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
@@ -477,6 +478,14 @@ fn borrowed_region(obj: &Bound<'_, PyAny>, len: usize) -> PyResult<(HostRegion, 
     let ptr = std::ptr::NonNull::new(buf.buf_ptr().cast::<u8>())
         .ok_or_else(|| typed(|e| &e.invalid_argument, "buffer has no memory"))?;
     let parent = pool_region_under(obj);
+    // A view taken before its pool closed still exports; a pool over it would be closed
+    // from birth, so it is refused as the closed pool itself is.
+    if parent.as_ref().is_some_and(|p| p.is_closed()) {
+        return Err(typed(
+            |e| &e.pool_closed,
+            "buffer views a host chunk pool that is closed",
+        ));
+    }
     let held = Arc::new(HeldBuffer(Mutex::new(Some(buf))));
     // SAFETY: a writable, C-contiguous export of at least `len` bytes from `ptr`; the export
     // (held in the owner box) keeps the exporter's memory valid until it is released, which
