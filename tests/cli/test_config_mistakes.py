@@ -191,17 +191,20 @@ def test_spec_module_path_kvcache_builds_the_same_spec(spec_name: str) -> None:
 
 def test_the_live_managers_refuse_the_offline_bound() -> None:
     """``belady`` evicts by next use, which only the replay knows: kvcache.vllm's manager and
-    primary tier refuse it (``kvcache.OffloadingManager``, the replay's, still runs it)."""
+    primary tier refuse it (``kvcache.OffloadingManager``, the replay's, still runs it), also
+    as a ``str`` subclass whose ``__eq__`` denies it (the Rust base reads the characters)."""
     require_oracle()
     import kvcache.vllm
 
-    for call in (
-        lambda: kvcache.vllm.CPUOffloadingManager(8, "belady"),
-        lambda: kvcache.vllm.CPUPrimaryTierOffloadingManager(8, None, "belady"),
-    ):
-        message = str(raises_exactly(call, kvcache.InvalidArgumentError))
-        assert "needs the future" in message
-        assert "kvcache replay" in message
+    denies = type("Denies", (str,), {"__eq__": lambda s, o: False, "__hash__": str.__hash__})
+    for name in ("belady", denies("belady")):
+        for call in (
+            lambda name=name: kvcache.vllm.CPUOffloadingManager(8, name),
+            lambda name=name: kvcache.vllm.CPUPrimaryTierOffloadingManager(8, None, name),
+        ):
+            message = str(raises_exactly(call, kvcache.InvalidArgumentError))
+            assert "needs the future" in message
+            assert "kvcache replay" in message
     assert kvcache.OffloadingManager(8, "belady").cache_policy == "belady"
 
 

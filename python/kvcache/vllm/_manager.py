@@ -80,7 +80,9 @@ class CPUOffloadingManager(_RustManager, OffloadingManager):
         max_tracker_size: int = 64_000,
         info: Any = None,
     ) -> Self:
-        if cache_policy == settings.OFFLINE_POLICY:
+        # The Rust base reads a str subclass's characters, whatever its __eq__ answers; so
+        # does this check.
+        if isinstance(cache_policy, str) and str.__str__(cache_policy) == settings.OFFLINE_POLICY:
             # The Rust manager runs it for the replay, which tells it the future.
             raise InvalidArgumentError(settings.offline_policy_refusal("cache_policy"))
         # `info` is for __init__ (vLLM's config facts); the Rust base takes the rest.
