@@ -23,7 +23,7 @@ from kvcache import _hints
 from kvcache._hints import MAX_ACTIONS, MAX_FIELDS, read_retention, retention_params
 from tests.support.hint_cases import HINT_KINDS, action, envelope, hint_fields, tally
 from tests.support.hostile import raises_unchanged
-from tests.support.keys import make_key
+from tests.support.keys import make_key, request_keys
 
 POLICIES = list(kvcache.POLICY_KINDS)
 
@@ -283,9 +283,7 @@ def context(req_id: str, kind: str) -> kvcache.ReqContext:
 
 
 def store(manager: Any, ctx: Any, blocks: range) -> None:
-    keys = [make_key(b) for b in blocks]
-    for i, key in enumerate(keys):
-        ctx.set_offload_key_position(key, 16 * (i + 1))
+    keys = request_keys(ctx, blocks, [0])
     out = manager.prepare_store(keys, ctx)
     if out is not None:
         manager.complete_store(out.keys_to_store, ctx)
