@@ -173,7 +173,6 @@ int dropping(void);
 
 /* streams.c */
 struct stream *stream_new(int device);
-void block_on_stream(struct stream *s, uint64_t target, int sticky);
 void stream_retire(struct stream *s);
 struct stream *resolve_stream(void *h, int *rc);
 int hold_wait(struct stream *s);

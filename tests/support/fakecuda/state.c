@@ -1,4 +1,5 @@
-/* fakecuda: the shared state, locking, API entry and exit, events, gates and ops (see fakecuda.h). */
+/* fakecuda: the shared state, locking, API entry and exit, events, gates and ops (see
+ * fakecuda.h). */
 #include "fakecuda.h"
 
 pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;

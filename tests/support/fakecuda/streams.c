@@ -162,7 +162,7 @@ struct stream *stream_new(int device) {
 
 /* Waits (lock held) until `s` has executed `target` ops or a sticky fault ends the wait
  * (`sticky`), counted in g_waiting while it blocks. */
-void block_on_stream(struct stream *s, uint64_t target, int sticky) {
+static void block_on_stream(struct stream *s, uint64_t target, int sticky) {
 	if (s->executed >= target || (sticky && g_sticky)) return;
 	g_waiting++;
 	wake_all();
